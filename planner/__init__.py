@@ -1,0 +1,33 @@
+"""planner: choose how a large model is laid out across a GPU cluster for training.
+
+Public API (stable names)::
+
+    model = planner.load_model("deepseek-v3")
+    cluster = planner.load_cluster("h800", gpus=2048)
+    job = planner.TrainingJob(seq_len=4096, global_batch=15360)
+    layout = planner.Layout.uniform(model, pp=16, dp=128, ep=64)
+    est = planner.evaluate(model, cluster, job, layout)   # est.memory, est.peak_bytes
+"""
+
+from planner.catalog import cluster_names, load_cluster, load_model, model_names
+from planner.errors import PlannerError
+from planner.estimate import Estimate, evaluate
+from planner.layout import BlockPlacement, Layout, Stage
+from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
+
+__all__ = [
+    "BlockPlacement",
+    "ClusterSpec",
+    "Estimate",
+    "Layout",
+    "ModelSpec",
+    "PlannerError",
+    "SearchSpace",
+    "Stage",
+    "TrainingJob",
+    "cluster_names",
+    "evaluate",
+    "load_cluster",
+    "load_model",
+    "model_names",
+]

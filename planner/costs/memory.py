@@ -1,0 +1,194 @@
+"""Per-rank memory of a layout, in bytes, bucket by bucket.
+
+What each bucket holds (one rank of a pipeline position; every rank of that position holds
+the same):
+
+- ``weights``: working weights in ``weight_dtype``; ZeRO-3 shards them.
+- ``grads``: gradient buffers in ``grad_dtype``; ZeRO-2 and -3 shard them.
+- ``optimizer``: master weights (``master_dtype``) and moments (two for AdamW, one for SGD
+  with momentum) in ``moment_dtype``; ZeRO-1 and up shard them.
+- ``ema``: an EMA copy in the job's ``ema`` dtype when it lives in HBM, sharded like the
+  optimizer state.
+- ``activations``: saved activations of the micro-batches in flight at the rank's peak (the
+  schedule says how many), plus what one block rebuilds when recomputing in backward.
+- ``buffers``: NCCL communication buffers, pipeline send/receive tensors, and ZeRO-3's
+  gathered copy of the largest block (twice: the one in use and the one prefetched).
+- ``context``: CUDA context and kernels.
+- ``fragmentation``: the job's fraction of all allocated bytes above.
+
+Sharding groups: dense weights are split over ``tp`` and ZeRO-sharded over ``dp``; routed
+experts are split over ``ep`` and ZeRO-sharded over the expert-data-parallel group
+``dp * tp / ep``. Tensors shared by several blocks on one rank (a tied embedding and head)
+count once; on different ranks each rank holds its own copy, as Megatron-LM does.
+
+Ignored: the optimizer's temporary buffers during the step, NCCL's own memory beyond the
+stated buffer, activation-gradient tensors in flight during backward (bounded by one block's
+activations), and the CPU side of the EMA (reported as ``host_bytes``).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from planner.costs.blocks import BlockCost, Param, Shard, block_cost
+from planner.layout import Layout, parse_recompute
+from planner.schedules import in_flight
+from planner.specs import DTYPE_BYTES, ModelSpec, TrainingJob
+
+BUCKETS = (
+    "weights",
+    "grads",
+    "optimizer",
+    "ema",
+    "activations",
+    "buffers",
+    "context",
+    "fragmentation",
+)
+EMBEDDING_HEAD_KEYS = frozenset({"word_embeddings", "output", "position_embeddings"})
+
+
+class StageMemory(BaseModel):
+    """Memory of one rank at pipeline position ``stage``, all in bytes."""
+
+    model_config = ConfigDict(frozen=True)
+
+    stage: int = Field(description="Pipeline rank (0-based); its chunks are listed in `chunks`.")
+    chunks: list[int] = Field(description="Indices of the layout's stages this rank holds.")
+    blocks: list[str] = Field(description="Blocks this rank holds, in model order.")
+    buckets: dict[str, int] = Field(description="Bytes per bucket; they sum to peak_bytes.")
+    peak_bytes: int = Field(description="Predicted peak allocation on the rank (bytes).")
+    params: int = Field(description="Trainable parameters resident before ZeRO-3 sharding.")
+    embedding_head_bytes: int = Field(
+        description="Part of weights+grads+optimizer+ema that is embedding/head state (bytes)."
+    )
+    host_bytes: int = Field(description="Host RAM the rank uses for an EMA kept on the host.")
+
+
+def state_bytes(
+    params: list[Param], *, job: TrainingJob, layout: Layout, ema_on_gpu: bool
+) -> dict[str, float]:
+    """Weights, gradients, optimizer state and EMA of ``params`` on one rank (bytes)."""
+    out = dict.fromkeys(("weights", "grads", "optimizer", "ema", "host"), 0.0)
+    wb, gb = DTYPE_BYTES[job.weight_dtype], DTYPE_BYTES[job.grad_dtype]
+    moments = 2 if job.optimizer == "adamw" else 1
+    opt_b = (DTYPE_BYTES[job.master_dtype] if job.master_dtype else 0) + moments * DTYPE_BYTES[
+        job.moment_dtype
+    ]
+    ema_b = DTYPE_BYTES[job.ema] if job.ema else 0
+    edp = layout.dp * layout.tp // layout.ep
+    z = layout.zero
+    for p in params:
+        local = p.numel / (layout.tp if p.tp_split else 1) / (layout.ep if p.expert else 1)
+        group = edp if p.expert else layout.dp
+        out["weights"] += local * wb / (group if z >= 3 else 1)
+        if not p.trainable:
+            continue
+        out["grads"] += local * gb / (group if z >= 2 else 1)
+        out["optimizer"] += local * opt_b / (group if z >= 1 else 1)
+        ema = local * ema_b / (group if z >= 1 else 1)
+        out["ema" if ema_on_gpu else "host"] += ema
+    return out
+
+
+def stage_memory(
+    model: ModelSpec,
+    job: TrainingJob,
+    layout: Layout,
+    *,
+    num_microbatches: int,
+) -> list[StageMemory]:
+    """Memory of every pipeline rank of ``layout`` (one entry per pipeline position)."""
+    shard = Shard(
+        seq_len=job.seq_len,
+        micro_batch=layout.micro_batch,
+        tp=layout.tp,
+        ep=layout.ep,
+        sequence_parallel=job.sequence_parallel and layout.tp > 1,
+        flash_attention=job.flash_attention,
+        activation_dtype=job.activation_dtype,
+        moe_load_imbalance=job.moe_load_imbalance,
+    )
+    costs: dict[str, BlockCost] = {}
+    for stage in layout.stages:
+        for placed in stage.blocks:
+            costs.setdefault(placed.block, block_cost(model, placed.block, shard))
+    return [
+        _rank_memory(rank, model, job, layout, shard, costs, num_microbatches)
+        for rank in range(layout.pp)
+    ]
+
+
+def _rank_memory(
+    rank: int,
+    model: ModelSpec,
+    job: TrainingJob,
+    layout: Layout,
+    shard: Shard,
+    costs: dict[str, BlockCost],
+    num_microbatches: int,
+) -> StageMemory:
+    chunks = layout.chunks_of_rank(rank)
+    flight = in_flight(layout, rank, num_microbatches)
+    params: dict[str, Param] = {}
+    names: list[str] = []
+    saved = 0.0
+    rebuild = 0
+    for c in dict.fromkeys(chunks):  # a chunk listed twice is held once
+        for placed in layout.stages[c].blocks:
+            cost = costs[placed.block]
+            choice = parse_recompute(placed.recompute)
+            names.append(placed.block)
+            for p in cost.params:
+                params.setdefault(p.key, p)
+            saved += flight[c] * cost.saved_bytes(choice)
+            rebuild = max(rebuild, cost.rebuilt_bytes(choice))
+    plist = list(params.values())
+    ema_on_gpu = layout.ema == "hbm"
+    state = state_bytes(plist, job=job, layout=layout, ema_on_gpu=ema_on_gpu)
+    emb = state_bytes(
+        [p for p in plist if p.key in EMBEDDING_HEAD_KEYS],
+        job=job,
+        layout=layout,
+        ema_on_gpu=ema_on_gpu,
+    )
+    buffers = float(job.comm_buffer_bytes)
+    if layout.pp > 1:  # one send and one receive buffer of a micro-batch's hidden states
+        buffers += 2 * shard.sp_tokens * model.hidden_size * shard.act_bytes
+    if layout.zero >= 3:  # the gathered working copy of the largest block, and the prefetched
+        biggest = max(
+            state_bytes(
+                costs[n].params,
+                job=job,
+                layout=layout.model_copy(update={"zero": 0}),
+                ema_on_gpu=False,
+            )["weights"]
+            for n in names
+        )
+        buffers += 2 * biggest
+    buckets = {
+        "weights": state["weights"],
+        "grads": state["grads"],
+        "optimizer": state["optimizer"],
+        "ema": state["ema"],
+        "activations": saved + rebuild,
+        "buffers": buffers,
+        "context": float(job.cuda_context_bytes),
+    }
+    allocated = sum(v for k, v in buckets.items() if k != "context")
+    buckets["fragmentation"] = job.fragmentation * allocated
+    rounded = {k: round(buckets[k]) for k in BUCKETS}
+    return StageMemory(
+        stage=rank,
+        chunks=chunks,
+        blocks=names,
+        buckets=rounded,
+        peak_bytes=sum(rounded.values()),
+        params=sum(
+            p.numel // ((layout.tp if p.tp_split else 1) * (layout.ep if p.expert else 1))
+            for p in plist
+            if p.trainable
+        ),
+        embedding_head_bytes=round(emb["weights"] + emb["grads"] + emb["optimizer"] + emb["ema"]),
+        host_bytes=round(state["host"]),
+    )

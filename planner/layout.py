@@ -1,0 +1,233 @@
+"""A layout: how one model is laid out over the cluster, the planner's answer and its input.
+
+Vocabulary (used everywhere inside): ``tp`` tensor, ``pp`` pipeline, ``dp`` data and ``ep``
+expert parallel degrees. World size is ``tp * pp * dp``. Routed experts are sharded over ``ep``
+ranks and replicated over ``dp * tp / ep`` (expert tensor parallelism is 1, the DeepSeek-V3
+recipe); dense weights are split over ``tp`` and replicated over ``dp``.
+
+Rank order (tp innermost, then dp, then pp, as Megatron-LM orders them) belongs to the
+communication model; here a rank is identified by its pipeline position only, because all
+ranks of one pipeline position hold the same amount of memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from planner.errors import PlannerError
+from planner.specs import ModelSpec, Spec
+
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "dualpipe", "dualpipev"]
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipe", "dualpipev")
+
+# Megatron-LM's --recompute-modules vocabulary (megatron/core/transformer/transformer_config.py).
+RECOMPUTE_MODULES: tuple[str, ...] = (
+    "core_attn",
+    "layernorm",
+    "mla_up_proj",
+    "mlp",
+    "moe",
+    "moe_act",
+    "shared_experts",
+)
+
+
+def parse_recompute(choice: str) -> frozenset[str] | Literal["full"]:
+    """``"none"`` -> {}, ``"selective"`` -> Megatron's default {core_attn}, ``"full"`` -> keep
+    only the block input, ``"layernorm+mla_up_proj"`` -> those modules."""
+    if choice == "full":
+        return "full"
+    if choice == "none":
+        return frozenset()
+    if choice == "selective":
+        return frozenset({"core_attn"})
+    modules = frozenset(choice.split("+"))
+    unknown = sorted(modules - set(RECOMPUTE_MODULES))
+    if unknown:
+        raise PlannerError(
+            f"recompute={choice!r}: unknown module {unknown[0]!r}; use none, selective, full or "
+            f"'+'-joined modules from {', '.join(RECOMPUTE_MODULES)}"
+        )
+    return modules
+
+
+class BlockPlacement(Spec):
+    """One block of the model on a stage, with its recompute choice."""
+
+    block: str = Field(description="Block name: embedding, layer.<i>, mtp.<j> or head.")
+    recompute: str = Field(
+        default="none",
+        description="none | selective | full | '+'-joined Megatron recompute modules.",
+    )
+
+    @model_validator(mode="after")
+    def _known_choice(self) -> BlockPlacement:
+        parse_recompute(self.recompute)
+        return self
+
+
+class Stage(Spec):
+    """A contiguous run of blocks that one pipeline rank (or one virtual chunk) executes."""
+
+    blocks: list[BlockPlacement] = Field(min_length=1, description="Blocks in execution order.")
+
+
+class Layout(Spec):
+    """Parallel degrees, ZeRO stage, micro-batching, schedule and per-block placement."""
+
+    tp: int = Field(default=1, gt=0, description="Tensor-parallel degree (within a node).")
+    pp: int = Field(default=1, gt=0, description="Pipeline-parallel degree (ranks).")
+    dp: int = Field(default=1, gt=0, description="Data-parallel degree.")
+    ep: int = Field(default=1, gt=0, description="Expert-parallel degree (divides dp*tp).")
+    zero: Literal[0, 1, 2, 3] = Field(
+        default=1, description="0: replicated; 1: shard optimizer; 2: +grads; 3: +weights."
+    )
+    micro_batch: int = Field(default=1, gt=0, description="Sequences per micro-batch.")
+    num_microbatches: int | None = Field(
+        default=None, gt=0, description="Micro-batches per step per pipeline (None: from the job)."
+    )
+    schedule: Schedule = Field(default="1f1b", description="Pipeline schedule.")
+    virtual_stages: int = Field(default=1, gt=0, description="Model chunks per pipeline rank.")
+    stages: list[Stage] = Field(
+        min_length=1, description="pp * virtual_stages stages in model order (a chunk each)."
+    )
+    ema: Literal["hbm", "host"] = Field(
+        default="hbm", description="Where the EMA copy lives when the job keeps one."
+    )
+
+    @model_validator(mode="after")
+    def _degrees(self) -> Layout:
+        if (self.dp * self.tp) % self.ep:
+            raise PlannerError(
+                f"Layout.ep={self.ep}: expert parallel degree ep={self.ep} must divide "
+                f"dp*tp={self.dp * self.tp}"
+            )
+        expected_v = {"interleaved": None, "dualpipev": 2}.get(self.schedule, 1)
+        if expected_v is None:
+            if self.virtual_stages < 2:
+                raise PlannerError(
+                    f"Layout.virtual_stages={self.virtual_stages}: interleaved needs >= 2"
+                )
+        elif self.virtual_stages != expected_v:
+            raise PlannerError(
+                f"Layout.virtual_stages={self.virtual_stages}: schedule {self.schedule} "
+                f"needs virtual_stages={expected_v}"
+            )
+        if self.schedule in ("dualpipe", "dualpipev") and self.pp % 2:
+            raise PlannerError(f"Layout.pp={self.pp}: {self.schedule} needs an even pp")
+        if len(self.stages) != self.pp * self.virtual_stages:
+            raise PlannerError(
+                f"Layout.stages has {len(self.stages)} stages: must be pp*virtual_stages="
+                f"{self.pp * self.virtual_stages}"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """GPUs the layout occupies: tp * pp * dp."""
+        return self.tp * self.pp * self.dp
+
+    def chunks_of_rank(self, rank: int) -> list[int]:
+        """Stage indices that pipeline rank ``rank`` holds.
+
+        interleaved: chunk c runs on rank c % pp; dualpipev (V shape): chunk c on rank c for
+        c < pp, else 2*pp-1-c; dualpipe holds stage r and its mirror pp-1-r on rank r (two
+        copies of the model across the pipeline, DeepSeek-V3 report Table 2: parameters 2x).
+        """
+        assert 0 <= rank < self.pp
+        if self.schedule == "dualpipe":
+            return [rank, self.pp - 1 - rank]
+        if self.schedule == "dualpipev":
+            return [rank, 2 * self.pp - 1 - rank]
+        return [rank + k * self.pp for k in range(self.virtual_stages)]
+
+    @classmethod
+    def uniform(
+        cls,
+        model: ModelSpec,
+        *,
+        pp: int = 1,
+        recompute: str | Mapping[str, str] = "none",
+        virtual_stages: int | None = None,
+        schedule: Schedule = "1f1b",
+        **fields: Any,
+    ) -> Layout:
+        """Split the transformer layers as evenly as possible over ``pp * virtual_stages``
+        stages (earlier stages take the remainder); embedding first, MTP and head last."""
+        v = virtual_stages or (2 if schedule in ("interleaved", "dualpipev") else 1)
+        chunks = pp * v
+        if model.num_layers < chunks:
+            raise PlannerError(
+                f"Layout.pp={pp}: {model.num_layers} layers cannot fill pp*virtual_stages="
+                f"{chunks} stages"
+            )
+        base, extra = divmod(model.num_layers, chunks)
+        counts = [base + (1 if i < extra else 0) for i in range(chunks)]
+        return cls.from_counts(
+            model,
+            counts=counts,
+            pp=pp,
+            recompute=recompute,
+            virtual_stages=v,
+            schedule=schedule,
+            **fields,
+        )
+
+    @classmethod
+    def from_counts(
+        cls,
+        model: ModelSpec,
+        *,
+        counts: Sequence[int],
+        pp: int | None = None,
+        recompute: str | Mapping[str, str] = "none",
+        virtual_stages: int | None = None,
+        schedule: Schedule = "1f1b",
+        **fields: Any,
+    ) -> Layout:
+        """Stages with ``counts[i]`` transformer layers each; a count may be 0 only for a stage
+        that also holds the embedding or the head. ``recompute`` is one choice for every
+        layer or a mapping from block name to choice (unlisted blocks: none)."""
+        from planner.costs.blocks import block_names
+
+        if sum(counts) != model.num_layers or min(counts) < 0:
+            raise PlannerError(
+                f"Layout.counts={list(counts)}: must be >= 0 and sum to num_layers="
+                f"{model.num_layers}"
+            )
+        v = virtual_stages or (2 if schedule in ("interleaved", "dualpipev") else 1)
+        pp = pp if pp is not None else len(counts) // v
+        names = block_names(model)
+        layers = [n for n in names if n.startswith("layer.")]
+        tail = [n for n in names if n.startswith("mtp.")] + ["head"]
+
+        def choice(name: str) -> str:
+            if isinstance(recompute, str):
+                return recompute if name.startswith(("layer.", "mtp.")) else "none"
+            return recompute.get(name, "none")
+
+        stages: list[list[str]] = []
+        start = 0
+        for i, count in enumerate(counts):
+            blocks = layers[start : start + count]
+            start += count
+            if i == 0:
+                blocks = ["embedding", *blocks]
+            if i == len(counts) - 1:
+                blocks = blocks + tail
+            if not blocks:
+                raise PlannerError(f"Layout.counts[{i}]=0: a stage needs at least one block")
+            stages.append(blocks)
+        return cls(
+            pp=pp,
+            virtual_stages=v,
+            schedule=schedule,
+            stages=[
+                Stage(blocks=[BlockPlacement(block=b, recompute=choice(b)) for b in blocks])
+                for blocks in stages
+            ],
+            **fields,
+        )

@@ -1,0 +1,253 @@
+"""Input schema: what a model, a cluster and a training job are, with units in the field names.
+
+Everything a user passes or a file holds is one of these pydantic models: typed, documented,
+constrained, and strict about unknown keys (``extra="forbid"``), so a misspelled key is an
+error instead of a silently ignored setting. ``Layout`` (the answer's shape) lives in
+``planner.layout``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from planner.errors import PlannerError, one_line
+
+DType = Literal["fp32", "bf16", "fp16", "fp8"]
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+class Spec(BaseModel):
+    """Base of every spec: strict, frozen, and raising one-line ``PlannerError``s."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise one_line(exc, type(self).__name__) from None
+
+
+class ModelSpec(Spec):
+    """A transformer language model, normalised from any supported ``config.json`` format.
+
+    Counts are exact integers; nothing here is in bytes (dtypes belong to the job).
+    """
+
+    name: str = Field(description="Catalog name or a label for the model.")
+    hidden_size: int = Field(gt=0, description="Model width h (elements).")
+    num_layers: int = Field(gt=0, description="Transformer layers in the main model.")
+    vocab_size: int = Field(gt=0, description="Vocabulary size V (tokens).")
+    num_attention_heads: int = Field(gt=0, description="Query heads.")
+    num_kv_heads: int = Field(gt=0, description="Key/value heads (== query heads for MHA).")
+    head_dim: int = Field(gt=0, description="Per-head width of q/k/v for MHA/GQA (elements).")
+    attention: Literal["mha", "gqa", "mla"] = Field(description="Attention kind.")
+    q_lora_rank: int | None = Field(
+        default=None,
+        ge=0,
+        description="MLA query compression width d_cq (None: no q down-projection).",
+    )
+    kv_lora_rank: int = Field(default=0, ge=0, description="MLA key/value compression width d_c.")
+    qk_nope_head_dim: int = Field(
+        default=0, ge=0, description="MLA per-head q/k width without RoPE."
+    )
+    qk_rope_head_dim: int = Field(default=0, ge=0, description="MLA per-head q/k RoPE width.")
+    v_head_dim: int = Field(default=0, ge=0, description="MLA per-head value width.")
+    mlp: Literal["swiglu", "gelu"] = Field(description="Dense MLP kind (gated SiLU or plain GeLU).")
+    ffn_hidden_size: int = Field(gt=0, description="Dense MLP intermediate width (elements).")
+    num_experts: int = Field(
+        default=0, ge=0, description="Routed experts per MoE layer (0: dense)."
+    )
+    experts_per_token: int = Field(default=0, ge=0, description="Routed experts each token visits.")
+    moe_ffn_hidden_size: int = Field(default=0, ge=0, description="Routed expert width.")
+    num_shared_experts: int = Field(default=0, ge=0, description="Shared experts per MoE layer.")
+    shared_expert_ffn_hidden_size: int = Field(
+        default=0, ge=0, description="Width of one shared expert (elements)."
+    )
+    shared_expert_gate: bool = Field(
+        default=False,
+        description="A sigmoid gate Linear(h, 1) scales the shared expert (Qwen2-MoE).",
+    )
+    router_expert_bias: bool = Field(
+        default=False,
+        description="Per-expert routing bias buffer (DeepSeek-V3 aux-loss-free balancing).",
+    )
+    first_dense_layers: int = Field(
+        default=0, ge=0, description="Leading layers with a dense MLP instead of MoE."
+    )
+    moe_layer_freq: int = Field(default=1, gt=0, description="Every k-th layer after those is MoE.")
+    norm: Literal["rmsnorm", "layernorm"] = Field(
+        default="rmsnorm", description="Normalisation kind (layernorm has a bias)."
+    )
+    qkv_bias: bool = Field(default=False, description="Bias on the q/k/v projections.")
+    linear_bias: bool = Field(
+        default=False, description="Bias on every other linear layer (GPT-2/3 style)."
+    )
+    tie_word_embeddings: bool = Field(description="The output head shares the embedding matrix.")
+    learned_positions: int = Field(
+        default=0, ge=0, description="Rows of a learned position embedding (0 with RoPE)."
+    )
+    num_mtp_layers: int = Field(
+        default=0, ge=0, description="Multi-token-prediction modules (DeepSeek-V3: 1)."
+    )
+    attention_dropout: float = Field(default=0.0, ge=0, lt=1, description="Attention dropout p.")
+    hidden_dropout: float = Field(default=0.0, ge=0, lt=1, description="Residual dropout p.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelSpec:
+        if self.attention == "mla":
+            for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, key) <= 0:
+                    raise PlannerError(f"ModelSpec.{key}={getattr(self, key)}: MLA needs it > 0")
+        elif self.num_attention_heads % self.num_kv_heads:
+            raise PlannerError(
+                f"ModelSpec.num_kv_heads={self.num_kv_heads}: must divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.num_experts:
+            if not 0 < self.experts_per_token <= self.num_experts:
+                raise PlannerError(
+                    f"ModelSpec.experts_per_token={self.experts_per_token}: must be in "
+                    f"1..num_experts={self.num_experts}"
+                )
+            if self.moe_ffn_hidden_size <= 0:
+                raise PlannerError("ModelSpec.moe_ffn_hidden_size=0: MoE models need it > 0")
+        return self
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether main-model layer ``index`` (0-based) has an MoE MLP."""
+        if not self.num_experts or index < self.first_dense_layers:
+            return False
+        return index % self.moe_layer_freq == 0
+
+    def num_params(self, *, active: bool = False, include_mtp: bool = True) -> int:
+        """All parameters (MTP included where the config has it), or with ``active=True`` the
+        parameters one token passes through: routed experts count ``experts_per_token`` of
+        ``num_experts``; embedding and head count whole. Buffers (the router bias) are not
+        parameters. Computed from the per-tensor table in ``planner.costs.blocks``."""
+        from planner.costs.blocks import model_param_count
+
+        return model_param_count(self, active=active, include_mtp=include_mtp)
+
+
+class ClusterSpec(Spec):
+    """A homogeneous GPU cluster: ``num_nodes`` nodes of ``gpus_per_node`` identical GPUs."""
+
+    name: str = Field(description="Machine type name (catalog name or a label).")
+    num_gpus: int = Field(gt=0, description="Total GPUs in the job.")
+    gpus_per_node: int = Field(gt=0, description="GPUs sharing one NVLink domain.")
+    hbm_bytes: int = Field(gt=0, description="HBM capacity per GPU (bytes).")
+    hbm_bandwidth_Bps: float = Field(gt=0, description="HBM bandwidth per GPU (bytes/s).")
+    bf16_flops: float = Field(gt=0, description="Dense BF16 tensor-core peak per GPU (FLOP/s).")
+    fp8_flops: float | None = Field(
+        default=None, gt=0, description="Dense FP8 peak per GPU (FLOP/s); None without FP8."
+    )
+    fp32_flops: float = Field(gt=0, description="Non-tensor FP32 peak per GPU (FLOP/s).")
+    nvlink_Bps: float = Field(gt=0, description="NVLink bandwidth per GPU per direction (B/s).")
+    nics_per_node: int = Field(gt=0, description="Compute-fabric NICs per node.")
+    nic_Bps: float = Field(gt=0, description="Bandwidth per NIC per direction (bytes/s).")
+    host_ram_bytes: int = Field(gt=0, description="Host memory per node (bytes).")
+    pcie_Bps: float = Field(gt=0, description="GPU-host bandwidth per GPU per direction (B/s).")
+    nvlink_latency_s: float = Field(ge=0, description="Small-message NVLink latency (s).")
+    ib_latency_s: float = Field(ge=0, description="Small-message InfiniBand latency (s).")
+    achieved: dict[str, float] = Field(
+        description="Achieved fraction of peak per kind of work (gemm, attention, memory_bound, "
+        "nvlink, ib): starting points before calibration."
+    )
+
+    @model_validator(mode="after")
+    def _whole_nodes(self) -> ClusterSpec:
+        if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
+            raise PlannerError(
+                f"ClusterSpec.num_gpus={self.num_gpus}: above one node it must be a whole "
+                f"number of nodes (a multiple of gpus_per_node={self.gpus_per_node})"
+            )
+        for key, value in self.achieved.items():
+            if not 0 < value <= 1:
+                raise PlannerError(f"ClusterSpec.achieved.{key}={value}: must be in (0, 1]")
+        return self
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes the job spans (a partial node counts as one)."""
+        return max(1, self.num_gpus // self.gpus_per_node)
+
+
+class TrainingJob(Spec):
+    """What one training step does and which precisions it keeps its state in."""
+
+    seq_len: int = Field(gt=0, description="Tokens per sequence.")
+    global_batch: int = Field(gt=0, description="Sequences per optimizer step.")
+    weight_dtype: DType = Field(default="bf16", description="Dtype of the working weights.")
+    grad_dtype: DType = Field(default="bf16", description="Dtype of the gradient buffers.")
+    master_dtype: DType | None = Field(
+        default="fp32", description="Dtype of the optimizer's master weights (None: no copy)."
+    )
+    moment_dtype: DType = Field(default="fp32", description="Dtype of the optimizer moments.")
+    compute_dtype: Literal["bf16", "fp8"] = Field(default="bf16", description="GEMM precision.")
+    activation_dtype: DType = Field(default="bf16", description="Dtype of saved activations.")
+    optimizer: Literal["adamw", "sgd"] = Field(
+        default="adamw", description="adamw keeps two moments per parameter; sgd with momentum one."
+    )
+    ema: DType | None = Field(
+        default=None,
+        description="Dtype of an exponential moving average of the weights (None: no EMA).",
+    )
+    flash_attention: bool = Field(
+        default=True, description="Fused attention: no s^2 tensors are saved."
+    )
+    sequence_parallel: bool = Field(
+        default=True, description="With tp > 1, shard norm/dropout activations over tp."
+    )
+    moe_load_imbalance: float = Field(
+        default=1.0, ge=1.0, description="Busiest expert rank's tokens / the balanced share."
+    )
+    cuda_context_bytes: int = Field(
+        default=int(0.75 * 2**30), ge=0, description="CUDA context and kernels per GPU (bytes)."
+    )
+    comm_buffer_bytes: int = Field(
+        default=int(1.0 * 2**30),
+        ge=0,
+        description="NCCL communication buffers per GPU (bytes); seed 001 section 6: 0.8-2 GB.",
+    )
+    fragmentation: float = Field(
+        default=0.10,
+        ge=0,
+        lt=1,
+        description="Allocator fragmentation as a fraction of allocated bytes; seed 001: 5-30%.",
+    )
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens consumed by one optimizer step."""
+        return self.seq_len * self.global_batch
+
+
+class SearchSpace(Spec):
+    """Allowed values of each decision; ``None`` leaves a decision free."""
+
+    tp: list[int] | None = Field(default=None, description="Allowed tensor-parallel degrees.")
+    pp: list[int] | None = Field(default=None, description="Allowed pipeline degrees.")
+    dp: list[int] | None = Field(default=None, description="Allowed data-parallel degrees.")
+    ep: list[int] | None = Field(default=None, description="Allowed expert-parallel degrees.")
+    zero: list[Literal[0, 1, 2, 3]] | None = Field(default=None, description="Allowed ZeRO stages.")
+    micro_batch: list[int] | None = Field(default=None, description="Allowed micro-batch sizes.")
+    schedules: list[str] | None = Field(default=None, description="Allowed pipeline schedules.")
+    virtual_stages: list[int] | None = Field(default=None, description="Allowed chunks per rank.")
+    recompute: list[str] | None = Field(
+        default=None, description="Allowed recompute choices (none, selective, full, module sets)."
+    )
+    ema: list[Literal["hbm", "host"]] | None = Field(default=None, description="EMA placements.")
+    target: Literal["any", "megatron", "torchtitan", "deepspeed"] = Field(
+        default="any", description="Only plans this launcher can state exactly."
+    )
+
+    @model_validator(mode="after")
+    def _positive(self) -> SearchSpace:
+        for key in ("tp", "pp", "dp", "ep", "micro_batch", "virtual_stages"):
+            values = getattr(self, key)
+            if values is not None and (not values or min(values) <= 0):
+                raise PlannerError(f"SearchSpace.{key}={values}: needs positive values")
+        return self

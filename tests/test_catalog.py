@@ -1,0 +1,114 @@
+"""Every catalog file loads; bad names, files and GPU counts give one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import planner
+from planner.catalog import HARDWARE_DIR, MODELS_DIR
+from planner.topology import build_topology, path_bandwidth_Bps
+
+MODEL_NAMES = planner.model_names()
+CLUSTER_NAMES = planner.cluster_names()
+
+
+def test_catalogs_hold_what_was_promised() -> None:
+    for name in ("deepseek-v3", "deepseek-v2", "llama3-8b", "llama3-70b", "llama3-405b"):
+        assert name in MODEL_NAMES
+    for name in ("mixtral-8x7b", "mixtral-8x22b", "gpt3-175b", "qwen2-57b-a14b"):
+        assert name in MODEL_NAMES
+    assert set(CLUSTER_NAMES) >= {"a100", "h100", "h800", "h200", "b200"}
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES, ids=MODEL_NAMES)
+def test_every_model_loads_and_is_indexed(name: str) -> None:
+    model = planner.load_model(name)
+    assert model.num_params() > model.num_params(active=True) or not model.num_experts
+    index = (MODELS_DIR / "index.yaml").read_text()
+    assert f"\n{name}:" in index  # every file says where it comes from
+
+
+@pytest.mark.parametrize("name", CLUSTER_NAMES, ids=CLUSTER_NAMES)
+def test_every_cluster_loads_with_sources(name: str) -> None:
+    import yaml
+
+    cluster = planner.load_cluster(name, gpus=16)
+    assert cluster.num_nodes == 2
+    raw = yaml.safe_load((HARDWARE_DIR / f"{name}.yaml").read_text())
+    numeric = [k for k, v in raw.items() if isinstance(v, int | float) and not isinstance(v, bool)]
+    numeric += [f"achieved.{k}" for k in raw["achieved"]]
+    missing = [k for k in numeric if k not in raw["sources"]]
+    assert not missing, f"{name}: no source for {missing}"
+
+
+def test_load_model_reads_paths_and_dicts(tmp_path: Path) -> None:
+    path = MODELS_DIR / "llama3-8b.json"
+    from_path = planner.load_model(str(path))
+    from_dict = planner.load_model(json.loads(path.read_text()))
+    assert from_path.num_params() == from_dict.num_params() == 8_030_261_248
+    spec_dict = from_path.model_dump()
+    assert planner.load_model(spec_dict).num_params() == 8_030_261_248
+
+
+def test_unknown_model_lists_the_known_ones() -> None:
+    with pytest.raises(planner.PlannerError, match=r"unknown model name; known: deepseek-v2, "):
+        planner.load_model("gpt-5")
+
+
+def test_missing_config_key_is_named(tmp_path: Path) -> None:
+    cfg = json.loads((MODELS_DIR / "llama3-8b.json").read_text())
+    del cfg["intermediate_size"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(planner.PlannerError, match="missing key 'intermediate_size'") as info:
+        planner.load_model(str(path))
+    assert "\n" not in str(info.value)
+
+
+def test_malformed_config_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text("{not json")
+    with pytest.raises(planner.PlannerError, match="malformed") as info:
+        planner.load_model(str(path))
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_cluster() -> None:
+    with pytest.raises(planner.PlannerError, match="unknown cluster name; known: a100"):
+        planner.load_cluster("tpu-v5", gpus=8)
+
+
+@pytest.mark.parametrize("gpus", [12, 2052])
+def test_gpu_count_must_be_whole_nodes_above_one_node(gpus: int) -> None:
+    with pytest.raises(planner.PlannerError, match=f"num_gpus={gpus}: above one node"):
+        planner.load_cluster("h100", gpus=gpus)
+
+
+def test_partial_single_node_is_allowed() -> None:
+    assert planner.load_cluster("h100", gpus=4).num_nodes == 1
+
+
+@pytest.mark.parametrize("gpus", [0, -8])
+def test_gpu_count_must_be_positive(gpus: int) -> None:
+    with pytest.raises(planner.PlannerError, match="must be a positive whole number"):
+        planner.load_cluster("h100", gpus=gpus)
+
+
+def test_units_are_converted_once() -> None:
+    h800 = planner.load_cluster("h800", gpus=8)
+    assert h800.hbm_bytes == 80 * 2**30
+    assert h800.nic_Bps == 50e9  # 400 Gb/s
+    assert h800.nvlink_Bps == 200e9
+    assert h800.bf16_flops == pytest.approx(989.4e12)
+
+
+def test_topology_keeps_nvlink_inside_a_node_and_ib_across() -> None:
+    cluster = planner.load_cluster("h800", gpus=32)
+    graph = build_topology(cluster)
+    assert sum(1 for _, d in graph.nodes(data=True) if d["kind"] == "gpu") == 32
+    assert path_bandwidth_Bps(graph, 0, 7) == cluster.nvlink_Bps
+    assert path_bandwidth_Bps(graph, 0, 8) == cluster.nic_Bps  # same rail, one leaf
+    assert path_bandwidth_Bps(graph, 1, 8) == cluster.nic_Bps  # rail change via the spine
