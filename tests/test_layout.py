@@ -89,7 +89,7 @@ def test_blocks_must_cover_the_model_in_order() -> None:
     stages[1]["blocks"] = stages[1]["blocks"][1:]  # drop a layer
     bad = Layout(pp=2, stages=stages)
     job = planner.TrainingJob(seq_len=4096, global_batch=8)
-    with pytest.raises(PlannerError, match="missing layer.16"):
+    with pytest.raises(PlannerError, match=r"missing layer\.16"):
         planner.evaluate(LLAMA, planner.load_cluster("h100", gpus=2), job, bad)
 
 
@@ -109,5 +109,5 @@ def test_bad_fields_name_field_value_and_rule(kwargs: dict[str, object], message
 
 
 def test_misspelled_field_is_an_error() -> None:
-    with pytest.raises(PlannerError, match="seqlen.*unknown field"):
+    with pytest.raises(PlannerError, match=r"seqlen.*unknown field"):
         planner.TrainingJob(seqlen=4096, global_batch=8)  # type: ignore[call-arg]
