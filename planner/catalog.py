@@ -212,50 +212,50 @@ def _deepseek(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _gpt_style(h: int, heads: int, **rest: Any) -> dict[str, Any]:
+    """GPT-2/3 and GPT-NeoX: multi-head attention, GeLU MLP, LayerNorm, biases everywhere."""
+    return {
+        "hidden_size": h,
+        "num_attention_heads": heads,
+        "num_kv_heads": heads,
+        "head_dim": h // heads,
+        "attention": "mha",
+        "mlp": "gelu",
+        "norm": "layernorm",
+        "qkv_bias": True,
+        "linear_bias": True,
+        **rest,
+    }
+
+
 def _gpt2(cfg: dict[str, Any]) -> dict[str, Any]:
-    h, heads = cfg["n_embd"], cfg["n_head"]
     act = cfg.get("activation_function", "gelu_new")
     if "gelu" not in act:
         raise PlannerError(f"model config: activation_function={act!r}: only GeLU is supported")
-    return {
-        "hidden_size": h,
-        "num_layers": cfg["n_layer"],
-        "vocab_size": cfg["vocab_size"],
-        "num_attention_heads": heads,
-        "num_kv_heads": heads,
-        "head_dim": h // heads,
-        "attention": "mha",
-        "mlp": "gelu",
-        "ffn_hidden_size": cfg.get("n_inner") or 4 * h,
-        "norm": "layernorm",
-        "qkv_bias": True,
-        "linear_bias": True,
-        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
-        "learned_positions": cfg["n_positions"],
-        "attention_dropout": float(cfg.get("attn_pdrop", 0.1)),
-        "hidden_dropout": float(cfg.get("resid_pdrop", 0.1)),
-    }
+    return _gpt_style(
+        cfg["n_embd"],
+        cfg["n_head"],
+        num_layers=cfg["n_layer"],
+        vocab_size=cfg["vocab_size"],
+        ffn_hidden_size=cfg.get("n_inner") or 4 * cfg["n_embd"],
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        learned_positions=cfg["n_positions"],
+        attention_dropout=float(cfg.get("attn_pdrop", 0.1)),
+        hidden_dropout=float(cfg.get("resid_pdrop", 0.1)),
+    )
 
 
 def _gpt_neox(cfg: dict[str, Any]) -> dict[str, Any]:
-    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    return {
-        "hidden_size": h,
-        "num_layers": cfg["num_hidden_layers"],
-        "vocab_size": cfg["vocab_size"],
-        "num_attention_heads": heads,
-        "num_kv_heads": heads,
-        "head_dim": h // heads,
-        "attention": "mha",
-        "mlp": "gelu",
-        "ffn_hidden_size": cfg["intermediate_size"],
-        "norm": "layernorm",
-        "qkv_bias": True,
-        "linear_bias": True,
-        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-        "attention_dropout": float(cfg.get("attention_dropout", 0.0) or 0.0),
-        "hidden_dropout": float(cfg.get("hidden_dropout", 0.0) or 0.0),
-    }
+    return _gpt_style(
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        num_layers=cfg["num_hidden_layers"],
+        vocab_size=cfg["vocab_size"],
+        ffn_hidden_size=cfg["intermediate_size"],
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_dropout=float(cfg.get("attention_dropout", 0.0) or 0.0),
+        hidden_dropout=float(cfg.get("hidden_dropout", 0.0) or 0.0),
+    )
 
 
 _READERS = {

@@ -112,3 +112,32 @@ def test_topology_keeps_nvlink_inside_a_node_and_ib_across() -> None:
     assert path_bandwidth_Bps(graph, 0, 7) == cluster.nvlink_Bps
     assert path_bandwidth_Bps(graph, 0, 8) == cluster.nic_Bps  # same rail, one leaf
     assert path_bandwidth_Bps(graph, 1, 8) == cluster.nic_Bps  # rail change via the spine
+
+
+def test_gpt_neox_format() -> None:
+    """EleutherAI/gpt-neox-20b's config.json shape; Black et al. 2022 ("GPT-NeoX-20B: An
+    Open-Source Autoregressive Language Model"), section 2: 20,554,567,680 parameters."""
+    cfg = {
+        "model_type": "gpt_neox",
+        "hidden_size": 6144,
+        "num_hidden_layers": 44,
+        "num_attention_heads": 64,
+        "intermediate_size": 24576,
+        "vocab_size": 50432,
+        "rotary_pct": 0.25,
+        "tie_word_embeddings": False,
+    }
+    assert planner.load_model(cfg).num_params() == 20_554_567_680
+
+
+def test_gpt2_format() -> None:
+    """openai-community/gpt2's config.json shape: the published 124M model has 124,439,808
+    parameters (tied embedding and head, learned positions)."""
+    cfg = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12}
+    cfg |= {"n_positions": 1024, "vocab_size": 50257}
+    assert planner.load_model(cfg).num_params() == 124_439_808
+
+
+def test_unsupported_format_names_the_supported_ones() -> None:
+    with pytest.raises(planner.PlannerError, match="model_type='t5' is not supported; supported"):
+        planner.load_model({"model_type": "t5"})

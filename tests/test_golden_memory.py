@@ -75,3 +75,15 @@ def test_ema_on_host_leaves_hbm() -> None:
     assert on_host.host_bytes == on_gpu.buckets["ema"] > 0
     # fp32 EMA sharded like the optimizer state (ZeRO-1): 4 of the 12 optimizer bytes.
     assert on_gpu.buckets["ema"] == pytest.approx(on_gpu.buckets["optimizer"] / 3, rel=1e-6)
+
+
+def test_last_stage_keeps_fp32_logits_of_its_vocabulary_shard() -> None:
+    """Megatron-LM's vocab-parallel cross-entropy computes in fp32 and keeps the softmax of the
+    rank's vocabulary shard for backward: tokens * V / tp * 4 bytes, here 4096 * 129280 / 2 *
+    4 = 1.06 GB per micro-batch on DeepSeek-V3's head rank; the last 1F1B rank holds one
+    micro-batch in flight."""
+    shard = Shard(seq_len=4096, tp=2)
+    head = block_cost(DSV3, "head", shard)
+    logits = next(g for g in head.saved if g.name == "logits")
+    assert logits.bytes == 4096 * 129_280 // 2 * 4
+    assert not logits.modules and not logits.keep_always  # only full recompute drops it
