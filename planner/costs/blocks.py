@@ -494,9 +494,8 @@ def _moe(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
         modules=("moe",),
         act_modules=("moe_act",),
     )
-    cost.save(
-        prefix + "moe_expert_out", copies * h * a, "moe"
-    )  # for the probability-weighted combine
+    # The experts' outputs stay for the backward of the probability-weighted combine.
+    cost.save(prefix + "moe_expert_out", copies * h * a, "moe")
     if model.num_shared_experts:
         width = _shared_width(model)
         cost.params.append(Param(prefix + "shared_experts", _fc_params(model, width), True))
