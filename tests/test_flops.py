@@ -51,3 +51,17 @@ def test_moe_layer_counts_only_routed_tokens() -> None:
     expert_flops = 2 * 9 * 3 * 7168 * 2048 * t + 2 * t * 7168 * 256  # + router
     mlp_flops = 2 * 3 * 7168 * 18432 * t
     assert moe.fwd_flops - dense.fwd_flops == pytest.approx(expert_flops - mlp_flops)
+
+
+def test_recompute_menu_offers_each_module_the_block_has() -> None:
+    ds = planner.load_model("deepseek-v3")
+    menu = block_cost(ds, "layer.3", Shard(seq_len=4096)).menu()
+    modules = {next(iter(c)) for c in menu if isinstance(c, frozenset) and c}
+    assert modules == {"core_attn", "layernorm", "mla_up_proj", "moe", "moe_act", "shared_experts"}
+    assert menu[0] == frozenset() and menu[-1] == "full"
+    dense = block_cost(planner.load_model("llama3-8b"), "layer.0", Shard(seq_len=4096)).menu()
+    assert {next(iter(c)) for c in dense if isinstance(c, frozenset) and c} == {
+        "core_attn",
+        "layernorm",
+        "mlp",
+    }
