@@ -174,6 +174,12 @@ class ClusterSpec(Spec):
         """Nodes the job spans (a partial node counts as one)."""
         return max(1, self.num_gpus // self.gpus_per_node)
 
+    def topology(self) -> Any:
+        """The cluster as a networkx graph (see ``planner.topology``), built on each call."""
+        from planner.topology import build_topology
+
+        return build_topology(self)
+
 
 class TrainingJob(Spec):
     """What one training step does and which precisions it keeps its state in."""

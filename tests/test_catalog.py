@@ -107,7 +107,8 @@ def test_units_are_converted_once() -> None:
 
 def test_topology_keeps_nvlink_inside_a_node_and_ib_across() -> None:
     cluster = planner.load_cluster("h800", gpus=32)
-    graph = build_topology(cluster)
+    graph = cluster.topology()
+    assert graph.number_of_nodes() == build_topology(cluster).number_of_nodes()
     assert sum(1 for _, d in graph.nodes(data=True) if d["kind"] == "gpu") == 32
     assert path_bandwidth_Bps(graph, 0, 7) == cluster.nvlink_Bps
     assert path_bandwidth_Bps(graph, 0, 8) == cluster.nic_Bps  # same rail, one leaf
