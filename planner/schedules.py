@@ -29,12 +29,9 @@ def in_flight(layout: Layout, rank: int, num_microbatches: int) -> dict[int, flo
     # activations per rank (1F1B: PP). Rank r is at position r of one direction (or of the
     # V's descending leg), holding pp - r like 1F1B, and at position pp-1-r of the other
     # (the ascending leg), holding r + 1: together pp + 1. DualPipe feeds each direction
-    # half of the micro-batches.
-    per_direction = m // 2 if schedule == "dualpipe" else m
-    return {
-        chunks[0]: float(min(p - rank, per_direction)),
-        chunks[1]: float(min(rank + 1, per_direction)),
-    }
+    # half of the micro-batches (the odd one out goes to the first direction).
+    first, second = ((m + 1) // 2, m // 2) if schedule == "dualpipe" else (m, m)
+    return {chunks[0]: float(min(p - rank, first)), chunks[1]: float(min(rank + 1, second))}
 
 
 def _interleaved(p: int, v: int, m: int, rank: int, chunks: list[int]) -> dict[int, float]:

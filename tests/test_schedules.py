@@ -50,3 +50,11 @@ def test_dualpipe_stores_parameters_twice() -> None:
     p1 = sum(r.params for r in planner.evaluate(LLAMA, cluster, job, one).memory)
     p2 = sum(r.params for r in planner.evaluate(LLAMA, cluster, job, two).memory)
     assert p2 == 2 * p1 == 2 * LLAMA.num_params()
+
+
+def test_dualpipe_with_fewer_micro_batches_than_ranks() -> None:
+    """Each direction gets half of the micro-batches, so a rank never holds more than that;
+    a single micro-batch still leaves its activations somewhere."""
+    layout = planner.Layout.uniform(LLAMA, pp=8, schedule="dualpipe")
+    assert [sum(in_flight(layout, r, 1).values()) for r in range(8)] == [1] * 8
+    assert max(sum(in_flight(layout, r, 4).values()) for r in range(8)) == 4
