@@ -87,3 +87,19 @@ def test_last_stage_keeps_fp32_logits_of_its_vocabulary_shard() -> None:
     logits = next(g for g in head.saved if g.name == "logits")
     assert logits.bytes == 4096 * 129_280 // 2 * 4
     assert not logits.modules and not logits.keep_always  # only full recompute drops it
+
+
+def test_zero3_shards_weights_but_gathers_the_largest_block_twice() -> None:
+    """ZeRO-3 (Rajbhandari et al. SC'20, section 5: P_os+g+p) keeps 1/dp of the weights and
+    all-gathers each layer's full weights before use; with prefetching the layer in use and
+    the next one are resident at once. On Llama 3.1 8B with one stage the largest block is the
+    head block: the untied output matrix (128256 x 4096) and the final norm (4096), bf16."""
+    llama = planner.load_model("llama3-8b")
+    cluster = planner.load_cluster("h100", gpus=8)
+    job = planner.TrainingJob(seq_len=4096, global_batch=8)
+    zero2 = planner.Layout.uniform(llama, dp=8, zero=2)
+    zero3 = planner.Layout.uniform(llama, dp=8, zero=3)
+    m2 = planner.evaluate(llama, cluster, job, zero2).memory[0]
+    m3 = planner.evaluate(llama, cluster, job, zero3).memory[0]
+    assert m3.buckets["weights"] == pytest.approx(8_030_261_248 * 2 / 8, abs=1)
+    assert m3.buckets["buffers"] - m2.buckets["buffers"] == 2 * (128_256 * 4096 + 4096) * 2

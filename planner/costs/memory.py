@@ -65,6 +65,11 @@ class StageMemory(BaseModel):
     host_bytes: int = Field(description="Host RAM the rank uses for an EMA kept on the host.")
 
 
+def shards(p: Param, layout: Layout) -> int:
+    """How many ranks split ``p``: tp for tensor-parallel tensors, ep for routed experts."""
+    return (layout.tp if p.tp_split else 1) * (layout.ep if p.expert else 1)
+
+
 def state_bytes(
     params: list[Param], *, job: TrainingJob, layout: Layout, ema_on_gpu: bool
 ) -> dict[str, float]:
@@ -79,7 +84,7 @@ def state_bytes(
     edp = layout.dp * layout.tp // layout.ep
     z = layout.zero
     for p in params:
-        local = p.numel / (layout.tp if p.tp_split else 1) / (layout.ep if p.expert else 1)
+        local = p.numel / shards(p, layout)
         group = edp if p.expert else layout.dp
         out["weights"] += local * wb / (group if z >= 3 else 1)
         if not p.trainable:
@@ -156,16 +161,8 @@ def _rank_memory(
     if layout.pp > 1:  # one send and one receive buffer of a micro-batch's hidden states
         buffers += 2 * shard.sp_tokens * model.hidden_size * shard.act_bytes
     if layout.zero >= 3:  # the gathered working copy of the largest block, and the prefetched
-        biggest = max(
-            state_bytes(
-                costs[n].params,
-                job=job,
-                layout=layout.model_copy(update={"zero": 0}),
-                ema_on_gpu=False,
-            )["weights"]
-            for n in names
-        )
-        buffers += 2 * biggest
+        biggest = max(sum(p.numel / shards(p, layout) for p in costs[n].params) for n in names)
+        buffers += 2 * biggest * DTYPE_BYTES[job.weight_dtype]
     buckets = {
         "weights": state["weights"],
         "grads": state["grads"],
@@ -184,11 +181,7 @@ def _rank_memory(
         blocks=names,
         buckets=rounded,
         peak_bytes=sum(rounded.values()),
-        params=sum(
-            p.numel // ((layout.tp if p.tp_split else 1) * (layout.ep if p.expert else 1))
-            for p in plist
-            if p.trainable
-        ),
+        params=sum(p.numel // shards(p, layout) for p in plist if p.trainable),
         embedding_head_bytes=round(emb["weights"] + emb["grads"] + emb["optimizer"] + emb["ema"]),
         host_bytes=round(state["host"]),
     )
