@@ -2,7 +2,8 @@
 GPU Clusters Using Megatron-LM"), section 5.1: a GPT layer costs 24*B*s*h^2 forward in its
 GEMMs and 4*B*s^2*h in attention; with full recomputation an iteration is
 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)). Their attention term is for the full s x s score
-matrix; this package counts a causal model's half (``CAUSAL``)."""
+matrix, which is what unfused attention executes; flash attention skips the masked half of a
+causal matrix (``CAUSAL``)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ S, B, H, V, L = 2048, 2, GPT3.hidden_size, GPT3.vocab_size, GPT3.num_layers
 
 def test_layer_forward() -> None:
     cost = block_cost(GPT3, "layer.0", Shard(seq_len=S, micro_batch=B, flash_attention=False))
-    assert cost.fwd_flops == pytest.approx(24 * B * S * H**2 + CAUSAL * 4 * B * S**2 * H)
+    assert cost.fwd_flops == pytest.approx(24 * B * S * H**2 + 4 * B * S**2 * H)
     assert cost.bwd_input_flops == pytest.approx(cost.fwd_flops * 2 - cost.bwd_weight_flops)
     assert cost.bwd_weight_flops == pytest.approx(24 * B * S * H**2)  # one dW GEMM per GEMM
 
@@ -30,8 +31,16 @@ def test_full_recompute_iteration() -> None:
         total += cost.fwd_flops + cost.bwd_flops
         if name.startswith("layer."):
             total += cost.recompute_flops("full")
-    expected = 96 * B * S * L * H**2 * (1 + CAUSAL * S / (6 * H) + V / (16 * L * H))
+    expected = 96 * B * S * L * H**2 * (1 + S / (6 * H) + V / (16 * L * H))
     assert total == pytest.approx(expected, rel=1e-9)
+
+
+def test_flash_attention_computes_half_of_a_causal_score_matrix() -> None:
+    unfused = block_cost(GPT3, "layer.0", Shard(seq_len=S, flash_attention=False)).fwd
+    flash = block_cost(GPT3, "layer.0", Shard(seq_len=S)).fwd
+    assert unfused.gemm - flash.gemm == pytest.approx(4 * S**2 * H)
+    assert flash.attention == pytest.approx(CAUSAL * 4 * S**2 * H)
+    assert flash.flops == pytest.approx(24 * S * H**2 + CAUSAL * 4 * S**2 * H)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 8])

@@ -24,9 +24,11 @@ element.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
+from planner.costs.work import ZERO, Work
 from planner.errors import PlannerError
 from planner.specs import DTYPE_BYTES, ModelSpec
 
@@ -35,7 +37,6 @@ LOGIT_BYTES = 4  # the vocab-parallel cross-entropy keeps fp32 softmax over the 
 ROUTER_SCORE_BYTES = 5  # fp32 router scores + a bool routing map per token and expert
 TOKEN_ID_BYTES = 8  # int64 token ids kept for the embedding's backward
 CAUSAL = 0.5  # causal attention computes half of the s x s score matrix
-ELEMENTWISE = 5  # FLOPs counted per element of a norm or activation (memory-bound work)
 
 
 @dataclass(frozen=True)
@@ -94,11 +95,26 @@ class BlockCost:
 
     name: str
     params: list[Param] = field(default_factory=list)
-    fwd_flops: float = 0.0
-    bwd_input_flops: float = 0.0
-    bwd_weight_flops: float = 0.0
+    fwd: Work = ZERO
+    bwd_input: Work = ZERO
+    bwd_weight: Work = ZERO
     saved: list[ActGroup] = field(default_factory=list)
-    module_flops: dict[str, float] = field(default_factory=dict)  # forward FLOPs per module
+    module_work: dict[str, Work] = field(default_factory=dict)  # forward work per module
+    tp_collectives: int = 0  # tensor-parallel all-reduces (or AG+RS pairs) in forward
+    moe_layers: int = 0  # MoE layers in the block: 4 expert all-to-alls each per micro-batch
+    tokens_per_expert: float = 0.0  # tokens each local expert's GEMMs see (busiest rank)
+
+    @property
+    def fwd_flops(self) -> float:
+        return self.fwd.flops
+
+    @property
+    def bwd_input_flops(self) -> float:
+        return self.bwd_input.flops
+
+    @property
+    def bwd_weight_flops(self) -> float:
+        return self.bwd_weight.flops
 
     @property
     def bwd_flops(self) -> float:
@@ -112,14 +128,21 @@ class BlockCost:
         """Bytes re-materialised in backward under a recompute choice (one micro-batch)."""
         return sum(g.bytes for g in self.saved if _is_dropped(g, dropped))
 
-    def recompute_flops(self, dropped: frozenset[str] | str) -> float:
-        """Forward FLOPs repeated in backward to rebuild what ``dropped`` discards."""
+    def recompute_work(self, dropped: frozenset[str] | str) -> Work:
+        """Forward work repeated in backward to rebuild what ``dropped`` discards."""
         if dropped == "full":
-            return self.fwd_flops
+            return self.fwd
         chosen = set(dropped)
         if "moe" in chosen:  # the whole MoE layer is re-run, its parts with it
             chosen -= {"moe_act", "shared_experts"}
-        return sum(self.module_flops.get(m, 0.0) for m in chosen)
+        total = ZERO
+        for m in sorted(chosen):
+            total += self.module_work.get(m, ZERO)
+        return total
+
+    def recompute_flops(self, dropped: frozenset[str] | str) -> float:
+        """Forward FLOPs repeated in backward to rebuild what ``dropped`` discards."""
+        return self.recompute_work(dropped).flops
 
     def menu(self) -> list[frozenset[str] | str]:
         """Recompute choices worth considering: none, each module this block has, full."""
@@ -131,6 +154,19 @@ class BlockCost:
         return choices
 
     # -- builders -------------------------------------------------------------------------
+    def add(self, fwd: Work, bwd_input: Work, bwd_weight: Work = ZERO, *modules: str) -> None:
+        """Add work to each phase; ``modules`` re-run ``fwd`` when they are recomputed."""
+        self.fwd += fwd
+        self.bwd_input += bwd_input
+        self.bwd_weight += bwd_weight
+        for m in modules:
+            self.module_work[m] = self.module_work.get(m, ZERO) + fwd
+
+    def gemm(self, flops: float, *modules: str, kind: str = "gemm") -> None:
+        """A GEMM and its two backward GEMMs (input and weight gradient), same FLOPs each."""
+        work = Work(kernels=1, **{kind: flops})
+        self.add(work, work, work, *modules)
+
     def linear(
         self,
         key: str,
@@ -145,12 +181,12 @@ class BlockCost:
         """A linear layer applied to ``tokens`` tokens: params, and 2*tokens*in*out FLOPs each
         for forward, input gradient and weight gradient (divided over tp when split)."""
         self.params.append(Param(key, d_in * d_out + (d_out if bias else 0), tp_split=split))
-        flops = 2.0 * tokens * d_in * d_out
-        self.fwd_flops += flops
-        self.bwd_input_flops += flops
-        self.bwd_weight_flops += flops
-        if module:
-            self.module_flops[module] = self.module_flops.get(module, 0.0) + flops
+        self.gemm(2.0 * tokens * d_in * d_out, *([module] if module else []))
+
+    def elementwise(self, nbytes: float, *modules: str) -> None:
+        """A memory-bound kernel moving ``nbytes`` in forward; its backward reads the saved
+        input and the output gradient and writes the input gradient: twice the traffic."""
+        self.add(Work(memory=nbytes, kernels=1), Work(memory=2 * nbytes, kernels=1), ZERO, *modules)
 
     def save(self, name: str, nbytes: float, *modules: str, keep: bool = False) -> None:
         self.saved.append(ActGroup(name, round(nbytes), tuple(modules), keep))
@@ -182,7 +218,15 @@ def block_names(model: ModelSpec) -> list[str]:
 
 
 def block_cost(model: ModelSpec, name: str, shard: Shard) -> BlockCost:
-    """Parameters, FLOPs and saved activations of block ``name`` under ``shard``."""
+    """Parameters, FLOPs and saved activations of block ``name`` under ``shard``.
+
+    Results are cached (a model has many identical layers and the planner asks often):
+    treat the returned ``BlockCost`` as read-only."""
+    return _block_cost(model, name, shard)
+
+
+@functools.lru_cache(maxsize=65536)
+def _block_cost(model: ModelSpec, name: str, shard: Shard) -> BlockCost:
     _check_shard(model, shard)
     cost = BlockCost(name)
     if name == "embedding":
@@ -266,8 +310,12 @@ def _embedding(cost: BlockCost, model: ModelSpec, shard: Shard) -> None:
     if model.learned_positions:
         cost.params.append(Param("position_embeddings", model.learned_positions * h, False))
     cost.save("token_ids", shard.tokens * TOKEN_ID_BYTES, keep=True)
+    # Gather rows, write the output; backward scatter-adds into the gradient rows.
+    cost.elementwise(2 * shard.tokens * h * shard.act_bytes)
+    cost.tp_collectives += 1  # partial lookups of each vocab shard are summed over tp
     if model.hidden_dropout:
         cost.save("embedding_dropout_mask", shard.sp_tokens * h)
+        cost.elementwise(shard.sp_tokens * h * (2 * shard.act_bytes + 1))
 
 
 def _head(cost: BlockCost, model: ModelSpec, shard: Shard, *, prefix: str = "") -> None:
@@ -277,22 +325,21 @@ def _head(cost: BlockCost, model: ModelSpec, shard: Shard, *, prefix: str = "") 
         cost.save("block_input", shard.sp_tokens * h * shard.act_bytes, keep=True)
     _saved_norm(cost, model, shard, prefix + "final_norm", prefix + "final_norm_out")
     key = "word_embeddings" if model.tie_word_embeddings else "output"
-    flops = 2.0 * shard.tokens * h * v / shard.tp
     cost.params.append(Param(key, v * h, tp_split=True))
-    cost.fwd_flops += flops
-    cost.bwd_input_flops += flops
-    cost.bwd_weight_flops += flops
-    cost.save(prefix + "logits", shard.tokens * v / shard.tp * LOGIT_BYTES)
+    cost.tp_collectives += 1  # sequence-parallel input gathered over tp (or its grad reduced)
+    cost.gemm(2.0 * shard.tokens * h * v / shard.tp)
+    logits = shard.tokens * v / shard.tp * LOGIT_BYTES
+    cost.save(prefix + "logits", logits)
+    cost.elementwise(2 * logits)  # fp32 softmax cross-entropy: read and write the logits
 
 
 def _saved_norm(cost: BlockCost, model: ModelSpec, shard: Shard, key: str, saved: str) -> None:
     """A replicated norm whose output is saved (Megatron's ``layernorm`` module drops it)."""
     h = model.hidden_size
     cost.norm(key, h, model.norm)
-    cost.save(saved, shard.sp_tokens * h * shard.act_bytes, "layernorm")
-    cost.module_flops["layernorm"] = (
-        cost.module_flops.get("layernorm", 0.0) + ELEMENTWISE * shard.sp_tokens * h
-    )
+    nbytes = shard.sp_tokens * h * shard.act_bytes
+    cost.save(saved, nbytes, "layernorm")
+    cost.elementwise(2 * nbytes, "layernorm")
 
 
 def _layer(
@@ -305,16 +352,26 @@ def _layer(
         _mla(cost, model, shard, prefix)
     else:
         _gqa(cost, model, shard, prefix)
-    if model.hidden_dropout:
-        cost.save(prefix + "attn_dropout_mask", sp * h)
+    _residual(cost, model, shard, prefix + "attn_dropout_mask")
     cost.save(prefix + "residual_mid", sp * h * a)
     _saved_norm(cost, model, shard, prefix + "pre_mlp_norm", prefix + "pre_mlp_norm_out")
     if moe:
         _moe(cost, model, shard, prefix)
     else:
         _dense_mlp(cost, model, shard, prefix)
+    _residual(cost, model, shard, prefix + "mlp_dropout_mask")
+    cost.tp_collectives += 2  # attention and MLP outputs: one all-reduce (or RS + AG) each
+
+
+def _residual(cost: BlockCost, model: ModelSpec, shard: Shard, mask: str) -> None:
+    """(Dropout and) residual add: read the branch output and the residual, write the sum;
+    backward passes the gradient to both (as much traffic)."""
+    elements = shard.sp_tokens * model.hidden_size
+    traffic = 3 * elements * shard.act_bytes
     if model.hidden_dropout:
-        cost.save(prefix + "mlp_dropout_mask", sp * h)
+        cost.save(mask, elements)
+        traffic += elements  # the 1-byte mask
+    cost.add(Work(memory=traffic, kernels=1), Work(memory=traffic, kernels=1))
 
 
 def _mtp(cost: BlockCost, model: ModelSpec, shard: Shard, index: int) -> None:
@@ -341,18 +398,29 @@ def _core_attention(
     """Softmax(QK^T)V over the rank's heads; causal, so half the score matrix is computed."""
     b, s = shard.micro_batch, shard.seq_len
     heads = model.num_attention_heads / shard.tp
-    qk = 2.0 * b * s * s * heads * d_qk * CAUSAL
-    av = 2.0 * b * s * s * heads * d_v * CAUSAL
-    cost.fwd_flops += qk + av
-    cost.module_flops["core_attn"] = qk + av
+    # Flash attention skips the masked half of a causal score matrix; unfused attention
+    # computes the whole matrix and masks it (FLOPs here are those executed).
+    share = CAUSAL if shard.flash_attention else 1.0
+    qk = 2.0 * b * s * s * heads * d_qk * share
+    av = 2.0 * b * s * s * heads * d_v * share
     # Backward: dQ, dK (from QK^T) and dV, dP (from PV) are 2x forward; flash attention also
     # recomputes the scores QK^T in backward instead of saving them.
-    cost.bwd_input_flops += 2 * (qk + av) + (qk if shard.flash_attention else 0.0)
     if shard.flash_attention:
+        cost.add(
+            Work(attention=qk + av, kernels=1),
+            Work(attention=2 * (qk + av) + qk, kernels=1),
+            ZERO,
+            "core_attn",
+        )
         cost.save("softmax_stats", b * s * heads * SOFTMAX_STAT_BYTES, "core_attn")
         return
+    # Unfused: two batched GEMMs each way and a memory-bound softmax over the scores.
+    cost.add(Work(gemm=qk + av, kernels=2), Work(gemm=2 * (qk + av), kernels=4), ZERO, "core_attn")
     scores = b * heads * s * s  # elements of the s x s probabilities on this rank
     a = shard.act_bytes
+    cost.elementwise(scores * a * 2, "core_attn")  # scale, mask, softmax: read + write
+    if model.attention_dropout:
+        cost.elementwise(scores * (2 * a + 1), "core_attn")
     cost.save("attn_probs", scores * a, "core_attn")
     if model.attention_dropout:
         cost.save("attn_dropout_mask", scores * 1, "core_attn")
@@ -367,6 +435,8 @@ def _gqa(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
     cost.linear(prefix + "k_proj", h, nkv * d, tokens=tokens / t, split=True, bias=model.qkv_bias)
     cost.linear(prefix + "v_proj", h, nkv * d, tokens=tokens / t, split=True, bias=model.qkv_bias)
     cost.save(prefix + "qkv", tokens * (nq + 2 * nkv) * d * a / t)
+    if not model.learned_positions:  # rotary embedding of q and k: read + write
+        cost.elementwise(2 * tokens * (nq + nkv) * d * a / t)
     _core_attention(cost, model, shard, d_qk=d, d_v=d)
     cost.save(prefix + "attn_proj_in", tokens * nq * d * a / t)
     cost.linear(prefix + "o_proj", nq * d, h, tokens=tokens / t, split=True, bias=model.linear_bias)
@@ -400,6 +470,8 @@ def _mla(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
     cost.linear(prefix + "kv_up", dc, n * (dn + dv), tokens=tokens / t, split=True, module=up)
     cost.save(prefix + "mla_latents", tokens * (latent + dc + dr) * a)
     cost.save(prefix + "mla_latent_norm_out", tokens * (latent + dc) * a, up)
+    cost.elementwise(2 * tokens * (latent + dc) * a, up)  # the latent norms
+    cost.elementwise(2 * tokens * (n / t + 1) * dr * a)  # rotary part of q and of the shared k
     cost.save(prefix + "qkv", tokens * n * (2 * dq + dv) * a / t, up)
     _core_attention(cost, model, shard, d_qk=dq, d_v=dv)
     cost.save(prefix + "attn_proj_in", tokens * n * dv * a / t)
@@ -416,20 +488,17 @@ def _ffn(
     tokens: float,
     modules: tuple[str, ...],
     act_modules: tuple[str, ...],
+    kind: str = "gemm",
 ) -> None:
-    """Saved tensors and FLOPs of fc1 (gate+up when gated) -> activation -> fc2 for ``tokens``
-    tokens on this rank at ``width`` (already divided by tp where split)."""
+    """Saved tensors and work of fc1 (gate+up when gated) -> activation -> fc2 for ``tokens``
+    tokens on this rank at ``width`` (already divided by tp where split). Checkpointing the
+    module (``modules``) re-runs all of it; ``act_modules`` re-run only the activation."""
     h, a = model.hidden_size, shard.act_bytes
     fc1_out = 2 * width if model.mlp == "swiglu" else width
-    fc1 = 2.0 * tokens * h * fc1_out
-    fc2 = 2.0 * tokens * width * h
-    cost.fwd_flops += fc1 + fc2
-    cost.bwd_input_flops += fc1 + fc2
-    cost.bwd_weight_flops += fc1 + fc2
-    for m in modules:  # checkpointing the MLP re-runs fc1 and the activation
-        cost.module_flops[m] = cost.module_flops.get(m, 0.0) + fc1 + ELEMENTWISE * tokens * width
-    for m in set(act_modules) - set(modules):  # output-discarding: only the activation
-        cost.module_flops[m] = cost.module_flops.get(m, 0.0) + ELEMENTWISE * tokens * width
+    cost.gemm(2.0 * tokens * h * fc1_out, *modules, kind=kind)
+    act_only = [m for m in act_modules if m not in modules]
+    cost.elementwise(tokens * (fc1_out + width) * a, *modules, *act_only)
+    cost.gemm(2.0 * tokens * width * h, *modules, kind=kind)
     cost.save(f"{name}_fc1_out", tokens * fc1_out * a, *modules)
     cost.save(f"{name}_act", tokens * width * a, *modules, *act_modules)
 
@@ -461,14 +530,12 @@ def _moe(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
     data-parallel group, as Megatron-LM's SharedExpertMLP)."""
     h, e, k, a = model.hidden_size, model.num_experts, model.experts_per_token, shard.act_bytes
     sp = shard.sp_tokens
-    start = cost.fwd_flops
+    cost.moe_layers += 1
     cost.params.append(Param(prefix + "router", e * h, tp_split=False))
     if model.router_expert_bias:
         cost.params.append(Param(prefix + "router_bias", e, False, trainable=False))
-    router = 2.0 * sp * h * e
-    cost.fwd_flops += router
-    cost.bwd_input_flops += router
-    cost.bwd_weight_flops += router
+    cost.gemm(2.0 * sp * h * e, "moe")
+    cost.elementwise(sp * e * 4 * 2, "moe")  # fp32 scores: softmax/sigmoid and top-k
     cost.save(prefix + "router_scores", sp * e * ROUTER_SCORE_BYTES, "moe")
     # All experts of the layer as one tensor; a rank keeps e/ep of them (memory.py).
     cost.params.append(
@@ -483,7 +550,11 @@ def _moe(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
     # Each rank dispatches its sp tokens x k copies; balanced routing brings as many back,
     # the busiest rank moe_load_imbalance times that.
     copies = sp * k * shard.moe_load_imbalance
+    cost.tokens_per_expert = copies * shard.ep / e  # the busiest rank holds e/ep experts
     cost.save(prefix + "moe_dispatched", copies * h * a, "moe")
+    # Permute tokens into expert order before dispatch, and back (weighted) after combine.
+    cost.elementwise(2 * copies * h * a, "moe")
+    cost.elementwise(2 * copies * h * a, "moe")
     _ffn(
         cost,
         model,
@@ -493,6 +564,7 @@ def _moe(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
         tokens=copies,
         modules=("moe",),
         act_modules=("moe_act",),
+        kind="expert",
     )
     # The experts' outputs stay for the backward of the probability-weighted combine.
     cost.save(prefix + "moe_expert_out", copies * h * a, "moe")
@@ -510,7 +582,8 @@ def _moe(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
             act_modules=(),
         )
         if model.shared_expert_gate:
-            cost.linear(prefix + "shared_gate", h, 1, tokens=sp, split=False)
+            cost.params.append(Param(prefix + "shared_gate", h, tp_split=False))
+            cost.gemm(2.0 * sp * h, "shared_experts", "moe")
             cost.save(prefix + "shared_gate_out", sp * a, "shared_experts", "moe")
-    # "moe" re-runs the whole layer: router, experts and shared experts (normal checkpoint).
-    cost.module_flops["moe"] = cost.fwd_flops - start
+    # "moe" re-runs the whole layer (router, experts, shared experts): every piece above is
+    # registered under it.
