@@ -69,6 +69,11 @@ def load_cluster(source: str | Path, *, gpus: int) -> ClusterSpec:
             nvlink_latency_s=data["nvlink_latency_us"] * 1e-6,
             ib_latency_s=data["ib_latency_us"] * 1e-6,
             achieved=dict(achieved),
+            **(
+                {"kernel_overhead_s": data["kernel_overhead_us"] * 1e-6}
+                if "kernel_overhead_us" in data
+                else {}
+            ),
         )
     except KeyError as exc:
         raise PlannerError(f"cluster file {path}: missing key {exc.args[0]!r}") from None

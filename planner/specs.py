@@ -152,6 +152,12 @@ class ClusterSpec(Spec):
     pcie_Bps: float = Field(gt=0, description="GPU-host bandwidth per GPU per direction (B/s).")
     nvlink_latency_s: float = Field(ge=0, description="Small-message NVLink latency (s).")
     ib_latency_s: float = Field(ge=0, description="Small-message InfiniBand latency (s).")
+    kernel_overhead_s: float = Field(
+        default=4e-6,
+        ge=0,
+        description="Fixed cost per kernel (s): launch latency and under-filled waves of "
+        "small kernels.",
+    )
     achieved: dict[str, float] = Field(
         description="Achieved fraction of peak per kind of work (gemm, attention, memory_bound, "
         "nvlink, ib): starting points before calibration."
