@@ -1,0 +1,261 @@
+"""Communication time model: which ranks form each group, and how long collectives take.
+
+Rank order (Megatron-LM's default ``order="tp-cp-ep-dp-pp"`` in
+``megatron/core/parallel_state.py``, context parallelism 1): tp is innermost and pp
+outermost, so global rank ``g = tp_rank + tp * (dp_rank + dp * pp_rank)`` and GPU ``g`` sits
+on node ``g // gpus_per_node``. Experts see the same ``tp * dp`` plane of each pipeline stage
+with expert tensor parallelism 1: local index ``l = tp_rank + tp * dp_rank``,
+``ep_rank = l % ep`` and expert-data-parallel index ``l // ep``, so an EP group is ``ep``
+consecutive global ranks and an EDP group strides by ``ep``.
+
+Time conventions (NCCL bus bandwidth, nccl-tests ``doc/PERFORMANCE.md``, algbw vs busbw):
+a ring all-reduce over n ranks moves ``2(n-1)/n`` of the buffer through each rank,
+reduce-scatter and all-gather ``(n-1)/n`` of the full buffer, at the achieved bus bandwidth
+``link bandwidth * cluster.achieved["nvlink" | "ib"]``. Latency (alpha) is one path latency
+per ring step inside a node (``n-1`` steps for reduce-scatter / all-gather, twice that for
+all-reduce) and one per tree level ``ceil(log2 nodes)`` across nodes (twice for all-reduce:
+reduce then broadcast). A group spanning nodes runs hierarchically, with g members on the
+busiest of its N nodes: reduce-scatter over NVLink inside the node, then the inter-node
+collective of ``nbytes / g`` over N nodes at each GPU's IB share, then all-gather over NVLink.
+
+Every group of one kind is assumed to run its collective at the same time (all dp groups
+reduce gradients together, all EP groups dispatch together), so each GPU gets its own share
+of the node's NICs rather than the whole node's bandwidth. A group on one node never touches
+IB; a single-member group costs nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from planner.costs.blocks import Shard
+from planner.errors import PlannerError
+from planner.layout import Layout
+from planner.specs import ClusterSpec, ModelSpec
+from planner.topology import gpu
+
+GroupKind = Literal["tp", "dp", "ep", "edp", "pp"]
+
+# Per MoE layer and micro-batch: dispatch and combine in forward, and their two transposes in
+# backward (the gradient of a dispatch is a combine-shaped all-to-all and vice versa).
+MOE_ALL_TO_ALLS_PER_LAYER = 4
+
+
+# -- rank order ---------------------------------------------------------------------------
+
+
+def rank_of(layout: Layout, *, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+    """Global rank of the GPU at these coordinates (Megatron-LM order, see module docstring)."""
+    for name, value, size in (("tp", tp_rank, layout.tp), ("dp", dp_rank, layout.dp)):
+        if not 0 <= value < size:
+            raise PlannerError(f"{name}_rank={value}: must be in 0..{size - 1}")
+    if not 0 <= pp_rank < layout.pp:
+        raise PlannerError(f"pp_rank={pp_rank}: must be in 0..{layout.pp - 1}")
+    return tp_rank + layout.tp * (dp_rank + layout.dp * pp_rank)
+
+
+def group(layout: Layout, kind: GroupKind, rank: int) -> list[int]:
+    """Sorted global ranks of the ``kind`` group that ``rank`` belongs to."""
+    if not 0 <= rank < layout.world_size:
+        raise PlannerError(f"rank={rank}: must be in 0..{layout.world_size - 1}")
+    tp, dp, ep = layout.tp, layout.dp, layout.ep
+    tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+    if kind == "tp":
+        return [rank_of(layout, tp_rank=t, dp_rank=dp_rank, pp_rank=pp_rank) for t in range(tp)]
+    if kind == "dp":
+        return [rank_of(layout, tp_rank=tp_rank, dp_rank=d, pp_rank=pp_rank) for d in range(dp)]
+    if kind == "pp":
+        return [
+            rank_of(layout, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=p) for p in range(layout.pp)
+        ]
+    base = pp_rank * tp * dp  # first rank of this pipeline stage's tp*dp plane
+    local = rank - base
+    if kind == "ep":
+        first = base + (local // ep) * ep
+        return list(range(first, first + ep))
+    if kind == "edp":
+        return list(range(base + local % ep, base + tp * dp, ep))
+    raise PlannerError(f"kind={kind!r}: must be one of tp, dp, ep, edp, pp")
+
+
+# -- network ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Network:
+    """Per-GPU link figures of one cluster, read once from its topology graph.
+
+    ``nvlink_Bps`` and ``ib_Bps`` are per GPU per direction at line rate; ``ib_Bps`` is the
+    GPU's share of the fabric when every GPU of a node talks off-node at once. Collectives
+    use them times the achieved fractions (``*_bus_Bps``).
+    """
+
+    gpus_per_node: int
+    nvlink_Bps: float
+    ib_Bps: float
+    nvlink_latency_s: float
+    ib_latency_s: float
+    nvlink_achieved: float
+    ib_achieved: float
+
+    @classmethod
+    def of(cls, cluster: ClusterSpec) -> Network:
+        """Figures of ``cluster`` from ``cluster.topology()``.
+
+        Every GPU of node 0 sends to a neighbour at once: to the next GPU of its node for
+        NVLink, to the same GPU of node 1 (its rail peer, the route NCCL's rings and trees
+        take) for IB. A GPU's bandwidth is the minimum over its path's edges of the edge's
+        bandwidth divided by the number of those concurrent paths crossing it in that
+        direction: GPUs sharing a NIC split it, so the IB share comes out as
+        ``nics_per_node * nic_Bps / gpus_per_node`` (or the PCIe link, if slower). The
+        latency is the sum of the path's edge latencies. The figures are read from a
+        two-node copy of the cluster: the fabric is a non-blocking fat tree, so a GPU's share
+        does not depend on the node count, and the graph of 2 nodes builds in a millisecond
+        where 2,048 nodes take a quarter of a second (a one-node job's IB figures are never
+        used: its groups stay on the node).
+        """
+        per_node = cluster.gpus_per_node
+        cluster = cluster.model_copy(update={"num_gpus": 2 * per_node})
+        graph = cluster.topology()
+        if per_node > 1:
+            ring = [_path(graph, i, (i + 1) % per_node) for i in range(per_node)]
+        else:  # no peer on the node: GPU to switch and back stands for the NVLink path
+            ring = [[(gpu(0), "nvswitch0"), ("nvswitch0", gpu(0))]]
+        nvlink = _concurrent_paths(graph, ring)
+        ib = _concurrent_paths(graph, [_path(graph, i, i + per_node) for i in range(per_node)])
+        return cls(
+            gpus_per_node=per_node,
+            nvlink_Bps=nvlink[0],
+            ib_Bps=ib[0],
+            nvlink_latency_s=nvlink[1],
+            ib_latency_s=ib[1],
+            nvlink_achieved=_achieved(cluster, "nvlink"),
+            ib_achieved=_achieved(cluster, "ib"),
+        )
+
+    @property
+    def nvlink_bus_Bps(self) -> float:
+        """Achieved NVLink bus bandwidth per GPU per direction (B/s)."""
+        return self.nvlink_Bps * self.nvlink_achieved
+
+    @property
+    def ib_bus_Bps(self) -> float:
+        """Achieved IB bus bandwidth per GPU per direction (B/s)."""
+        return self.ib_Bps * self.ib_achieved
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def p2p_time(self, nbytes: float, src: int, dst: int) -> float:
+        """One send from ``src`` to ``dst`` (pipeline activations): latency + bytes over
+        NVLink inside a node, over the GPU's IB share across nodes."""
+        if src == dst or nbytes <= 0:
+            return 0.0
+        if self.node_of(src) == self.node_of(dst):
+            return self.nvlink_latency_s + nbytes / self.nvlink_bus_Bps
+        return self.ib_latency_s + nbytes / self.ib_bus_Bps
+
+    def all_reduce_time(self, nbytes: float, ranks: Sequence[int]) -> float:
+        """All-reduce of an ``nbytes`` buffer on each rank (hierarchical across nodes)."""
+        per_node, nodes = self._spread(ranks)
+        if nbytes <= 0 or per_node * nodes == 1:
+            return 0.0
+        return 2 * (self._intra(nbytes, per_node) + self._inter(nbytes / per_node, nodes))
+
+    def reduce_scatter_time(self, nbytes: float, ranks: Sequence[int]) -> float:
+        """Reduce-scatter of a full (unsharded) ``nbytes`` buffer per rank."""
+        per_node, nodes = self._spread(ranks)
+        if nbytes <= 0 or per_node * nodes == 1:
+            return 0.0
+        return self._intra(nbytes, per_node) + self._inter(nbytes / per_node, nodes)
+
+    def all_gather_time(self, nbytes: float, ranks: Sequence[int]) -> float:
+        """All-gather into a full ``nbytes`` buffer per rank (mirror of reduce-scatter)."""
+        return self.reduce_scatter_time(nbytes, ranks)
+
+    def all_to_all_time(self, nbytes: float, ranks: Sequence[int]) -> float:
+        """All-to-all where each rank sends ``nbytes`` in total, an equal share to every
+        member (its own share stays local). Off-node shares go over the GPU's IB share and
+        on-node shares over NVLink at the same time; the busiest node sets the time."""
+        members = set(ranks)
+        n = len(members)
+        if nbytes <= 0 or n <= 1:
+            return 0.0
+        counts = Counter(self.node_of(r) for r in members)
+        worst = 0.0
+        for here in set(counts.values()):
+            on_node = nbytes * (here - 1) / n / self.nvlink_bus_Bps
+            off_node = nbytes * (n - here) / n / self.ib_bus_Bps
+            worst = max(worst, on_node, off_node)
+        # All peers are posted at once, so one path latency, the slowest kind in use.
+        latency = self.ib_latency_s if len(counts) > 1 else self.nvlink_latency_s
+        return worst + latency
+
+    # -- helpers --------------------------------------------------------------------------
+    def _spread(self, ranks: Iterable[int]) -> tuple[int, int]:
+        """(members on the busiest node, nodes spanned) of a group."""
+        counts = Counter(self.node_of(r) for r in set(ranks))
+        if not counts:
+            raise PlannerError("ranks=[]: a collective needs at least one rank")
+        return max(counts.values()), len(counts)
+
+    def _intra(self, nbytes: float, members: int) -> float:
+        """Ring reduce-scatter (or all-gather) of ``nbytes`` over ``members`` GPUs of a node."""
+        steps = members - 1
+        return steps / members * nbytes / self.nvlink_bus_Bps + steps * self.nvlink_latency_s
+
+    def _inter(self, nbytes: float, nodes: int) -> float:
+        """Reduce-scatter (or all-gather) of ``nbytes`` per GPU over ``nodes`` nodes, each
+        GPU on its own IB share; a tree's depth of latency."""
+        if nodes == 1:
+            return 0.0
+        bandwidth = (nodes - 1) / nodes * nbytes / self.ib_bus_Bps
+        return bandwidth + math.ceil(math.log2(nodes)) * self.ib_latency_s
+
+
+def _concurrent_paths(graph: Any, paths: list[list[tuple[str, str]]]) -> tuple[float, float]:
+    """(bandwidth, latency) of the first path while all ``paths`` carry traffic at once."""
+    load = Counter(hop for path in paths for hop in path)  # directed: links are per direction
+    first = paths[0]
+    bandwidth = min(graph.edges[hop]["bandwidth_Bps"] / load[hop] for hop in first)
+    latency = sum(graph.edges[hop]["latency_s"] for hop in first)
+    return float(bandwidth), float(latency)
+
+
+def _path(graph: Any, src: int, dst: int) -> list[tuple[str, str]]:
+    import networkx as nx
+
+    nodes = nx.shortest_path(graph, gpu(src), gpu(dst))
+    return list(itertools.pairwise(nodes))
+
+
+def _achieved(cluster: ClusterSpec, kind: str) -> float:
+    try:
+        return float(cluster.achieved[kind])
+    except KeyError:
+        raise PlannerError(
+            f"ClusterSpec.achieved.{kind}: missing; the communication model needs it"
+        ) from None
+
+
+# -- MoE traffic --------------------------------------------------------------------------
+
+
+def moe_dispatch_bytes(model: ModelSpec, shard: Shard) -> float:
+    """Bytes one rank sends in ONE all-to-all (dispatch or combine) of one MoE layer for one
+    micro-batch: its ``sp_tokens * k`` token copies of ``hidden`` activations, times
+    ``moe_load_imbalance`` for the busiest rank. A forward pass has a dispatch and a combine,
+    the backward their two transposes: ``MOE_ALL_TO_ALLS_PER_LAYER`` (4) all-to-alls per MoE
+    layer per micro-batch, each of this size."""
+    return (
+        shard.sp_tokens
+        * model.experts_per_token
+        * model.hidden_size
+        * shard.act_bytes
+        * shard.moe_load_imbalance
+    )
