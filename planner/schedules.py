@@ -1,46 +1,330 @@
-"""Pipeline schedules: how many micro-batches' activations each rank holds at its peak.
+"""Pipeline schedules: the order of work on each rank, the bubble each source states, and how
+many micro-batches' activations each rank holds at its peak.
 
-The memory model needs, for each pipeline rank, the number of micro-batches whose saved
-activations are resident at the moment of the rank's peak, per model chunk the rank holds.
-Sources of each closed form are given with it.
+- :func:`op_order` lists, for one pipeline rank, the forward (F), backward (BW, or its
+  input-gradient half B and weight-gradient half W) passes it runs, in the order the
+  schedule's reference implementation runs them.
+- :func:`stage_rank` says which rank holds a stage (and, for DualPipe, a direction).
+- :func:`bubble_formula` is the idle time per rank as each schedule's paper states it.
+- :func:`in_flight` feeds the memory model: micro-batches per chunk resident at the peak.
+
+Stages are indices into ``Layout.stages`` (model order); data flows from stage s to s + 1 in
+forward. Sources are cited with each schedule.
 """
 
 from __future__ import annotations
 
-from planner.layout import Layout
+from dataclasses import dataclass
+from typing import Literal
+
+from planner.errors import PlannerError
+from planner.layout import SCHEDULES, Layout
+
+OpKind = Literal["F", "B", "W", "BW"]
+
+
+@dataclass(frozen=True)
+class Op:
+    """One pass of one micro-batch through one stage.
+
+    ``kind``: F forward, B input-gradient backward, W weight-gradient backward, BW the full
+    backward (B and W fused, for schedules that do not split them). ``paired`` marks an F that
+    runs overlapped with the B/BW op right after it on the same rank (DualPipe's F&B chunks).
+    """
+
+    kind: OpKind
+    microbatch: int
+    stage: int
+    direction: int = 0
+    paired: bool = False
+
+
+def stage_rank(schedule: str, pp: int, stage: int, direction: int = 0) -> int:
+    """Pipeline rank holding ``stage`` (for DualPipe: the copy serving ``direction``)."""
+    _known(schedule)
+    if schedule == "dualpipe":
+        # Two copies of the model, one per direction; direction 1 enters at the last rank.
+        assert 0 <= stage < pp and direction in (0, 1)
+        return stage if direction == 0 else pp - 1 - stage
+    if schedule == "dualpipev":
+        # V shape: down the ranks for the first pp stages, back up for the last pp.
+        assert 0 <= stage < 2 * pp
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def op_order(
+    schedule: str, *, pp: int, num_microbatches: int, rank: int, virtual_stages: int = 1
+) -> list[Op]:
+    """The ops pipeline rank ``rank`` runs in one training step, in order."""
+    p, m, v = pp, num_microbatches, virtual_stages
+    _check(schedule, p, m, v)
+    assert 0 <= rank < p
+    if schedule == "gpipe":
+        return _gpipe(m, rank)
+    if schedule == "1f1b":
+        return _one_f_one_b(p, m, rank, split=False)
+    if schedule == "zb-h1":
+        return _one_f_one_b(p, m, rank, split=True)
+    if schedule == "interleaved":
+        return _interleaved_order(p, v, m, rank)
+    return _dualpipe(schedule, p, m, rank)
+
+
+def bubble_formula(
+    schedule: str,
+    *,
+    pp: int,
+    num_microbatches: int,
+    virtual_stages: int,
+    f: float,
+    b: float,
+    w: float,
+    fb: float | None = None,
+) -> float:
+    """Idle time per rank as each source states it (seconds if f/b/w are seconds): f forward
+    time of one micro-batch on one stage chunk, b input-grad backward, w weight-grad backward,
+    fb time of an overlapped F&B pair (default f+b+w: a forward and a full backward with no
+    gain from the overlap; DualPipe's paired backward is the full one, see ``_dualpipe``).
+
+    The sources write B for the full backward of a chunk, here b + w.
+    """
+    p, v = pp, virtual_stages
+    _check(schedule, p, num_microbatches, v)
+    full_b = b + w
+    if schedule in ("gpipe", "1f1b"):
+        # (p-1)(F+B): Huang et al. 2019 (GPipe), Narayanan et al. SC'21 section 2.2.1.
+        return (p - 1) * (f + full_b)
+    if schedule == "interleaved":
+        # (p-1)(F+B)/v with F, B a rank's whole share of layers (v chunks): Narayanan et al.
+        # SC'21 section 2.2.2.
+        return (p - 1) * (v * f + v * full_b) / v
+    if schedule == "zb-h1":
+        # (p-1)(F+B-2W), B the full backward, as the deepseek-ai/DualPipe README's ZB1P row
+        # writes Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 2.1 (ZB-H1:
+        # a third of 1F1B's bubble when F, B and W passes take equal time).
+        return (p - 1) * (f + full_b - 2 * w)
+    pair = f + full_b if fb is None else fb
+    # (PP/2-1)(F&B+B-3W) with PP the number of stages: DeepSeek-V3 technical report
+    # (arXiv 2412.19437) Table 2 for DualPipe; the deepseek-ai/DualPipe README states the same
+    # for DualPipeV, whose PP stages sit on PP/2 ranks (PP = 2 * pp here).
+    stages = p if schedule == "dualpipe" else 2 * p
+    return (stages // 2 - 1) * (pair + full_b - 3 * w)
 
 
 def in_flight(layout: Layout, rank: int, num_microbatches: int) -> dict[int, float]:
-    """Micro-batches resident per stage (chunk index -> count) at ``rank``'s peak."""
+    """Micro-batches resident per stage (chunk index -> count) at ``rank``'s peak.
+
+    A micro-batch is resident on a stage from its F until its BW (or W) is done; the counts
+    are taken at the first moment the rank's total peaks in :func:`op_order` (for micro-batch
+    counts the reference does not run, the same closed forms, capped at m). Equal totals at
+    other moments may split differently between an interleaved rank's chunks.
+    """
     p, m, v = layout.pp, num_microbatches, layout.virtual_stages
     chunks = layout.chunks_of_rank(rank)
     schedule = layout.schedule
     if schedule == "gpipe":
         # All forwards before any backward (Huang et al. 2019).
         return {c: float(m) for c in chunks}
-    if schedule in ("1f1b", "zb-h1"):
-        # 1F1B (Narayanan et al. SC'21, section 2.2): rank r runs p - r warm-up forwards
-        # before its first backward. ZB-H1 (Qi et al. ICLR'24, section 3.1) defers weight
-        # gradients but keeps 1F1B's peak of p in-flight micro-batches on the first rank.
+    if schedule == "1f1b":
+        # 1F1B (Narayanan et al. SC'21, section 2.2.1): rank r runs p - r forwards before its
+        # first backward.
         return {chunks[0]: float(min(p - rank, m))}
+    if schedule == "zb-h1":
+        # ZB-H1 (Qi et al. ICLR'24, section 2.1) runs 1F1B's p - r forwards, then delays each
+        # rank's W passes by r, so every rank, not just the first, holds p micro-batches whose
+        # W is not done (W needs most of the saved activations: their Table 1, M_W vs M_B).
+        return {chunks[0]: float(min(p, m))}
     if schedule == "interleaved":
         return _interleaved(p, v, m, rank, chunks)
-    # DualPipe / DualPipeV: DeepSeek-V3 report Table 2 gives PP+1 micro-batches of
-    # activations per rank (1F1B: PP). Rank r is at position r of one direction (or of the
-    # V's descending leg), holding pp - r like 1F1B, and at position pp-1-r of the other
-    # (the ascending leg), holding r + 1: together pp + 1. DualPipe feeds each direction
-    # half of the micro-batches (the odd one out goes to the first direction).
-    first, second = ((m + 1) // 2, m // 2) if schedule == "dualpipe" else (m, m)
-    return {chunks[0]: float(min(p - rank, first)), chunks[1]: float(min(rank + 1, second))}
+    # DualPipe / DualPipeV peak at step 4's first F (see ``_dualpipe``): on the leg where the
+    # rank sits early it holds as many as 1F1B would over that leg (pp - r on DualPipe's
+    # direction 0; 2pp - r on the V's 2pp-stage pipeline), on the other leg r + 1. Totals: pp + 1
+    # for DualPipe, 2pp + 1 chunks for DualPipeV, both PP + 1 stages in the deepseek-ai/DualPipe
+    # README's table (PP stages: pp, resp. 2pp). Counts below the reference's minimum of m are
+    # capped at m; DualPipe feeds each direction half of them (an odd one to the first).
+    if schedule == "dualpipe":
+        first, second = (m + 1) // 2, m // 2
+        return {chunks[0]: float(min(p - rank, first)), chunks[1]: float(min(rank + 1, second))}
+    return {chunks[0]: float(min(2 * p - rank, m)), chunks[1]: float(min(rank + 1, m))}
 
 
 def _interleaved(p: int, v: int, m: int, rank: int, chunks: list[int]) -> dict[int, float]:
-    """Megatron-LM's interleaved 1F1B: rank r runs (p - r - 1) * 2 + (v - 1) * p warm-up
-    forwards, then one more before its first backward; forwards walk chunk 0 for p
-    micro-batches, then chunk 1, ... (Narayanan et al. SC'21 section 2.2, and Megatron-LM's
-    ``get_pp_rank_microbatches``). Count the chunks of those forwards."""
-    warmup = min((p - rank - 1) * 2 + (v - 1) * p + 1, m * v)
+    """Count the chunks of the forwards Megatron-LM's interleaved schedule runs before the
+    rank's first backward (see ``_interleaved_order``)."""
     counts = dict.fromkeys(chunks, 0.0)
-    for j in range(warmup):
-        counts[chunks[(j // p) % v]] += 1
+    for j in range(min(_interleaved_warmup(p, v, m, rank) + 1, m * v)):
+        counts[chunks[_interleaved_chunk(j, p, v)]] += 1
     return counts
+
+
+def _known(schedule: str) -> None:
+    if schedule not in SCHEDULES:
+        raise PlannerError(f"Layout.schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
+
+
+def _check(schedule: str, p: int, m: int, v: int) -> None:
+    """The reference implementations' limits on the micro-batch count (and Layout's on v)."""
+    _known(schedule)
+    assert p > 0
+    expected_v = {"interleaved": None, "dualpipev": 2}.get(schedule, 1)
+    if (v < 2) if expected_v is None else (v != expected_v):
+        rule = ">= 2" if expected_v is None else f"= {expected_v}"
+        raise PlannerError(f"Layout.virtual_stages={v}: {schedule} needs virtual_stages {rule}")
+    if m < 1:
+        raise PlannerError(f"Layout.num_microbatches={m}: must be >= 1")
+    if schedule == "interleaved" and m % p:
+        # Megatron-LM's interleaved schedule asserts this (schedules.py, "number of
+        # microbatches is not divisible by pipeline-model-parallel-size").
+        raise PlannerError(f"Layout.num_microbatches={m}: interleaved needs a multiple of pp={p}")
+    if schedule in ("dualpipe", "dualpipev"):
+        if p % 2:
+            raise PlannerError(f"Layout.pp={p}: {schedule} needs an even pp")
+        # deepseek-ai/DualPipe asserts num_chunks >= 2 * num_ranks (both), and an even count
+        # for DualPipe, which splits it between its two directions.
+        if m < 2 * p or (schedule == "dualpipe" and m % 2):
+            even = "an even number " if schedule == "dualpipe" else ""
+            raise PlannerError(
+                f"Layout.num_microbatches={m}: {schedule} needs {even}>= 2*pp={2 * p}"
+            )
+
+
+def _gpipe(m: int, r: int) -> list[Op]:
+    """GPipe (Huang et al. 2019): every forward, then every backward (last in, first out)."""
+    return [Op("F", i, r) for i in range(m)] + [Op("BW", i, r) for i in reversed(range(m))]
+
+
+def _one_f_one_b(p: int, m: int, r: int, *, split: bool) -> list[Op]:
+    """1F1B as Megatron-LM runs it (``forward_backward_pipelining_without_interleaving``):
+    min(p - r - 1, m) warm-up forwards, then one forward and one backward in turn, then the
+    remaining backwards.
+
+    ``split`` gives ZB-H1 (Qi et al. ICLR'24, section 2.1, their Figure 3 top): the same F and B
+    order, with each W delayed by r micro-batches on rank r, so the last ranks' B passes reach
+    the first ranks sooner and the delayed W passes fill the cool-down bubble.
+    """
+    warmup = min(p - r - 1, m)
+    forwards = [Op("F", i, r) for i in range(m)]
+    backwards = [Op("B" if split else "BW", i, r) for i in range(m)]
+    order = forwards[:warmup]
+    for i in range(m):
+        if warmup + i < m:
+            order.append(forwards[warmup + i])
+        order.append(backwards[i])
+        if split and i >= r:
+            order.append(Op("W", i - r, r))
+    if split:  # the W passes still delayed when the last B is done
+        order += [Op("W", i, r) for i in range(max(m - r, 0), m)]
+    return order
+
+
+def _interleaved_warmup(p: int, v: int, m: int, r: int) -> int:
+    """Megatron-LM: all m*v forwards first when m == p, else (p-r-1)*2 + (v-1)*p, capped."""
+    if m == p:
+        return m * v
+    return min((p - r - 1) * 2 + (v - 1) * p, m * v)
+
+
+def _interleaved_chunk(j: int, p: int, v: int) -> int:
+    """Local chunk of the j-th forward: p micro-batches on chunk 0, p on chunk 1, ..."""
+    return (j % (p * v)) // p
+
+
+def _interleaved_order(p: int, v: int, m: int, r: int) -> list[Op]:
+    """Megatron-LM's interleaved 1F1B (Narayanan et al. SC'21 section 2.2.2,
+    ``forward_backward_pipelining_with_interleaving``): the j-th forward runs micro-batch
+    (j // (p*v)) * p + j % p on local chunk (j % (p*v)) // p; the j-th backward the same
+    micro-batch on the mirrored chunk v - 1 - that. Warm-up forwards, then one forward and one
+    backward in turn, then the remaining backwards."""
+
+    def op(kind: OpKind, j: int) -> Op:
+        chunk = _interleaved_chunk(j, p, v)
+        if kind == "BW":
+            chunk = v - 1 - chunk
+        return Op(kind, (j // (p * v)) * p + j % p, r + chunk * p)
+
+    total = m * v
+    warmup = _interleaved_warmup(p, v, m, r)
+    order = [op("F", j) for j in range(warmup)]
+    for j in range(total - warmup):
+        order += [op("F", warmup + j), op("BW", j)]
+    return order + [op("BW", j) for j in range(total - warmup, total)]
+
+
+def _dualpipe(schedule: str, p: int, m: int, r: int) -> list[Op]:
+    """DualPipe (DeepSeek-V3 report section 3.2.1) and DualPipeV, following the eight steps of
+    ``DualPipe.step`` / ``DualPipeV.step`` in deepseek-ai/DualPipe.
+
+    Each rank has two "phases": phase 0 is the leg where it sits early (position h), phase 1
+    the leg where it sits late. For DualPipe, h = min(r, pp-1-r) over n = pp/2 positions per
+    half and each direction carries m/2 micro-batches; for DualPipeV, h = r, n = pp and the V's
+    two legs carry all m. Within a phase, forwards and backwards go in micro-batch order.
+    Backwards are full (BW) unless the reference enables its zero-bubble split for them
+    (``enable_zb``): then a B, and its W later in first-in first-out order.
+    """
+    if schedule == "dualpipe":
+        n, h, per_leg = p // 2, min(r, p - 1 - r), m // 2
+        # Phase 0 is direction 0 on the first half of the ranks, direction 1 on the second.
+        dirs = (0, 1) if r < n else (1, 0)
+        stage = {0: r, 1: p - 1 - r}
+        legs = [(stage[d], d, d * per_leg) for d in dirs]  # (stage, direction, first id)
+    else:
+        n, h, per_leg = p, r, m
+        legs = [(r, 0, 0), (2 * p - 1 - r, 0, 0)]
+    done_f, done_b = [0, 0], [0, 0]
+    pending_w: list[Op] = []
+    order: list[Op] = []
+
+    def fwd(phase: int, paired: bool = False) -> None:
+        s, d, first = legs[phase]
+        order.append(Op("F", first + done_f[phase], s, d, paired))
+        done_f[phase] += 1
+
+    def bwd(phase: int, zb: bool = False) -> None:
+        s, d, first = legs[phase]
+        order.append(Op("B" if zb else "BW", first + done_b[phase], s, d))
+        if zb:
+            pending_w.append(Op("W", first + done_b[phase], s, d))
+        done_b[phase] += 1
+
+    def weight() -> None:
+        order.append(pending_w.pop(0))
+
+    def pair(f_phase: int, b_phase: int) -> None:
+        fwd(f_phase, paired=True)
+        bwd(b_phase)
+
+    for _ in range(2 * (n - h - 1)):  # step 1: forwards on the early leg
+        fwd(0)
+    for _ in range(h + 1):  # step 2: both legs
+        fwd(0)
+        fwd(1)
+    for _ in range(n - h - 1):  # step 3: B, W, F on the late leg
+        bwd(1, zb=True)
+        weight()
+        fwd(1)
+    for i in range(per_leg - 2 * n + h + 1):  # step 4 (main): F&B pairs on both legs
+        if i == 0 and h == n - 1:
+            # The middle ranks (DualPipe) / the V's turn (DualPipeV) run this pair unoverlapped
+            # "to further reduce bubble size" (reference comment).
+            fwd(0)
+            bwd(1)
+        else:
+            pair(0, 1)
+        pair(1, 0)
+    for _ in range(n - h - 1):  # step 5
+        bwd(1)
+        pair(1, 0)
+    zb = False
+    for i in range(h + 1):  # step 6: both legs; the later half split, W in steps 7-8
+        zb = zb or (i == (h + 1) // 2 and h % 2 == 1)
+        bwd(1, zb)
+        zb = zb or (i == (h + 1) // 2 and h % 2 == 0)
+        bwd(0, zb)
+    for _ in range(n - h - 1):  # step 7
+        weight()
+        bwd(0, zb=True)
+    for _ in range(h + 1):  # step 8: the remaining W passes
+        weight()
+    assert not pending_w
+    return order

@@ -34,12 +34,22 @@ def test_interleaved_first_rank(p: int, v: int) -> None:
     assert held_chunks / v == pytest.approx(p * (1 + (p - 1) / (p * v)))
 
 
-@pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev"])
-def test_dualpipe_holds_pp_plus_one(schedule: str) -> None:
+def test_dualpipe_holds_pp_plus_one() -> None:
+    """DeepSeek-V3 report Table 2: PP + 1 micro-batches of a stage's activations per rank."""
     p = 8
-    layout = planner.Layout.uniform(LLAMA, pp=p, schedule=schedule)  # type: ignore[arg-type]
+    layout = planner.Layout.uniform(LLAMA, pp=p, schedule="dualpipe")
     for r in range(p):
         assert sum(in_flight(layout, r, 64).values()) == p + 1
+
+
+def test_dualpipev_holds_two_pp_plus_one_chunks() -> None:
+    """DualPipeV puts 2pp stages (chunks of half a rank's share) on pp ranks; the reference
+    order (deepseek-ai/DualPipe, steps 1-2 and the first forward of step 4) keeps 2pp + 1
+    chunk activations, the README's "PP+1" with PP = 2pp stages counted in chunks."""
+    p = 8
+    layout = planner.Layout.uniform(LLAMA, pp=p, schedule="dualpipev")
+    for r in range(p):
+        assert sum(in_flight(layout, r, 64).values()) == 2 * p + 1
 
 
 def test_dualpipe_stores_parameters_twice() -> None:
