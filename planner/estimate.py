@@ -2,8 +2,15 @@
 
 It checks the layout against the model, the cluster and the job (every block placed once, in
 order; degrees that divide; the world size; micro-batching that adds up to the global batch),
-then returns an ``Estimate``. Memory is modelled (``planner.costs.memory``); step time is not
-yet, and its fields stay ``None`` until the time model lands.
+then returns an ``Estimate``: per-rank memory (``planner.costs.memory``) and the analytic step
+time (``planner.steptime`` over the per-stage table of ``planner.costs.timing``).
+
+MFU convention (PaLM, Chowdhery et al. 2022, appendix B, with attention's causal half): model
+FLOPs per token = 6 x (parameters a token passes through in matrix multiplies: routed experts
+count k of E, the embedding lookup not at all, the output head and MTP modules fully)
++ 6 x layers x heads x (d_qk + d_v) x seq_len x 1/2; MFU divides the model FLOPs per second
+by the GPUs' dense BF16 peak (also for FP8 runs, so FP8's gain shows as MFU above BF16's).
+Recompute is not model FLOPs: it lowers MFU.
 """
 
 from __future__ import annotations
@@ -11,14 +18,16 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.costs.blocks import block_names
+from planner.costs.comm import Network
 from planner.costs.memory import StageMemory, stage_memory
+from planner.costs.timing import optimizer_time, stage_times
 from planner.errors import PlannerError
 from planner.layout import Layout
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 
 
 class Estimate(BaseModel):
-    """What a layout costs: per-rank memory (bytes) and, once modelled, step time (seconds)."""
+    """What a layout costs: per-rank memory (bytes) and step time (seconds)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -26,11 +35,16 @@ class Estimate(BaseModel):
     peak_bytes: int = Field(description="Largest per-rank peak over all pipeline positions.")
     hbm_bytes: int = Field(description="HBM capacity per GPU (bytes), for comparison.")
     num_microbatches: int = Field(description="Micro-batches per step per pipeline.")
-    step_time_s: float | None = Field(default=None, description="Not modelled yet: None.")
-    breakdown: dict[str, float] = Field(default_factory=dict, description="Seconds per part.")
-    mfu: float | None = Field(default=None, description="Not modelled yet: None.")
-    tflops_per_gpu: float | None = Field(default=None, description="Not modelled yet: None.")
-    tokens_per_s: float | None = Field(default=None, description="Not modelled yet: None.")
+    step_time_s: float = Field(description="Predicted seconds per optimizer step.")
+    breakdown: dict[str, float] = Field(
+        description="Seconds per part of the step (they sum to step_time_s): compute, "
+        "recompute, tp_comm, expert_all_to_all, zero_comm, bubble, pipeline_p2p, grad_sync, "
+        "optimizer; the parts of the critical (busiest) pipeline rank."
+    )
+    critical_rank: int = Field(description="Pipeline rank whose work sets the step time.")
+    mfu: float = Field(description="Model FLOPs utilisation (see the module docstring).")
+    tflops_per_gpu: float = Field(description="Model TFLOP/s per GPU (10^12 FLOP/s).")
+    tokens_per_s: float = Field(description="Training tokens per second, whole cluster.")
 
     @property
     def fits(self) -> bool:
@@ -39,15 +53,48 @@ class Estimate(BaseModel):
 
 
 def evaluate(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: Layout) -> Estimate:
-    """Cost ``layout``: per-rank memory now, step time when the time model lands."""
+    """Cost ``layout``: per-rank memory and the step time with its breakdown."""
+    from planner.steptime import step_time
+
     m = check_layout(model, cluster, job, layout)
     memory = stage_memory(model, job, layout, num_microbatches=m)
+    times = stage_times(model, cluster, job, layout, Network.of(cluster))
+    step = step_time(
+        layout,
+        times,
+        [optimizer_time(s, cluster) for s in memory],
+        num_microbatches=m,
+    )
+    tokens_per_s = job.tokens_per_step / step.total
+    flops_per_s = model_flops_per_token(model, job.seq_len) * tokens_per_s / cluster.num_gpus
     return Estimate(
         memory=memory,
         peak_bytes=max(s.peak_bytes for s in memory),
         hbm_bytes=cluster.hbm_bytes,
         num_microbatches=m,
+        step_time_s=step.total,
+        breakdown=step.breakdown,
+        critical_rank=step.critical_rank,
+        mfu=flops_per_s / cluster.bf16_flops,
+        tflops_per_gpu=flops_per_s / 1e12,
+        tokens_per_s=tokens_per_s,
     )
+
+
+def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    """Training FLOPs per token under the MFU convention of the module docstring."""
+    matmul = model.num_params(active=True) - model.vocab_size * model.hidden_size
+    if model.tie_word_embeddings:
+        matmul += model.vocab_size * model.hidden_size  # the head multiplies by the table
+    if model.learned_positions:
+        matmul -= model.learned_positions * model.hidden_size
+    if model.attention == "mla":
+        d_qk, d_v = model.qk_nope_head_dim + model.qk_rope_head_dim, model.v_head_dim
+    else:
+        d_qk = d_v = model.head_dim
+    layers = model.num_layers + model.num_mtp_layers
+    attention = 6 * layers * model.num_attention_heads * (d_qk + d_v) * seq_len * 0.5
+    return 6.0 * matmul + attention
 
 
 def check_layout(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: Layout) -> int:

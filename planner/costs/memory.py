@@ -96,15 +96,9 @@ def state_bytes(
     return out
 
 
-def stage_memory(
-    model: ModelSpec,
-    job: TrainingJob,
-    layout: Layout,
-    *,
-    num_microbatches: int,
-) -> list[StageMemory]:
-    """Memory of every pipeline rank of ``layout`` (one entry per pipeline position)."""
-    shard = Shard(
+def shard_of(job: TrainingJob, layout: Layout) -> Shard:
+    """The per-rank shapes a layout gives every block of a job."""
+    return Shard(
         seq_len=job.seq_len,
         micro_batch=layout.micro_batch,
         tp=layout.tp,
@@ -114,10 +108,27 @@ def stage_memory(
         activation_dtype=job.activation_dtype,
         moe_load_imbalance=job.moe_load_imbalance,
     )
+
+
+def block_costs(model: ModelSpec, layout: Layout, shard: Shard) -> dict[str, BlockCost]:
+    """Cost of every block the layout places, by block name."""
     costs: dict[str, BlockCost] = {}
     for stage in layout.stages:
         for placed in stage.blocks:
             costs.setdefault(placed.block, block_cost(model, placed.block, shard))
+    return costs
+
+
+def stage_memory(
+    model: ModelSpec,
+    job: TrainingJob,
+    layout: Layout,
+    *,
+    num_microbatches: int,
+) -> list[StageMemory]:
+    """Memory of every pipeline rank of ``layout`` (one entry per pipeline position)."""
+    shard = shard_of(job, layout)
+    costs = block_costs(model, layout, shard)
     return [
         _rank_memory(rank, model, job, layout, shard, costs, num_microbatches)
         for rank in range(layout.pp)

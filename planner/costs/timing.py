@@ -1,0 +1,234 @@
+"""Seconds of each pipeline stage's work for one micro-batch, and of each rank's per-step work.
+
+This is the table both the analytic step time (``planner.steptime``) and the simulated
+executor (``planner.simulate``) read, so they can disagree only in how they schedule it.
+
+Per stage (one chunk of the layout, on one rank of its pipeline position):
+
+- ``fwd``, ``bwd_input``, ``bwd_weight``: compute (``planner.costs.compute``) plus the
+  tensor-parallel collectives inside the block (Megatron-LM runs them on the compute stream,
+  so they are exposed: with sequence parallelism an all-gather and a reduce-scatter per
+  tensor-parallel region, priced as one all-reduce of the region's activations);
+- ``recompute``: forward work (and, under full recompute, its tensor-parallel collectives)
+  repeated before the backward; counted inside ``bwd_input``;
+- ``a2a_fwd`` / ``a2a_bwd``: expert-parallel all-to-alls per micro-batch: dispatch and combine
+  in forward, their two transposes in backward (plus the forward pair again when recompute
+  re-runs the MoE layer), exposed unless a schedule overlaps them (DualPipe's paired chunks);
+- ``p2p``: sending this stage's output (or input gradient) to the neighbouring stage;
+- ``grad_sync``: the data-parallel gradient reduction of the stage's parameters once per step
+  (all-reduce under ZeRO-0, reduce-scatter under ZeRO-1/2; the updated parameters' all-gather
+  is assumed overlapped with the next step's forward, as Megatron-LM's --overlap-param-gather);
+- ``zero_gather`` / ``zero_reduce``: per micro-batch ZeRO-3 parameter all-gathers (each of
+  forward and backward) and ZeRO-2/3 gradient reduce-scatters, prefetched and overlapped with
+  compute, so only the excess over the op's compute is exposed.
+
+Per rank: ``optimizer``: the optimizer step, memory-bound over the rank's state (read and
+write master weights and moments, read gradients, write weights; an HBM EMA read and written).
+
+Ignored: the tied embedding's gradient all-reduce between the first and last stage, the
+cross-entropy's small tensor-parallel reductions, and the MoE router's auxiliary reductions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from planner.costs.blocks import Param
+from planner.costs.comm import Network, group, moe_dispatch_bytes
+from planner.costs.compute import Rates, block_time
+from planner.costs.memory import StageMemory, block_costs, shard_of, shards
+from planner.layout import Layout, parse_recompute
+from planner.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, TrainingJob
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """Seconds of one stage's work for one micro-batch (``grad_sync``: once per step)."""
+
+    stage: int
+    fwd: float
+    bwd_input: float
+    bwd_weight: float
+    recompute: float
+    tp_fwd: float  # tensor-parallel collectives inside ``fwd``
+    tp_bwd: float  # ... inside ``bwd_input`` (those re-run by recompute are in ``recompute``)
+    a2a_fwd: float
+    a2a_bwd: float
+    p2p: float
+    grad_sync: float
+    zero_gather: float
+    zero_reduce: float
+
+    @property
+    def tp_comm(self) -> float:
+        return self.tp_fwd + self.tp_bwd
+
+
+def stage_times(
+    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: Layout, network: Network
+) -> list[StageTime]:
+    """One ``StageTime`` per entry of ``layout.stages``."""
+    rates = Rates.of(cluster, job)
+    shard = shard_of(job, layout)
+    costs = block_costs(model, layout, shard)
+    act = shard.sp_tokens * model.hidden_size * shard.act_bytes  # a stage boundary's tensor
+    region = shard.tokens * model.hidden_size * shard.act_bytes  # a tp region's activations
+    a2a_bytes = moe_dispatch_bytes(model, shard) if model.num_experts else 0.0
+    # FP8 training dispatches the FP8-quantised expert inputs (1 byte per element plus one
+    # fp32 scale per 128 elements) and combines in BF16 (DeepSeek-V3 report section 3.3.2);
+    # backward all-to-alls carry activation gradients at the activation dtype.
+    dispatch_share = (1 + 4 / 128) / shard.act_bytes if job.compute_dtype == "fp8" else 1.0
+    out = []
+    for index, stage in enumerate(layout.stages):
+        rank = _first_rank(layout, index)
+        tp_ar = network.all_reduce_time(region, group(layout, "tp", rank))
+        ep_group = group(layout, "ep", rank)
+        combine = network.all_to_all_time(a2a_bytes, ep_group)
+        forward_pair = network.all_to_all_time(a2a_bytes * dispatch_share, ep_group) + combine
+        fwd = bwd_in = bwd_w = rec = tp_fwd_sum = 0.0
+        moe_layers = moe_rerun = 0
+        params: dict[str, Param] = {}
+        for placed in stage.blocks:
+            cost = costs[placed.block]
+            choice = parse_recompute(placed.recompute)
+            t = block_time(cost, rates, choice)
+            tp_fwd = cost.tp_collectives * tp_ar
+            rerun_tp = tp_fwd if choice == "full" else 0.0
+            fwd += t.fwd + tp_fwd
+            bwd_in += t.bwd_input + t.recompute + tp_fwd + rerun_tp
+            bwd_w += t.bwd_weight
+            rec += t.recompute + rerun_tp
+            tp_fwd_sum += tp_fwd
+            moe_layers += cost.moe_layers
+            moe_rerun += cost.moe_layers if _reruns_moe(choice) else 0
+            for p in cost.params:
+                params.setdefault(p.key, p)
+        dense, expert = _grad_bytes(list(params.values()), job, layout)
+        out.append(
+            StageTime(
+                stage=index,
+                fwd=fwd,
+                bwd_input=bwd_in,
+                bwd_weight=bwd_w,
+                recompute=rec,
+                tp_fwd=tp_fwd_sum,
+                tp_bwd=tp_fwd_sum,
+                a2a_fwd=moe_layers * forward_pair,
+                a2a_bwd=moe_layers * 2 * combine + (moe_rerun * forward_pair),
+                p2p=_p2p(layout, network, index, act),
+                grad_sync=_grad_sync(layout, network, rank, dense, expert),
+                zero_gather=_zero_gather(layout, network, rank, params, job),
+                zero_reduce=_zero_reduce(layout, network, rank, dense, expert),
+            )
+        )
+    return out
+
+
+def optimizer_time(memory: StageMemory, cluster: ClusterSpec) -> float:
+    """Seconds of one rank's optimizer step (memory-bound; see the module docstring)."""
+    b = memory.buckets
+    traffic = 2 * b["optimizer"] + b["grads"] + b["weights"] + 2 * b["ema"]
+    return traffic / (cluster.hbm_bandwidth_Bps * cluster.achieved.get("memory_bound", 1.0))
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def _reruns_moe(choice: frozenset[str] | str) -> bool:
+    """Whether recompute repeats the MoE layer's forward (and so its all-to-alls)."""
+    return choice == "full" or (isinstance(choice, frozenset) and "moe" in choice)
+
+
+def _holder(layout: Layout, stage: int) -> int:
+    """Pipeline rank holding ``stage`` (direction 0 for DualPipe)."""
+    return next(r for r in range(layout.pp) if stage in layout.chunks_of_rank(r))
+
+
+def _first_rank(layout: Layout, stage: int) -> int:
+    return _holder(layout, stage) * layout.tp * layout.dp
+
+
+def _p2p(layout: Layout, network: Network, stage: int, nbytes: float) -> float:
+    """Send to the next stage's holder (DualPipe's second direction mirrors the same hop)."""
+    if stage + 1 >= len(layout.stages):
+        return 0.0
+    return network.p2p_time(nbytes, _first_rank(layout, stage), _first_rank(layout, stage + 1))
+
+
+def _grad_bytes(params: list[Param], job: TrainingJob, layout: Layout) -> tuple[float, float]:
+    """Unsharded gradient bytes on one rank: (dense, routed experts)."""
+    gb = DTYPE_BYTES[job.grad_dtype]
+    dense = sum(p.numel / shards(p, layout) * gb for p in params if p.trainable and not p.expert)
+    expert = sum(p.numel / shards(p, layout) * gb for p in params if p.trainable and p.expert)
+    return dense, expert
+
+
+def _dp_groups(layout: Layout, rank: int) -> tuple[list[int], list[int]]:
+    """Gradient-reduction groups of a rank's dense and expert parameters. DualPipe keeps each
+    stage on two ranks (both directions), so their gradients are reduced together."""
+    dense, expert = group(layout, "dp", rank), group(layout, "edp", rank)
+    if layout.schedule == "dualpipe":
+        pp_rank = rank // (layout.tp * layout.dp)
+        mirror = rank + (layout.pp - 1 - 2 * pp_rank) * layout.tp * layout.dp
+        if mirror != rank:
+            dense = dense + group(layout, "dp", mirror)
+            expert = expert + group(layout, "edp", mirror)
+    return dense, expert
+
+
+def _grad_sync(layout: Layout, network: Network, rank: int, dense: float, expert: float) -> float:
+    if layout.zero >= 2:  # reduced per micro-batch instead (``zero_reduce``)
+        return 0.0
+    dense_group, expert_group = _dp_groups(layout, rank)
+    collective = network.all_reduce_time if layout.zero == 0 else network.reduce_scatter_time
+    return collective(dense, dense_group) + collective(expert, expert_group)
+
+
+def _zero_reduce(layout: Layout, network: Network, rank: int, dense: float, expert: float) -> float:
+    if layout.zero < 2:
+        return 0.0
+    dense_group, expert_group = _dp_groups(layout, rank)
+    return network.reduce_scatter_time(dense, dense_group) + network.reduce_scatter_time(
+        expert, expert_group
+    )
+
+
+def _zero_gather(
+    layout: Layout, network: Network, rank: int, params: dict[str, Param], job: TrainingJob
+) -> float:
+    if layout.zero < 3:
+        return 0.0
+    wb = DTYPE_BYTES[job.weight_dtype]
+    ps = list(params.values())
+    dense = sum(p.numel / shards(p, layout) * wb for p in ps if not p.expert)
+    expert = sum(p.numel / shards(p, layout) * wb for p in ps if p.expert)
+    dense_group, expert_group = _dp_groups(layout, rank)
+    return network.all_gather_time(dense, dense_group) + network.all_gather_time(
+        expert, expert_group
+    )
+
+
+def op_time(st: StageTime, kind: str) -> float:
+    """Seconds of one op (``F``, ``B``, ``W`` or fused ``BW``) of stage ``st`` on its rank's
+    compute stream, with its expert all-to-alls exposed. ZeRO-3 gathers the stage's weights
+    before ``F`` and ``B``/``BW``, and ZeRO-2/3 reduce-scatter the gradients the ``W``/``BW``
+    produce, each prefetched or overlapped: an op lasts as long as the longer of the two."""
+    if kind == "F":
+        return max(st.fwd + st.a2a_fwd, st.zero_gather)
+    if kind == "B":
+        return max(st.bwd_input + st.a2a_bwd, st.zero_gather)
+    if kind == "W":
+        return max(st.bwd_weight, st.zero_reduce)
+    full = st.bwd_input + st.bwd_weight + st.a2a_bwd
+    return max(full, st.zero_gather + st.zero_reduce)
+
+
+def paired_time(f: StageTime, b: StageTime, b_kind: str) -> float:
+    """DualPipe's overlapped pair: one chunk's forward runs alongside another's backward, the
+    all-to-alls of each hidden behind the other's compute (DeepSeek-V3 report section 3.2.1)."""
+    compute = op_time(_no_a2a(f), "F") + op_time(_no_a2a(b), b_kind)
+    return max(compute, f.a2a_fwd + b.a2a_bwd)
+
+
+def _no_a2a(st: StageTime) -> StageTime:
+    return replace(st, a2a_fwd=0.0, a2a_bwd=0.0)
