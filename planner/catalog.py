@@ -69,11 +69,14 @@ def load_cluster(source: str | Path, *, gpus: int) -> ClusterSpec:
             nvlink_latency_s=data["nvlink_latency_us"] * 1e-6,
             ib_latency_s=data["ib_latency_us"] * 1e-6,
             achieved=dict(achieved),
-            **(
-                {"kernel_overhead_s": data["kernel_overhead_us"] * 1e-6}
-                if "kernel_overhead_us" in data
-                else {}
-            ),
+            **{
+                field: data[key] * 1e-6
+                for field, key in (
+                    ("kernel_overhead_s", "kernel_overhead_us"),
+                    ("host_overhead_s", "host_overhead_us"),
+                )
+                if key in data
+            },
         )
     except KeyError as exc:
         raise PlannerError(f"cluster file {path}: missing key {exc.args[0]!r}") from None

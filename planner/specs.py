@@ -155,8 +155,14 @@ class ClusterSpec(Spec):
     kernel_overhead_s: float = Field(
         default=4e-6,
         ge=0,
-        description="Fixed cost per kernel (s): launch latency and under-filled waves of "
-        "small kernels.",
+        description="GPU time per kernel beyond its work (s): launch latency and "
+        "under-filled waves.",
+    )
+    host_overhead_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="Host time to issue one kernel (s), overlapped with the GPU's work; 0 "
+        "when the host never binds.",
     )
     achieved: dict[str, float] = Field(
         description="Achieved fraction of peak per kind of work (gemm, attention, memory_bound, "

@@ -249,6 +249,11 @@ def _block_cost(model: ModelSpec, name: str, shard: Shard) -> BlockCost:
 
 def model_param_count(model: ModelSpec, *, active: bool = False, include_mtp: bool = True) -> int:
     """Trainable parameters of the whole model, each shared tensor counted once."""
+    return _model_param_count(model, active, include_mtp)
+
+
+@functools.lru_cache(maxsize=1024)
+def _model_param_count(model: ModelSpec, active: bool, include_mtp: bool) -> int:
     shard = Shard(seq_len=1)
     seen: dict[str, Param] = {}
     for name in block_names(model):

@@ -105,6 +105,11 @@ class Network:
 
     @classmethod
     def of(cls, cluster: ClusterSpec) -> Network:
+        """Figures of ``cluster`` (cached per machine type; see ``_read``)."""
+        return _network(cluster.model_copy(update={"num_gpus": 2 * cluster.gpus_per_node}))
+
+    @classmethod
+    def _read(cls, cluster: ClusterSpec) -> Network:
         """Figures of ``cluster`` from ``cluster.topology()``.
 
         Every GPU of node 0 sends to a neighbour at once: to the next GPU of its node for
@@ -120,7 +125,6 @@ class Network:
         used: its groups stay on the node).
         """
         per_node = cluster.gpus_per_node
-        cluster = cluster.model_copy(update={"num_gpus": 2 * per_node})
         graph = cluster.topology()
         if per_node > 1:
             ring = [_path(graph, i, (i + 1) % per_node) for i in range(per_node)]
@@ -241,6 +245,18 @@ def _achieved(cluster: ClusterSpec, kind: str) -> float:
         raise PlannerError(
             f"ClusterSpec.achieved.{kind}: missing; the communication model needs it"
         ) from None
+
+
+_CACHE: dict[str, Network] = {}
+
+
+def _network(cluster: ClusterSpec) -> Network:
+    key = cluster.model_dump_json()
+    if key not in _CACHE:
+        if len(_CACHE) > 256:
+            _CACHE.clear()
+        _CACHE[key] = Network._read(cluster)
+    return _CACHE[key]
 
 
 # -- MoE traffic --------------------------------------------------------------------------

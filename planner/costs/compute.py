@@ -12,7 +12,13 @@ Each kind of work in ``planner.costs.work.Work`` runs at its own rate:
   tokens the GEMM is bound by reading the expert's weights (roofline: m tokens give 2m FLOPs
   per weight element read);
 - memory-bound kernels at ``HBM bandwidth x achieved["memory_bound"]``;
-- plus ``cluster.kernel_overhead_s`` per kernel, which is what makes small GEMMs slow.
+- plus ``cluster.kernel_overhead_s`` per kernel on the GPU: launch latency and the tail of
+  under-filled waves, what makes small GEMMs slow.
+
+The host issues the kernels, ``cluster.host_overhead_s`` each (framework dispatch and the CUDA
+launch call), asynchronously: a phase of work takes the longer of the GPU's time and the
+host's. Small models at high tensor parallelism are host-bound this way (in the vTrain
+measurements a micro-batch of 2 sequences takes as long as one of 1), large ones are not.
 
 The achieved fractions and the overhead come from the hardware catalog (each with its source)
 or from a calibration; ``benchmarks/vtrain_fidelity.py`` fits the A100's on measured runs.
@@ -40,7 +46,8 @@ class Rates:
     gemm_flops: float  # FLOP/s
     attention_flops: float  # FLOP/s
     memory_Bps: float  # bytes/s
-    kernel_s: float  # seconds per kernel
+    kernel_s: float  # GPU seconds per kernel
+    host_s: float  # host seconds per kernel
     weight_bytes: int  # bytes per weight element read by a GEMM
 
     @classmethod
@@ -59,6 +66,7 @@ class Rates:
             attention_flops=cluster.bf16_flops * achieved.get("attention", 1.0),
             memory_Bps=cluster.hbm_bandwidth_Bps * achieved.get("memory_bound", 1.0),
             kernel_s=cluster.kernel_overhead_s,
+            host_s=cluster.host_overhead_s,
             weight_bytes=1 if job.compute_dtype == "fp8" else DTYPE_BYTES[job.weight_dtype],
         )
 
@@ -75,15 +83,17 @@ def expert_efficiency(tokens_per_expert: float, rates: Rates) -> float:
 
 
 def work_time(work: Work, rates: Rates, *, tokens_per_expert: float = 0.0) -> float:
-    """Seconds ``work`` takes on one GPU (kinds run one after another on one stream)."""
+    """Seconds ``work`` takes: its kernels run one after another on one stream, and the host
+    must have issued them (see the module docstring)."""
     expert_rate = rates.gemm_flops * expert_efficiency(tokens_per_expert, rates)
-    return (
+    gpu = (
         work.gemm / rates.gemm_flops
         + work.attention / rates.attention_flops
         + (work.expert / expert_rate if work.expert else 0.0)
         + work.memory / rates.memory_Bps
         + work.kernels * rates.kernel_s
     )
+    return max(gpu, work.kernels * rates.host_s)
 
 
 @dataclass(frozen=True)
