@@ -112,6 +112,39 @@ def bubble_formula(
     return (stages // 2 - 1) * (pair + full_b - 3 * w)
 
 
+def order_idle(
+    schedule: str,
+    *,
+    pp: int,
+    num_microbatches: int,
+    virtual_stages: int,
+    f: float,
+    b: float,
+    w: float,
+    fb: float | None = None,
+) -> float:
+    """Idle time of the most idle rank when ``op_order`` runs with equal stages: the source's
+    ``bubble_formula``, which the DualPipe sources state for f = b, plus the reference
+    order's exact dependence on f - b. With k = stages/2 - 1, a forward longer than the
+    backward adds k(f - b); a shorter one saves min(f, k(b - f)) (found by running the
+    order; ``tests/test_schedule_orders.py`` checks it over a grid with and without overlap
+    gain). Every other schedule's formula is already exact for the orders here."""
+    idle = bubble_formula(
+        schedule,
+        pp=pp,
+        num_microbatches=num_microbatches,
+        virtual_stages=virtual_stages,
+        f=f,
+        b=b,
+        w=w,
+        fb=fb,
+    )
+    if schedule not in ("dualpipe", "dualpipev"):
+        return idle
+    k = (pp if schedule == "dualpipe" else 2 * pp) // 2 - 1
+    return idle + k * (f - b) if f >= b else idle - min(f, k * (b - f))
+
+
 def in_flight(layout: Layout, rank: int, num_microbatches: int) -> dict[int, float]:
     """Micro-batches resident per stage (chunk index -> count) at ``rank``'s peak.
 

@@ -3,9 +3,11 @@
 Each pipeline rank runs its schedule's op order (``planner.schedules.op_order``) on one compute
 stream, one op at a time, in order. An op starts when the rank is free and its inputs have
 arrived: a forward needs the previous stage's output, a backward the next stage's input
-gradient, each sent point-to-point (latency + bytes / bandwidth, asynchronously: the sender
-does not wait). DualPipe's paired forward and backward run as one overlapped task. Op lengths
-come from the same per-stage table as the analytic estimate (``planner.costs.timing``).
+gradient. Each is sent point-to-point (latency + bytes / bandwidth) at the end of the op that
+produced it, and the sender waits for the send as Megatron-LM's 1F1B does, so the data is
+there when the sending op ends. DualPipe's paired forward and backward run as one task that
+overlaps their sends and all-to-alls with their compute. Op lengths come from the same
+per-stage table as the analytic estimate (``planner.costs.timing``).
 
 A second stream per rank carries the data-parallel gradient reduction: each stage's starts
 when the stage's last gradient-producing op starts (bucketed reduction overlaps the last
@@ -36,7 +38,7 @@ from planner.costs.memory import StageMemory, block_costs, shard_of, stage_memor
 from planner.costs.timing import StageTime, op_time, optimizer_time, paired_time, stage_times
 from planner.estimate import check_layout
 from planner.layout import Layout, parse_recompute
-from planner.schedules import Op, op_order, stage_rank
+from planner.schedules import Op, op_order
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 
 
@@ -127,7 +129,7 @@ def simulate(
     times = stage_times(model, cluster, job, layout, network)
     memory = stage_memory(model, job, layout, num_microbatches=m)
     tasks = _tasks(layout, times, m)
-    _run(layout, times, tasks)
+    _run(layout, tasks)
     events: list[Event] = []
     step = 0.0
     busy, ends = [], []
@@ -183,7 +185,7 @@ def _key(op: Op) -> tuple[str, int, int, int]:
     return (kind, op.microbatch, op.stage, op.direction)
 
 
-def _run(layout: Layout, times: list[StageTime], tasks: list[list[_Task]]) -> None:
+def _run(layout: Layout, tasks: list[list[_Task]]) -> None:
     """Give every task its start time: the longest path through the task graph."""
     graph: nx.DiGraph[int] = nx.DiGraph()
     flat = [t for mine in tasks for t in mine]
@@ -199,10 +201,10 @@ def _run(layout: Layout, times: list[StageTime], tasks: list[list[_Task]]) -> No
             graph.add_edge(ids[id(a)], ids[id(b)], delay=0.0)
     for index, task in enumerate(flat):
         for op in task.ops:
-            for dep, delay in _inputs(layout, times, op, last):
+            for dep in _inputs(op, last):
                 src = owner[dep]
                 if src != index:
-                    graph.add_edge(src, index, delay=delay)
+                    graph.add_edge(src, index, delay=0.0)
     for index in nx.topological_sort(graph):
         task = flat[index]
         task.start = max(
@@ -211,25 +213,16 @@ def _run(layout: Layout, times: list[StageTime], tasks: list[list[_Task]]) -> No
         )
 
 
-def _inputs(
-    layout: Layout, times: list[StageTime], op: Op, last: int
-) -> list[tuple[tuple[str, int, int, int], float]]:
-    """The ops whose results ``op`` needs, with the transfer delay of each."""
+def _inputs(op: Op, last: int) -> list[tuple[str, int, int, int]]:
+    """The ops whose results ``op`` needs (their sends are inside them)."""
     s, mb, d = op.stage, op.microbatch, op.direction
-
-    def hop(a: int, b: int) -> float:
-        same = stage_rank(layout.schedule, layout.pp, a, d) == stage_rank(
-            layout.schedule, layout.pp, b, d
-        )
-        return 0.0 if same else times[min(a, b)].p2p
-
     if op.kind == "F":
-        return [(("F", mb, s - 1, d), hop(s - 1, s))] if s > 0 else []
+        return [("F", mb, s - 1, d)] if s > 0 else []
     if op.kind == "W":
-        return [(("B", mb, s, d), 0.0)]
-    deps = [(("F", mb, s, d), 0.0)]
+        return [("B", mb, s, d)]
+    deps = [("F", mb, s, d)]
     if s < last:
-        deps.append((("B", mb, s + 1, d), hop(s, s + 1)))
+        deps.append(("B", mb, s + 1, d))
     return deps
 
 

@@ -22,7 +22,7 @@ import pytest
 import planner
 from planner.errors import PlannerError
 from planner.layout import Schedule
-from planner.schedules import Op, bubble_formula, in_flight, op_order, stage_rank
+from planner.schedules import Op, bubble_formula, in_flight, op_order, order_idle, stage_rank
 
 LLAMA = planner.load_model("llama3-70b")  # 80 layers: enough stages for every grid point
 
@@ -365,3 +365,29 @@ def test_wrong_virtual_stages_or_schedule() -> None:
         op_order("dualpipev", pp=4, num_microbatches=8, rank=0)
     with pytest.raises(PlannerError, match=r"^Layout\.schedule='pipedream'"):
         op_order("pipedream", pp=4, num_microbatches=8, rank=0)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "p", "v"),
+    [("dualpipe", 4, 1), ("dualpipe", 8, 1), ("dualpipev", 4, 2), ("dualpipev", 8, 2)],
+)
+@pytest.mark.parametrize(
+    ("f", "b", "w"), [(2, 3, 1), (1, 1.5, 1), (3, 4, 2), (1.5, 1, 0.5), (3, 3.5, 1), (1, 2, 0.5)]
+)
+@pytest.mark.parametrize("gain", [0.0, 0.3, 0.8])
+def test_order_idle_is_exact_for_dualpipe(
+    schedule: str, p: int, v: int, f: float, b: float, w: float, gain: float
+) -> None:
+    """The sources state DualPipe's bubble for f = b; ``order_idle`` adds the order's exact
+    dependence on f - b, which the executor confirms for any overlap gain."""
+    fb = f + b + w - gain * min(f, b)
+    m = 4 * p
+    idle = max(execute(schedule, p, m, v, f, b, w, fb))
+    expected = order_idle(
+        schedule, pp=p, num_microbatches=m, virtual_stages=v, f=f, b=b, w=w, fb=fb
+    )
+    assert idle == pytest.approx(expected)
+    source = bubble_formula(
+        schedule, pp=p, num_microbatches=m, virtual_stages=v, f=f, b=b, w=w, fb=fb
+    )
+    assert (idle == pytest.approx(source)) == (f == b)

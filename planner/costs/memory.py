@@ -10,7 +10,8 @@ the same):
 - ``ema``: an EMA copy in the job's ``ema`` dtype when it lives in HBM, sharded like the
   optimizer state.
 - ``activations``: saved activations of the micro-batches in flight at the rank's peak (the
-  schedule says how many), plus what one block rebuilds when recomputing in backward.
+  schedule's op order says how many of each chunk), plus what one block rebuilds when
+  recomputing in backward.
 - ``buffers``: NCCL communication buffers, pipeline send/receive tensors, and ZeRO-3's
   gathered copy of the largest block (twice: the one in use and the one prefetched).
 - ``context``: CUDA context and kernels.
@@ -32,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from planner.costs.blocks import BlockCost, Param, Shard, block_cost
 from planner.layout import Layout, parse_recompute
-from planner.schedules import in_flight
+from planner.schedules import op_order
 from planner.specs import DTYPE_BYTES, ModelSpec, TrainingJob
 
 BUCKETS = (
@@ -63,6 +64,30 @@ class StageMemory(BaseModel):
         description="Part of weights+grads+optimizer+ema that is embedding/head state (bytes)."
     )
     host_bytes: int = Field(description="Host RAM the rank uses for an EMA kept on the host.")
+
+
+def activation_peak(
+    layout: Layout, rank: int, num_microbatches: int, per_chunk: dict[int, float]
+) -> float:
+    """Highest saved-activation level on ``rank`` as its op order runs: each forward adds its
+    chunk's bytes for one micro-batch and the backward that consumes them (the weight-gradient
+    op when the schedule splits it off) removes them. ``schedules.in_flight`` gives the same
+    counts in closed form where the chunks save equal bytes."""
+    order = op_order(
+        layout.schedule,
+        pp=layout.pp,
+        num_microbatches=num_microbatches,
+        rank=rank,
+        virtual_stages=layout.virtual_stages,
+    )
+    level = peak = 0.0
+    for op in order:
+        if op.kind == "F":
+            level += per_chunk[op.stage]
+            peak = max(peak, level)
+        elif op.kind in ("BW", "W"):
+            level -= per_chunk[op.stage]
+    return peak
 
 
 def shards(p: Param, layout: Layout) -> int:
@@ -145,20 +170,21 @@ def _rank_memory(
     num_microbatches: int,
 ) -> StageMemory:
     chunks = layout.chunks_of_rank(rank)
-    flight = in_flight(layout, rank, num_microbatches)
     params: dict[str, Param] = {}
     names: list[str] = []
-    saved = 0.0
+    per_chunk: dict[int, float] = {}
     rebuild = 0
     for c in dict.fromkeys(chunks):  # a chunk listed twice is held once
+        per_chunk[c] = 0.0
         for placed in layout.stages[c].blocks:
             cost = costs[placed.block]
             choice = parse_recompute(placed.recompute)
             names.append(placed.block)
             for p in cost.params:
                 params.setdefault(p.key, p)
-            saved += flight[c] * cost.saved_bytes(choice)
+            per_chunk[c] += cost.saved_bytes(choice)
             rebuild = max(rebuild, cost.rebuilt_bytes(choice))
+    saved = activation_peak(layout, rank, num_microbatches, per_chunk)
     plist = list(params.values())
     ema_on_gpu = layout.ema == "hbm"
     state = state_bytes(plist, job=job, layout=layout, ema_on_gpu=ema_on_gpu)

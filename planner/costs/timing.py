@@ -14,7 +14,8 @@ Per stage (one chunk of the layout, on one rank of its pipeline position):
 - ``a2a_fwd`` / ``a2a_bwd``: expert-parallel all-to-alls per micro-batch: dispatch and combine
   in forward, their two transposes in backward (plus the forward pair again when recompute
   re-runs the MoE layer), exposed unless a schedule overlaps them (DualPipe's paired chunks);
-- ``p2p``: sending this stage's output (or input gradient) to the neighbouring stage;
+- ``p2p`` / ``p2p_back``: sending this stage's output to the next stage / its input gradient
+  to the previous one;
 - ``grad_sync``: the data-parallel gradient reduction of the stage's parameters once per step
   (all-reduce under ZeRO-0, reduce-scatter under ZeRO-1/2; the updated parameters' all-gather
   is assumed overlapped with the next step's forward, as Megatron-LM's --overlap-param-gather);
@@ -54,7 +55,8 @@ class StageTime:
     tp_bwd: float  # ... inside ``bwd_input`` (those re-run by recompute are in ``recompute``)
     a2a_fwd: float
     a2a_bwd: float
-    p2p: float
+    p2p: float  # send of the forward output to the next stage
+    p2p_back: float  # send of the input gradient to the previous stage
     grad_sync: float
     zero_gather: float
     zero_reduce: float
@@ -116,6 +118,7 @@ def stage_times(
                 a2a_fwd=moe_layers * forward_pair,
                 a2a_bwd=moe_layers * 2 * combine + (moe_rerun * forward_pair),
                 p2p=_p2p(layout, network, index, act),
+                p2p_back=_p2p(layout, network, index - 1, act) if index else 0.0,
                 grad_sync=_grad_sync(layout, network, rank, dense, expert),
                 zero_gather=_zero_gather(layout, network, rank, params, job),
                 zero_reduce=_zero_reduce(layout, network, rank, dense, expert),
@@ -208,27 +211,78 @@ def _zero_gather(
     )
 
 
-def op_time(st: StageTime, kind: str) -> float:
-    """Seconds of one op (``F``, ``B``, ``W`` or fused ``BW``) of stage ``st`` on its rank's
-    compute stream, with its expert all-to-alls exposed. ZeRO-3 gathers the stage's weights
-    before ``F`` and ``B``/``BW``, and ZeRO-2/3 reduce-scatter the gradients the ``W``/``BW``
-    produce, each prefetched or overlapped: an op lasts as long as the longer of the two."""
+@dataclass(frozen=True)
+class OpParts:
+    """Seconds of one task on a rank's compute stream, by what they are spent on."""
+
+    compute: float = 0.0  # forward / backward work (tensor-parallel comm and recompute apart)
+    recompute: float = 0.0
+    tp: float = 0.0
+    a2a: float = 0.0  # exposed expert all-to-all
+    p2p: float = 0.0  # exposed pipeline send
+    zero: float = 0.0  # exposed wait for ZeRO gathers / reduce-scatters
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.recompute + self.tp + self.a2a + self.p2p + self.zero
+
+
+def op_parts(st: StageTime, kind: str, *, overlapped: bool = False) -> OpParts:
+    """One op (``F``, ``B``, ``W`` or fused ``BW``) of stage ``st``. Its sends block the rank
+    (Megatron-LM's 1F1B waits for each send-and-receive pair), so the forward carries the
+    send of its output and the backward the send of its input gradient, as its expert
+    all-to-alls are exposed; ``overlapped`` leaves both out (a DualPipe pair hides them).
+    ZeRO-3 gathers the stage's weights before ``F`` and ``B``/``BW`` and ZeRO-2/3
+    reduce-scatter the gradients ``W``/``BW`` produce, prefetched or overlapped: the op lasts
+    as long as the longer of its work and that communication."""
+    comms = not overlapped
     if kind == "F":
-        return max(st.fwd + st.a2a_fwd, st.zero_gather)
-    if kind == "B":
-        return max(st.bwd_input + st.a2a_bwd, st.zero_gather)
-    if kind == "W":
-        return max(st.bwd_weight, st.zero_reduce)
-    full = st.bwd_input + st.bwd_weight + st.a2a_bwd
-    return max(full, st.zero_gather + st.zero_reduce)
+        parts = OpParts(
+            compute=st.fwd - st.tp_fwd,
+            tp=st.tp_fwd,
+            a2a=st.a2a_fwd * comms,
+            p2p=st.p2p * comms,
+        )
+        hidden = st.zero_gather
+    elif kind == "W":
+        parts, hidden = OpParts(compute=st.bwd_weight), st.zero_reduce
+    else:
+        weight = st.bwd_weight if kind == "BW" else 0.0
+        parts = OpParts(
+            compute=st.bwd_input + weight - st.recompute - st.tp_bwd,
+            recompute=st.recompute,
+            tp=st.tp_bwd,
+            a2a=st.a2a_bwd * comms,
+            p2p=st.p2p_back * comms,
+        )
+        hidden = st.zero_gather + (st.zero_reduce if kind == "BW" else 0.0)
+    return replace(parts, zero=max(0.0, hidden - parts.total))
+
+
+def op_time(st: StageTime, kind: str) -> float:
+    """Seconds of one op on its rank's compute stream (see ``op_parts``)."""
+    return op_parts(st, kind).total
+
+
+def pair_parts(f: StageTime, b: StageTime, b_kind: str) -> OpParts:
+    """DualPipe's overlapped pair: one chunk's forward runs alongside another's backward, the
+    all-to-alls and pipeline sends of each hidden behind the other's compute (DeepSeek-V3
+    report section 3.2.1); what the communication takes beyond the compute is exposed."""
+    fp, bp = op_parts(f, "F", overlapped=True), op_parts(b, b_kind, overlapped=True)
+    work = fp.total + bp.total
+    a2a, p2p = f.a2a_fwd + b.a2a_bwd, f.p2p + b.p2p_back
+    excess = max(0.0, a2a + p2p - work)
+    share = a2a / (a2a + p2p) if a2a + p2p > 0 else 0.0
+    return OpParts(
+        compute=fp.compute + bp.compute,
+        recompute=fp.recompute + bp.recompute,
+        tp=fp.tp + bp.tp,
+        zero=fp.zero + bp.zero,
+        a2a=excess * share,
+        p2p=excess * (1 - share),
+    )
 
 
 def paired_time(f: StageTime, b: StageTime, b_kind: str) -> float:
-    """DualPipe's overlapped pair: one chunk's forward runs alongside another's backward, the
-    all-to-alls of each hidden behind the other's compute (DeepSeek-V3 report section 3.2.1)."""
-    compute = op_time(_no_a2a(f), "F") + op_time(_no_a2a(b), b_kind)
-    return max(compute, f.a2a_fwd + b.a2a_bwd)
-
-
-def _no_a2a(st: StageTime) -> StageTime:
-    return replace(st, a2a_fwd=0.0, a2a_bwd=0.0)
+    """Seconds of a DualPipe pair (see ``pair_parts``)."""
+    return pair_parts(f, b, b_kind).total
