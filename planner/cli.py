@@ -19,7 +19,8 @@ from planner.costs.memory import BUCKETS
 from planner.errors import PlannerError
 from planner.estimate import Estimate, evaluate
 from planner.layout import SCHEDULES, Layout
-from planner.specs import TrainingJob
+from planner.simulate import simulate
+from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 
 GiB = 2**30
 SHORT = {"optimizer": "optim", "activations": "activ", "fragmentation": "frag", "context": "ctx"}
@@ -36,27 +37,35 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     sub.add_parser("models", help="list the model catalog")
     sub.add_parser("clusters", help="list the machine types")
-    mem = sub.add_parser("memory", help="per-rank memory of a stated layout")
-    mem.add_argument("--model", required=True, help="catalog name or path to config.json")
-    mem.add_argument("--cluster", required=True, help="machine type name or path to YAML")
-    mem.add_argument("--gpus", type=int, required=True, help="total GPUs")
-    mem.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
-    mem.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    _layout_args(sub.add_parser("memory", help="per-rank memory of a stated layout"))
+    _layout_args(sub.add_parser("evaluate", help="memory and step time of a stated layout"))
+    sim = sub.add_parser("simulate", help="run a stated layout's step event by event")
+    _layout_args(sim)
+    sim.add_argument("--trace", default=None, help="write a Perfetto/Chrome trace JSON here")
+    return p
+
+
+def _layout_args(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--model", required=True, help="catalog name or path to config.json")
+    cmd.add_argument("--cluster", required=True, help="machine type name or path to YAML")
+    cmd.add_argument("--gpus", type=int, required=True, help="total GPUs")
+    cmd.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    cmd.add_argument("--global-batch", type=int, required=True, help="sequences per step")
     for degree in ("tp", "pp", "ep"):
-        mem.add_argument(f"--{degree}", type=int, default=1, help=f"{degree} degree")
-    mem.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage")
-    mem.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    mem.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule")
-    mem.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank")
-    mem.add_argument(
+        cmd.add_argument(f"--{degree}", type=int, default=1, help=f"{degree} degree")
+    cmd.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage")
+    cmd.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    cmd.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule")
+    cmd.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank")
+    cmd.add_argument(
         "--recompute", default="none", help="none | selective | full | modules joined by '+'"
     )
-    mem.add_argument("--moment-dtype", default="fp32", help="optimizer moment dtype")
-    mem.add_argument("--grad-dtype", default="bf16", help="gradient dtype")
-    mem.add_argument("--ema", default=None, help="EMA dtype (omit for no EMA)")
-    mem.add_argument("--ema-on-host", action="store_true", help="keep the EMA in host RAM")
-    mem.add_argument("--json", action="store_true", help="print JSON for machines")
-    return p
+    cmd.add_argument("--compute-dtype", default="bf16", choices=["bf16", "fp8"], help="GEMMs")
+    cmd.add_argument("--moment-dtype", default="fp32", help="optimizer moment dtype")
+    cmd.add_argument("--grad-dtype", default="bf16", help="gradient dtype")
+    cmd.add_argument("--ema", default=None, help="EMA dtype (omit for no EMA)")
+    cmd.add_argument("--ema-on-host", action="store_true", help="keep the EMA in host RAM")
+    cmd.add_argument("--json", action="store_true", help="print JSON for machines")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,21 +75,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\n".join(model_names()))
         elif args.command == "clusters":
             print("\n".join(cluster_names()))
-        elif args.command == "memory":
-            _memory(args)
+        elif args.command in ("memory", "evaluate"):
+            _evaluate(args)
+        elif args.command == "simulate":
+            _simulate(args)
     except PlannerError as exc:
         print(f"planner: {exc}", file=sys.stderr)
         return 2
     return 0
 
 
-def _memory(args: argparse.Namespace) -> None:
+def _build(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJob, Layout]:
     model = load_model(args.model)
     cluster = load_cluster(args.cluster, gpus=args.gpus)
     job = TrainingJob(
         seq_len=args.seq_len,
         global_batch=args.global_batch,
         moment_dtype=args.moment_dtype,
+        compute_dtype=args.compute_dtype,
         grad_dtype=args.grad_dtype,
         ema=args.ema,
     )
@@ -100,11 +112,77 @@ def _memory(args: argparse.Namespace) -> None:
         recompute=args.recompute,
         ema="host" if args.ema_on_host else "hbm",
     )
+    return model, cluster, job, layout
+
+
+def _evaluate(args: argparse.Namespace) -> None:
+    model, cluster, job, layout = _build(args)
     est = evaluate(model, cluster, job, layout)
     if args.json:
         print(json.dumps({"layout": layout.model_dump(), "estimate": est.model_dump()}, indent=1))
-    else:
-        _print_memory(model.name, layout, est)
+        return
+    _print_memory(model.name, layout, est)
+    if args.command == "evaluate":
+        _print_time(est, job)
+
+
+def _simulate(args: argparse.Namespace) -> None:
+    model, cluster, job, layout = _build(args)
+    sim = simulate(model, cluster, job, layout)
+    est = evaluate(model, cluster, job, layout)
+    path = sim.to_chrome_trace(args.trace) if args.trace else None
+    if args.json:
+        out = {
+            "step_time_s": sim.step_time_s,
+            "analytic_step_time_s": est.step_time_s,
+            "busy_s": sim.busy_s,
+            "idle_s": sim.idle_s,
+            "peak_bytes": sim.peak_bytes,
+            "trace": str(path) if path else None,
+        }
+        print(json.dumps(out, indent=1))
+        return
+    console = Console(width=max(Console().width, 100))
+    table = Table(title=f"{model.name}: simulated step, per pipeline rank")
+    for col in ("rank", "busy (s)", "idle (s)", "idle", "peak (GiB)"):
+        table.add_column(col, justify="right")
+    for r, (busy, idle, peak) in enumerate(
+        zip(sim.busy_s, sim.idle_s, sim.peak_bytes, strict=True)
+    ):
+        table.add_row(
+            str(r),
+            f"{busy:.3f}",
+            f"{idle:.3f}",
+            f"{idle / sim.step_time_s:.0%}",
+            f"{peak / GiB:.2f}",
+        )
+    console.print(table)
+    diff = est.step_time_s / sim.step_time_s - 1
+    console.print(
+        f"Simulated step {sim.step_time_s:.3f} s; analytic estimate {est.step_time_s:.3f} s "
+        f"({diff:+.1%})."
+        + (f" Trace written to {path} (open in https://ui.perfetto.dev)." if path else "")
+    )
+
+
+def _print_time(est: Estimate, job: TrainingJob) -> None:
+    console = Console(width=max(Console().width, 100))
+    table = Table(title=f"step time: {est.step_time_s:.3f} s")
+    table.add_column("part")
+    table.add_column("seconds", justify="right")
+    table.add_column("share", justify="right")
+    for part, seconds in est.breakdown.items():
+        table.add_row(part, f"{seconds:.3f}", f"{seconds / est.step_time_s:.1%}")
+    console.print(table)
+    console.print(
+        f"Parts of the critical pipeline rank {est.critical_rank}. "
+        f"{est.tokens_per_s:,.0f} tokens/s, {est.tflops_per_gpu:.0f} model TFLOP/s per GPU, MFU "
+        f"{est.mfu:.1%} (6 x active matmul parameters + causal attention per token, against "
+        f"the dense BF16 peak). Includes compute at calibrated efficiencies, recompute, "
+        f"tensor-parallel and expert all-to-all communication, pipeline sends and bubble, "
+        f"exposed gradient reduction and the optimizer step; ignores stragglers, failures, "
+        f"data loading and checkpointing."
+    )
 
 
 def _print_memory(name: str, layout: Layout, est: Estimate) -> None:
@@ -135,7 +213,7 @@ def _print_memory(name: str, layout: Layout, est: Estimate) -> None:
         f"Peak {est.peak_bytes / GiB:.2f} GiB per GPU against {est.hbm_bytes / GiB:.2f} GiB HBM:"
         f" {verdict}. Includes weights, gradients, optimizer state, EMA, saved activations of"
         " the schedule's in-flight micro-batches, communication buffers, CUDA context and"
-        " fragmentation; ignores optimizer-step temporaries. Step time is not modelled yet."
+        " fragmentation; ignores optimizer-step temporaries."
     )
 
 

@@ -8,15 +8,17 @@ Read from the per-stage table of ``planner.costs.timing`` (the simulator reads t
                                                      states it (exact for the orders here)
          + exposed gradient reduction + optimizer    on the rank where they end last
 
-The bubble uses the largest per-chunk forward / backward / weight-gradient times over the
-ranks, so it is exact for equal stages and an approximation otherwise (the simulator is the
-reference there; ``tests/test_agreement.py`` bounds the difference). The gradient reduction
-overlaps the rank's last gradient-producing op; ranks that finish their backward early (1F1B
-drains from the last rank to the first) hide that much more of it.
+The bubble takes the per-chunk forward / backward / weight-gradient times of the stages the
+critical rank does not hold (their mean), so it is exact for equal stages and for 1F1B's
+classic (m - 1) max t + sum t with unequal ones, and an approximation otherwise (the
+simulator is the reference there; ``tests/test_agreement.py`` bounds the difference). The
+gradient reduction overlaps the rank's last gradient-producing op; ranks that finish their
+backward early (1F1B drains from the last rank to the first) hide that much more of it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from planner.costs.timing import OpParts, StageTime, op_parts, op_time, pair_parts, paired_time
@@ -52,10 +54,14 @@ def step_time(
     m = num_microbatches
     work = [_rank_work(layout, times, r, m) for r in range(layout.pp)]
     critical = max(range(layout.pp), key=lambda r: work[r].total)
-    f = max(op_time(t, "F") for t in times)
-    b = max(op_time(t, "B") for t in times)
-    w = max(op_time(t, "W") for t in times)
-    fb = max(paired_time(t, t, "BW") for t in times)
+    # The bubble is the other stages' work while the critical rank waits (1F1B with stage
+    # times t_s: (m - 1) max t + sum t, so the bubble is the sum over the other stages):
+    # the formula takes one chunk's times averaged over the stages the critical rank lacks.
+    others = [t for t in times if t.stage not in layout.chunks_of_rank(critical)] or times
+    f = _mean(op_time(t, "F") for t in others)
+    b = _mean(op_time(t, "B") for t in others)
+    w = _mean(op_time(t, "W") for t in others)
+    fb = _mean(paired_time(t, t, "BW") for t in others)
     bubble = order_idle(
         layout.schedule,
         pp=layout.pp,
@@ -67,11 +73,7 @@ def step_time(
         fb=fb,
     )
     tail = [
-        max(
-            0.0,
-            _sync(layout, times, r) - _last(layout, times, r, m) - _slack(layout, b + w, r),
-        )
-        + optimizer[r]
+        max(0.0, _exposed_sync(layout, times, r, m) - _slack(layout, b + w, r)) + optimizer[r]
         for r in range(layout.pp)
     ]
     end_rank = max(range(layout.pp), key=lambda r: tail[r])
@@ -89,6 +91,11 @@ def step_time(
     }
     total = c.total + bubble + tail[end_rank]
     return StepTime(total=total, breakdown=breakdown, critical_rank=critical)
+
+
+def _mean(values: Iterable[float]) -> float:
+    items = list(values)
+    return sum(items) / len(items)
 
 
 def _rank_work(layout: Layout, times: list[StageTime], rank: int, m: int) -> OpParts:
@@ -122,15 +129,29 @@ def _order(layout: Layout, rank: int, m: int) -> list[Op]:
     )
 
 
-def _sync(layout: Layout, times: list[StageTime], rank: int) -> float:
-    """Gradient reduction of every stage the rank holds (queued on one stream)."""
-    return sum(times[s].grad_sync for s in dict.fromkeys(layout.chunks_of_rank(rank)))
-
-
-def _last(layout: Layout, times: list[StageTime], rank: int, m: int) -> float:
-    """The rank's last gradient-producing op, which the reduction overlaps."""
-    op = next(o for o in reversed(_order(layout, rank, m)) if o.kind in ("BW", "W"))
-    return op_time(times[op.stage], op.kind)
+def _exposed_sync(layout: Layout, times: list[StageTime], rank: int, m: int) -> float:
+    """How far the rank's gradient reductions run past its last op. Each stage's reduction
+    starts with the stage's last gradient-producing op and they queue on one stream; op start
+    times are the rank's running busy time (its idle gaps, which would hide more, ignored)."""
+    clock, starts = 0.0, {}
+    order = _order(layout, rank, m)
+    i = 0
+    while i < len(order):
+        op = order[i]
+        group = order[i : i + 2] if op.paired else order[i : i + 1]
+        for o in group:
+            if o.kind in ("BW", "W"):
+                starts[o.stage] = clock
+        if op.paired:
+            clock += paired_time(times[op.stage], times[group[1].stage], group[1].kind)
+        else:
+            clock += op_time(times[op.stage], op.kind)
+        i += len(group)
+    free = 0.0
+    for stage, start in sorted(starts.items(), key=lambda kv: kv[1]):
+        if times[stage].grad_sync > 0:
+            free = max(free, start) + times[stage].grad_sync
+    return max(0.0, free - clock)
 
 
 def _slack(layout: Layout, backward: float, rank: int) -> float:
