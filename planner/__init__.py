@@ -6,13 +6,16 @@ Public API (stable names)::
     cluster = planner.load_cluster("h800", gpus=2048)
     job = planner.TrainingJob(seq_len=4096, global_batch=15360)
     layout = planner.Layout.uniform(model, pp=16, dp=128, ep=64)
-    est = planner.evaluate(model, cluster, job, layout)   # est.memory, est.peak_bytes
+    est = planner.evaluate(model, cluster, job, layout)   # est.memory, est.step_time_s, ...
+    sim = planner.simulate(model, cluster, job, layout)   # sim.step_time_s, sim.peak_bytes
+    sim.to_chrome_trace("trace.json")                     # open in https://ui.perfetto.dev
 """
 
 from planner.catalog import cluster_names, load_cluster, load_model, model_names
 from planner.errors import PlannerError
 from planner.estimate import Estimate, evaluate
 from planner.layout import BlockPlacement, Layout, Stage
+from planner.simulate import Simulation, simulate
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 
 __all__ = [
@@ -23,6 +26,7 @@ __all__ = [
     "ModelSpec",
     "PlannerError",
     "SearchSpace",
+    "Simulation",
     "Stage",
     "TrainingJob",
     "cluster_names",
@@ -30,4 +34,5 @@ __all__ = [
     "load_cluster",
     "load_model",
     "model_names",
+    "simulate",
 ]

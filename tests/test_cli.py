@@ -102,3 +102,46 @@ def test_malformed_config_file(tmp_path: Path) -> None:
     out = run(*args)
     assert out.returncode == 2
     assert "missing key" in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_evaluate_prints_memory_and_step_time() -> None:
+    out = run("evaluate", *DEMO[1:], "--compute-dtype", "fp8")
+    assert out.returncode == 0, out.stderr
+    assert "per-rank memory (GiB)" in out.stdout and "step time:" in out.stdout
+    for part in ("compute", "bubble", "expert_all_to_all", "grad_sync", "optimizer"):
+        assert part in out.stdout
+    assert "tokens/s" in out.stdout and "MFU" in out.stdout
+
+
+def test_simulate_writes_a_trace_and_agrees_with_the_library(tmp_path: Path) -> None:
+    import planner
+
+    trace = tmp_path / "trace.json"
+    out = run("simulate", *DEMO[1:], "--trace", str(trace), "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert json.loads(trace.read_text())["traceEvents"]
+    model = planner.load_model("deepseek-v3")
+    layout = planner.Layout.uniform(
+        model, pp=16, dp=128, ep=64, schedule="dualpipe", recompute="full", ema="host"
+    )
+    job = planner.TrainingJob(seq_len=4096, global_batch=15360, moment_dtype="bf16", ema="fp32")
+    sim = planner.simulate(model, planner.load_cluster("h800", gpus=2048), job, layout)
+    assert data["step_time_s"] == pytest.approx(sim.step_time_s)
+    assert data["peak_bytes"] == sim.peak_bytes
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (("--global-batch", "15232"), "Layout.num_microbatches=119"),  # DualPipe needs even m
+        (("--cluster", "a100"), "compute_dtype='fp8': a100 has no FP8"),
+    ],
+)
+def test_time_model_rules_are_one_line_errors(change: tuple[str, str], message: str) -> None:
+    args = ["evaluate", *DEMO[1:], "--compute-dtype", "fp8"]
+    args[args.index(change[0]) + 1] = change[1]
+    out = run(*args)
+    assert out.returncode == 2, out.stdout
+    assert message in out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr

@@ -1,0 +1,75 @@
+"""The simulated executor's outputs: the trace a person opens, the memory timeline, time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import planner
+from planner.layout import Layout
+from planner.simulate import simulate
+
+DS = planner.load_model("deepseek-v3")
+
+
+@pytest.fixture(scope="module")
+def deepseek() -> planner.Simulation:
+    """DeepSeek-V3 on 2048 H800s with DualPipe (report section 3.2): pp 16, ep 64, FP8."""
+    cluster = planner.load_cluster("h800", gpus=2048)
+    job = planner.TrainingJob(
+        seq_len=4096, global_batch=15360, moment_dtype="bf16", compute_dtype="fp8"
+    )
+    layout = Layout.uniform(DS, pp=16, dp=128, ep=64, schedule="dualpipe", recompute="full")
+    return simulate(DS, cluster, job, layout)
+
+
+def test_trace_opens_with_16_ranks_of_stages(deepseek: planner.Simulation, tmp_path: Path) -> None:
+    sim = deepseek
+    path = sim.to_chrome_trace(tmp_path / "trace.json")
+    events = json.loads(path.read_text())["traceEvents"]
+    names = [e["args"]["name"] for e in events if e.get("name") == "process_name"]
+    assert names == [f"pipeline rank {r}" for r in range(16)]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    m = 15360 // 128
+    for rank in range(16):
+        mine = [e["name"] for e in spans if e["pid"] == rank and e["tid"] == 0]
+        forwards = sum(part.startswith("F") for name in mine for part in name.split(" & "))
+        assert forwards == m  # m/2 micro-batches through each of the rank's two stages
+        stages = {p.split(" s")[1] for n in mine for p in n.split(" & ") if " s" in p}
+        assert stages == {str(rank), str(15 - rank)}  # stage r and its mirror
+    comm = [e for e in spans if e["tid"] == 1]
+    assert {e["pid"] for e in comm} == set(range(16))  # every rank reduces its gradients
+    assert any(e["ph"] == "C" for e in events)  # the memory counter track
+
+
+def test_busy_plus_idle_is_the_step(deepseek: planner.Simulation) -> None:
+    sim = deepseek
+    for busy, idle in zip(sim.busy_s, sim.idle_s, strict=True):
+        assert busy + idle == pytest.approx(sim.step_time_s)
+        assert 0 < busy <= sim.step_time_s
+
+
+def test_memory_timeline_returns_to_its_start(deepseek: planner.Simulation) -> None:
+    """Every activation allocated at a forward is freed by its backward."""
+    sim = deepseek
+    for timeline, peak in zip(sim.memory_timeline, sim.peak_bytes, strict=True):
+        assert timeline[-1][1] == timeline[0][1]
+        assert max(b for _, b in timeline) < peak  # the peak adds a rebuild and fragmentation
+        times = [t for t, _ in timeline]
+        assert times == sorted(times)
+
+
+def test_dualpipe_hides_expert_all_to_all_that_1f1b_exposes() -> None:
+    """DeepSeek-V3 report section 3.2.1: overlapping a forward with a backward chunk hides
+    the all-to-all. Same model, cluster and degrees: the exposed all-to-all shrinks."""
+    cluster = planner.load_cluster("h800", gpus=2048)
+    job = planner.TrainingJob(seq_len=4096, global_batch=15360, compute_dtype="fp8")
+    parts = {}
+    for schedule in ("1f1b", "dualpipe"):
+        layout = Layout.uniform(DS, pp=16, dp=128, ep=64, schedule=schedule, recompute="full")  # type: ignore[arg-type]
+        est = planner.evaluate(DS, cluster, job, layout)
+        parts[schedule] = est.breakdown["expert_all_to_all"] / est.num_microbatches
+    assert parts["dualpipe"] < 0.75 * parts["1f1b"]
