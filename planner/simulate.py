@@ -17,7 +17,8 @@ streams. The step ends when the last rank's optimizer step does.
 Memory: each forward allocates its stage's saved activations for one micro-batch and the
 backward that consumes them frees them (the weight-gradient op, when the schedule splits it
 off); the rest of each rank's memory is the memory model's static buckets. The simulated peak
-is those buckets plus the highest activation level reached, plus one block's rebuild.
+is those buckets plus the highest activation level reached; while a backward runs, the block
+it recomputes holds its rebuilt tensors too (its chunk's largest).
 
 The task graph is a networkx DiGraph; with a fixed op order its longest path is the step's
 compute critical path. The simulation covers one representative rank per pipeline position:
@@ -267,7 +268,10 @@ def _memory(
             for op in task.ops:
                 if op.kind == "F":
                     changes.append((task.start, 1, saved[op.stage]))
-                elif op.kind in ("BW", "W"):
+                if op.kind in ("B", "BW") and rebuild[op.stage]:
+                    changes.append((task.start, 1, rebuild[op.stage]))
+                    changes.append((task.end, 0, -rebuild[op.stage]))
+                if op.kind in ("BW", "W"):
                     changes.append((task.end, 0, -saved[op.stage]))
         level, high = 0, 0
         timeline = [(0.0, static + b["context"])]
@@ -275,9 +279,7 @@ def _memory(
             level += delta
             high = max(high, level)
             timeline.append((t, static + b["context"] + level))
-        chunks = dict.fromkeys(layout.chunks_of_rank(rank))
-        activations = high + max(rebuild[c] for c in chunks)
-        allocated = static + activations
+        allocated = static + high
         peaks.append(round(allocated + b["context"] + round(job.fragmentation * allocated)))
         timelines.append(timeline)
     return timelines, peaks

@@ -10,8 +10,8 @@ the same):
 - ``ema``: an EMA copy in the job's ``ema`` dtype when it lives in HBM, sharded like the
   optimizer state.
 - ``activations``: saved activations of the micro-batches in flight at the rank's peak (the
-  schedule's op order says how many of each chunk), plus what one block rebuilds when
-  recomputing in backward.
+  schedule's op order says how many of each chunk), with what one block rebuilds while a
+  backward recomputes it.
 - ``buffers``: NCCL communication buffers, pipeline send/receive tensors, and ZeRO-3's
   gathered copy of the largest block (twice: the one in use and the one prefetched).
 - ``context``: CUDA context and kernels.
@@ -67,12 +67,18 @@ class StageMemory(BaseModel):
 
 
 def activation_peak(
-    layout: Layout, rank: int, num_microbatches: int, per_chunk: dict[int, float]
+    layout: Layout,
+    rank: int,
+    num_microbatches: int,
+    per_chunk: dict[int, float],
+    rebuild: dict[int, float],
 ) -> float:
-    """Highest saved-activation level on ``rank`` as its op order runs: each forward adds its
-    chunk's bytes for one micro-batch and the backward that consumes them (the weight-gradient
-    op when the schedule splits it off) removes them. ``schedules.in_flight`` gives the same
-    counts in closed form where the chunks save equal bytes."""
+    """Highest activation level on ``rank`` as its op order runs: each forward adds its
+    chunk's saved bytes for one micro-batch and the backward that consumes them (the
+    weight-gradient op when the schedule splits it off) removes them; while a backward runs,
+    the block it recomputes holds its rebuilt tensors too (``rebuild``: the chunk's largest).
+    ``schedules.in_flight`` gives the same counts in closed form where chunks save equal
+    bytes."""
     order = op_order(
         layout.schedule,
         pp=layout.pp,
@@ -85,7 +91,9 @@ def activation_peak(
         if op.kind == "F":
             level += per_chunk[op.stage]
             peak = max(peak, level)
-        elif op.kind in ("BW", "W"):
+        if op.kind in ("B", "BW"):
+            peak = max(peak, level + rebuild[op.stage])
+        if op.kind in ("BW", "W"):
             level -= per_chunk[op.stage]
     return peak
 
@@ -173,9 +181,9 @@ def _rank_memory(
     params: dict[str, Param] = {}
     names: list[str] = []
     per_chunk: dict[int, float] = {}
-    rebuild = 0
+    rebuild: dict[int, float] = {}
     for c in dict.fromkeys(chunks):  # a chunk listed twice is held once
-        per_chunk[c] = 0.0
+        per_chunk[c] = rebuild[c] = 0.0
         for placed in layout.stages[c].blocks:
             cost = costs[placed.block]
             choice = parse_recompute(placed.recompute)
@@ -183,8 +191,8 @@ def _rank_memory(
             for p in cost.params:
                 params.setdefault(p.key, p)
             per_chunk[c] += cost.saved_bytes(choice)
-            rebuild = max(rebuild, cost.rebuilt_bytes(choice))
-    saved = activation_peak(layout, rank, num_microbatches, per_chunk)
+            rebuild[c] = max(rebuild[c], cost.rebuilt_bytes(choice))
+    activations = activation_peak(layout, rank, num_microbatches, per_chunk, rebuild)
     plist = list(params.values())
     ema_on_gpu = layout.ema == "hbm"
     state = state_bytes(plist, job=job, layout=layout, ema_on_gpu=ema_on_gpu)
@@ -205,7 +213,7 @@ def _rank_memory(
         "grads": state["grads"],
         "optimizer": state["optimizer"],
         "ema": state["ema"],
-        "activations": saved + rebuild,
+        "activations": activations,
         "buffers": buffers,
         "context": float(job.cuda_context_bytes),
     }
