@@ -9,9 +9,10 @@
   PP 16, DP 64 / 128, sequence 8192, 16M tokens per batch: 430 / 400 TFLOP/s per GPU, BF16
   MFU 43% / 41%.
 
-The published runs differ from the model in ways it does not capture (DeepSeek's node-limited
-routing and FP8 activation caching, Llama 3's tuned interleaving and overlapped
-communication), so this is a sanity check of scale, not a fit: nothing here is tuned to it.
+The published runs differ from the model in ways it does not capture (DeepSeek's FP8
+quantisation kernels, FP8 activation caching and expert load imbalance; Llama 3's tuned
+interleaving and overlapped communication), so this is a sanity check of scale, not a fit:
+nothing here is tuned to it.
 
 Run: ``.venv/bin/python benchmarks/published_throughput.py``.
 """

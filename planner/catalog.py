@@ -212,6 +212,11 @@ def _deepseek(cfg: dict[str, Any]) -> dict[str, Any]:
         "shared_expert_ffn_hidden_size": cfg.get("moe_intermediate_size") or 0,
         # noaux_tc routing keeps a per-expert bias buffer (e_score_correction_bias)
         "router_expert_bias": cfg.get("topk_method") == "noaux_tc",
+        # Group-limited routing: experts in n_group groups, each token within topk_group.
+        "expert_groups": cfg.get("n_group") or 1,
+        "groups_per_token": cfg.get("topk_group")
+        if cfg.get("topk_method") in ("noaux_tc", "group_limited_greedy")
+        else None,
         "first_dense_layers": cfg.get("first_k_dense_replace", 0),
         "moe_layer_freq": cfg.get("moe_layer_freq", 1),
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),

@@ -74,6 +74,15 @@ class ModelSpec(Spec):
         default=False,
         description="Per-expert routing bias buffer (DeepSeek-V3 aux-loss-free balancing).",
     )
+    expert_groups: int = Field(
+        default=1, gt=0, description="Groups the routed experts are split into (DeepSeek n_group)."
+    )
+    groups_per_token: int | None = Field(
+        default=None,
+        gt=0,
+        description="Most groups one token's experts may come from (DeepSeek topk_group; None: "
+        "no limit). With groups on separate nodes this is node-limited routing.",
+    )
     first_dense_layers: int = Field(
         default=0, ge=0, description="Leading layers with a dense MLP instead of MoE."
     )
@@ -114,6 +123,16 @@ class ModelSpec(Spec):
                 )
             if self.moe_ffn_hidden_size <= 0:
                 raise PlannerError("ModelSpec.moe_ffn_hidden_size=0: MoE models need it > 0")
+            if self.num_experts % self.expert_groups:
+                raise PlannerError(
+                    f"ModelSpec.expert_groups={self.expert_groups}: must divide "
+                    f"num_experts={self.num_experts}"
+                )
+        if self.groups_per_token is not None and self.groups_per_token > self.expert_groups:
+            raise PlannerError(
+                f"ModelSpec.groups_per_token={self.groups_per_token}: must be at most "
+                f"expert_groups={self.expert_groups}"
+            )
         return self
 
     def is_moe_layer(self, index: int) -> bool:

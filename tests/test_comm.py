@@ -204,3 +204,37 @@ def test_moe_dispatch_bytes_deepseek_v3() -> None:
     assert moe_dispatch_bytes(model, shard) == 4096 * 8 * 7168 * 2
     busy = Shard(seq_len=4096, tp=2, moe_load_imbalance=1.5)
     assert moe_dispatch_bytes(model, busy) == 4096 / 2 * 8 * 7168 * 2 * 1.5
+
+
+def test_node_limited_routing_crosses_infiniband_once_per_node() -> None:
+    """DeepSeek-V3 (report section 3.2.2): 256 experts in 8 groups, each token within 4
+    groups; with EP 64 over 8 nodes each node holds one group. A token crosses IB once per
+    other node it visits: 7 x (1 - C(7,4)/C(8,4)) = 3.5 copies, not 8 x 7/8 = 7."""
+    ds = planner.load_model("deepseek-v3")
+    assert (ds.expert_groups, ds.groups_per_token) == (8, 4)
+    net = Network.of(planner.load_cluster("h800", gpus=2048))
+    nbytes = moe_dispatch_bytes(ds, Shard(seq_len=4096))
+    group_of_64 = list(range(64))
+    limited = net.moe_all_to_all_time(nbytes, group_of_64, ds)
+    assert limited == pytest.approx(nbytes / 8 * 3.5 / net.ib_bus_Bps + net.ib_latency_s)
+    free = ds.model_copy(update={"groups_per_token": None})
+    assert net.moe_all_to_all_time(nbytes, group_of_64, free) == pytest.approx(
+        net.all_to_all_time(nbytes, group_of_64)
+    )
+    one_node = list(range(8))  # inside a node the limit changes nothing
+    assert net.moe_all_to_all_time(nbytes, one_node, ds) == pytest.approx(
+        net.all_to_all_time(nbytes, one_node)
+    )
+
+
+@pytest.mark.parametrize(
+    ("update", "message"),
+    [
+        ({"expert_groups": 7}, "expert_groups=7: must divide num_experts=256"),
+        ({"groups_per_token": 9}, "groups_per_token=9: must be at most expert_groups=8"),
+    ],
+)
+def test_expert_groups_are_checked(update: dict[str, int], message: str) -> None:
+    data = planner.load_model("deepseek-v3").model_dump() | update
+    with pytest.raises(planner.PlannerError, match=message):
+        planner.ModelSpec(**data)

@@ -128,3 +128,23 @@ def test_full_recompute_repeats_the_whole_forward_with_its_tp_collectives() -> N
     st = stage_times(LLAMA, H100, JOB, layout, Network.of(H100))[1]  # layers only
     assert st.tp_fwd > 0
     assert st.recompute == pytest.approx(st.fwd)
+
+
+def test_overlapped_pairs_lose_the_communication_sms() -> None:
+    """A DualPipe pair hides its all-to-alls, but the communication kernels hold 20 of the
+    132 SMs meanwhile (DeepSeek-V3 report section 3.2.2): compute-bound pairs take
+    work / (1 - 20/132); communication-bound pairs take the communication time."""
+    from dataclasses import replace
+
+    from planner.costs.comm import Network
+    from planner.costs.timing import op_parts, pair_parts, stage_times
+
+    mixtral = planner.load_model("mixtral-8x7b")
+    layout = Layout.uniform(mixtral, pp=4, dp=16, ep=8, schedule="dualpipe")
+    st = stage_times(mixtral, H100, JOB, layout, Network.of(H100))[1]
+    work = op_parts(st, "F", overlapped=True).total + op_parts(st, "BW", overlapped=True).total
+    light = replace(st, a2a_fwd=1e-6, a2a_bwd=1e-6, p2p=0.0, p2p_back=0.0)
+    assert pair_parts(light, light, "BW").total == pytest.approx(work / (1 - 20 / 132))
+    heavy = replace(st, a2a_fwd=work, a2a_bwd=work, p2p=0.0, p2p_back=0.0)
+    assert pair_parts(heavy, heavy, "BW").total == pytest.approx(2 * work)
+    assert pair_parts(heavy, heavy, "BW").a2a == pytest.approx(work)

@@ -200,6 +200,27 @@ class Network:
         latency = self.ib_latency_s if len(counts) > 1 else self.nvlink_latency_s
         return worst + latency
 
+    def moe_all_to_all_time(self, nbytes: float, ranks: Sequence[int], model: ModelSpec) -> float:
+        """One MoE dispatch (or combine) of ``nbytes`` (``moe_dispatch_bytes``: k copies of
+        each token) over the EP group ``ranks``. With group-limited routing whose groups sit
+        on separate nodes (DeepSeek-V3: 8 groups, at most 4 per token, EP 64 over 8 nodes), a
+        token crosses InfiniBand once per distinct node it visits and is forwarded to the
+        node's GPUs over NVLink (DeepSeek-V3 report section 3.2.2): the InfiniBand bytes are
+        one copy per other node hit, not one per expert. Otherwise a plain all-to-all."""
+        members = set(ranks)
+        _, nodes = self._spread(members)
+        groups, limit = model.expert_groups, model.groups_per_token
+        if nbytes <= 0 or nodes == 1 or limit is None or groups % nodes:
+            return self.all_to_all_time(nbytes, ranks)
+        # Groups are spread evenly over the nodes; a token picks ``limit`` of ``groups``.
+        per = groups // nodes
+        missed = math.comb(groups - per, limit) / math.comb(groups, limit)
+        other_nodes = (nodes - 1) * (1 - missed)  # expected other nodes one token visits
+        one_copy = nbytes / model.experts_per_token
+        ib = one_copy * other_nodes / self.ib_bus_Bps
+        nvlink = nbytes * (1 - 1 / len(members)) / self.nvlink_bus_Bps
+        return max(ib, nvlink) + self.ib_latency_s
+
     # -- helpers --------------------------------------------------------------------------
     def _spread(self, ranks: Iterable[int]) -> tuple[int, int]:
         """(members on the busiest node, nodes spanned) of a group."""
