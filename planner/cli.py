@@ -123,7 +123,7 @@ def _evaluate(args: argparse.Namespace) -> None:
         return
     _print_memory(model.name, layout, est)
     if args.command == "evaluate":
-        _print_time(est, job)
+        _print_time(est)
 
 
 def _simulate(args: argparse.Namespace) -> None:
@@ -165,7 +165,7 @@ def _simulate(args: argparse.Namespace) -> None:
     )
 
 
-def _print_time(est: Estimate, job: TrainingJob) -> None:
+def _print_time(est: Estimate) -> None:
     console = Console(width=max(Console().width, 100))
     table = Table(title=f"step time: {est.step_time_s:.3f} s")
     table.add_column("part")

@@ -175,7 +175,7 @@ class ClusterSpec(Spec):
         default=4e-6,
         ge=0,
         description="GPU time per kernel beyond its work (s): launch latency and "
-        "under-filled waves.",
+        "under-filled waves. Default: a convention of a few microseconds per launch.",
     )
     host_overhead_s: float = Field(
         default=0.0,

@@ -142,3 +142,14 @@ def test_gpt2_format() -> None:
 def test_unsupported_format_names_the_supported_ones() -> None:
     with pytest.raises(planner.PlannerError, match="model_type='t5' is not supported; supported"):
         planner.load_model({"model_type": "t5"})
+
+
+def test_optional_overheads_are_read_in_microseconds(tmp_path: Path) -> None:
+    source = (HARDWARE_DIR / "a100.yaml").read_text()
+    path = tmp_path / "a100-measured.yaml"
+    path.write_text(source + "kernel_overhead_us: 35\nhost_overhead_us: 65\n")
+    cluster = planner.load_cluster(path, gpus=8)
+    assert cluster.kernel_overhead_s == pytest.approx(35e-6)
+    assert cluster.host_overhead_s == pytest.approx(65e-6)
+    default = planner.load_cluster("a100", gpus=8)
+    assert (default.kernel_overhead_s, default.host_overhead_s) == (4e-6, 0.0)
