@@ -132,7 +132,6 @@ def simulate(
     tasks = _tasks(layout, times, m)
     _run(layout, tasks)
     events: list[Event] = []
-    step = 0.0
     busy, ends = [], []
     for rank, mine in enumerate(tasks):
         events += [Event(rank, "compute", t.name, t.start, t.duration) for t in mine]
