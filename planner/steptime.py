@@ -2,18 +2,21 @@
 
 Read from the per-stage table of ``planner.costs.timing`` (the simulator reads the same one):
 
-    step = busiest rank's work over its op order     compute, recompute, tp comm, exposed
+    step = max over ranks r of
+             r's work over its op order              compute, recompute, tp comm, exposed
                                                      all-to-all, pipeline sends, ZeRO waits
-         + order_idle(schedule, f, b, w, fb)         the schedule's bubble as its source
-                                                     states it (exact for the orders here)
-         + exposed gradient reduction + optimizer    on the rank where they end last
+           + order_idle(schedule, f, b, w, fb)       the schedule's bubble as its source states
+                                                     it (exact for the orders here), with one
+                                                     chunk's times averaged over the stages r
+                                                     does not hold
+         + max over ranks of the exposed gradient reduction + optimizer step
 
-The bubble takes the per-chunk forward / backward / weight-gradient times of the stages the
-critical rank does not hold (their mean), so it is exact for equal stages and for 1F1B's
-classic (m - 1) max t + sum t with unequal ones, and an approximation otherwise (the
-simulator is the reference there; ``tests/test_agreement.py`` bounds the difference). The
-gradient reduction overlaps the rank's last gradient-producing op; ranks that finish their
-backward early (1F1B drains from the last rank to the first) hide that much more of it.
+This is exact for equal stages and for 1F1B's classic (m - 1) max t + sum t with unequal
+ones, and an approximation otherwise (the simulator is the reference there;
+``tests/test_agreement.py`` bounds the difference). Every term is a maximum of sums of stage
+times, which is what lets the solver state it exactly. The gradient reduction overlaps the
+rank's last gradient-producing op; ranks that finish their backward early (1F1B drains from
+the last rank to the first) hide that much more of it.
 """
 
 from __future__ import annotations
@@ -53,27 +56,10 @@ def step_time(
     """The analytic step time of ``layout`` (see the module docstring)."""
     m = num_microbatches
     work = [_rank_work(layout, times, r, m) for r in range(layout.pp)]
-    critical = max(range(layout.pp), key=lambda r: work[r].total)
-    # The bubble is the other stages' work while the critical rank waits (1F1B with stage
-    # times t_s: (m - 1) max t + sum t, so the bubble is the sum over the other stages):
-    # the formula takes one chunk's times averaged over the stages the critical rank lacks.
-    others = [t for t in times if t.stage not in layout.chunks_of_rank(critical)] or times
-    f = _mean(op_time(t, "F") for t in others)
-    b = _mean(op_time(t, "B") for t in others)
-    w = _mean(op_time(t, "W") for t in others)
-    fb = _mean(paired_time(t, t, "BW") for t in others)
-    bubble = order_idle(
-        layout.schedule,
-        pp=layout.pp,
-        num_microbatches=m,
-        virtual_stages=layout.virtual_stages,
-        f=f,
-        b=b,
-        w=w,
-        fb=fb,
-    )
+    idle = [rank_idle(layout, times, r, m) for r in range(layout.pp)]
+    critical = max(range(layout.pp), key=lambda r: work[r].total + idle[r])
     tail = [
-        max(0.0, _exposed_sync(layout, times, r, m) - _slack(layout, b + w, r)) + optimizer[r]
+        max(0.0, _exposed_sync(layout, times, r, m) - _slack(layout, times, r)) + optimizer[r]
         for r in range(layout.pp)
     ]
     end_rank = max(range(layout.pp), key=lambda r: tail[r])
@@ -85,12 +71,29 @@ def step_time(
         "expert_all_to_all": c.a2a,
         "zero_comm": c.zero,
         "pipeline_p2p": c.p2p,
-        "bubble": bubble,
+        "bubble": idle[critical],
         "grad_sync": tail[end_rank] - optimizer[end_rank],
         "optimizer": optimizer[end_rank],
     }
-    total = c.total + bubble + tail[end_rank]
+    total = c.total + idle[critical] + tail[end_rank]
     return StepTime(total=total, breakdown=breakdown, critical_rank=critical)
+
+
+def rank_idle(layout: Layout, times: list[StageTime], rank: int, m: int) -> float:
+    """How long ``rank`` waits on the others: its schedule's bubble with one chunk's times
+    averaged over the stages it does not hold (for 1F1B with stage times t_s the step is then
+    m t_r + sum of the other stages' t_s, the classic (m - 1) max t + sum t at the busiest)."""
+    others = [t for t in times if t.stage not in layout.chunks_of_rank(rank)] or times
+    return order_idle(
+        layout.schedule,
+        pp=layout.pp,
+        num_microbatches=m,
+        virtual_stages=layout.virtual_stages,
+        f=_mean(op_time(t, "F") for t in others),
+        b=_mean(op_time(t, "B") for t in others),
+        w=_mean(op_time(t, "W") for t in others),
+        fb=_mean(paired_time(t, t, "BW") for t in others),
+    )
 
 
 def _mean(values: Iterable[float]) -> float:
@@ -154,9 +157,10 @@ def _exposed_sync(layout: Layout, times: list[StageTime], rank: int, m: int) -> 
     return max(0.0, free - clock)
 
 
-def _slack(layout: Layout, backward: float, rank: int) -> float:
-    """How much earlier than rank 0 ``rank`` ends its backward: 1F1B-like schedules drain
-    from the last rank to the first, one chunk's backward apart (its send included)."""
+def _slack(layout: Layout, times: list[StageTime], rank: int) -> float:
+    """How much earlier than rank 0 ``rank`` ends its backward: 1F1B-like schedules drain the
+    last micro-batch's backward from the last rank to the first, so rank r finishes before
+    rank 0 by the backwards of ranks 0..r-1 (of their first chunk, the last one to run)."""
     if layout.schedule not in ("gpipe", "1f1b", "interleaved"):
         return 0.0
-    return rank * backward
+    return sum(op_time(times[j], "BW") for j in range(rank))
