@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from planner.costs.blocks import Param
+from planner.costs.blocks import BlockCost, Param
 from planner.costs.comm import Network, group, moe_dispatch_bytes
 from planner.costs.compute import Rates, block_time
 from planner.costs.memory import StageMemory, block_costs, shard_of, shards
@@ -92,36 +92,25 @@ def stage_times(
         combine = network.moe_all_to_all_time(a2a_bytes, ep_group, model)
         dispatch = network.moe_all_to_all_time(a2a_bytes * dispatch_share, ep_group, model)
         forward_pair = dispatch + combine
-        fwd = bwd_in = bwd_w = rec = tp_fwd_sum = 0.0
-        moe_layers = moe_rerun = 0
+        total = BlockRow()
         params: dict[str, Param] = {}
         for placed in stage.blocks:
             cost = costs[placed.block]
-            choice = parse_recompute(placed.recompute)
-            t = block_time(cost, rates, choice)
-            tp_fwd = cost.tp_collectives * tp_ar
-            rerun_tp = tp_fwd if choice == "full" else 0.0
-            fwd += t.fwd + tp_fwd
-            bwd_in += t.bwd_input + t.recompute + tp_fwd + rerun_tp
-            bwd_w += t.bwd_weight
-            rec += t.recompute + rerun_tp
-            tp_fwd_sum += tp_fwd
-            moe_layers += cost.moe_layers
-            moe_rerun += cost.moe_layers if _reruns_moe(choice) else 0
+            total += block_row(cost, rates, parse_recompute(placed.recompute), tp_ar)
             for p in cost.params:
                 params.setdefault(p.key, p)
         dense, expert = _grad_bytes(list(params.values()), job, layout)
         out.append(
             StageTime(
                 stage=index,
-                fwd=fwd,
-                bwd_input=bwd_in,
-                bwd_weight=bwd_w,
-                recompute=rec,
-                tp_fwd=tp_fwd_sum,
-                tp_bwd=tp_fwd_sum,
-                a2a_fwd=moe_layers * forward_pair,
-                a2a_bwd=moe_layers * 2 * combine + (moe_rerun * forward_pair),
+                fwd=total.fwd,
+                bwd_input=total.bwd_input,
+                bwd_weight=total.bwd_weight,
+                recompute=total.recompute,
+                tp_fwd=total.tp_fwd,
+                tp_bwd=total.tp_fwd,
+                a2a_fwd=total.moe_layers * forward_pair,
+                a2a_bwd=total.moe_layers * 2 * combine + total.moe_rerun * forward_pair,
                 p2p=_p2p(layout, network, index, act),
                 p2p_back=_p2p(layout, network, index - 1, act) if index else 0.0,
                 grad_sync=_grad_sync(layout, network, rank, dense, expert),
@@ -130,6 +119,50 @@ def stage_times(
             )
         )
     return out
+
+
+@dataclass(frozen=True)
+class BlockRow:
+    """One block's share of its stage's ``StageTime`` (seconds per micro-batch; the MoE
+    counts are layers). Stages add these up; the solver adds them up the same way."""
+
+    fwd: float = 0.0  # compute and tensor-parallel collectives
+    bwd_input: float = 0.0  # with the recompute (and the collectives it re-runs)
+    bwd_weight: float = 0.0
+    recompute: float = 0.0
+    tp_fwd: float = 0.0
+    moe_layers: int = 0
+    moe_rerun: int = 0  # MoE layers whose forward (and all-to-alls) recompute repeats
+
+    def __add__(self, other: BlockRow) -> BlockRow:
+        return BlockRow(
+            self.fwd + other.fwd,
+            self.bwd_input + other.bwd_input,
+            self.bwd_weight + other.bwd_weight,
+            self.recompute + other.recompute,
+            self.tp_fwd + other.tp_fwd,
+            self.moe_layers + other.moe_layers,
+            self.moe_rerun + other.moe_rerun,
+        )
+
+
+def block_row(
+    cost: BlockCost, rates: Rates, choice: frozenset[str] | str, tp_all_reduce: float
+) -> BlockRow:
+    """A block's row under recompute ``choice``, with ``tp_all_reduce`` seconds per
+    tensor-parallel collective of its activations."""
+    t = block_time(cost, rates, choice)
+    tp_fwd = cost.tp_collectives * tp_all_reduce
+    rerun_tp = tp_fwd if choice == "full" else 0.0
+    return BlockRow(
+        fwd=t.fwd + tp_fwd,
+        bwd_input=t.bwd_input + t.recompute + tp_fwd + rerun_tp,
+        bwd_weight=t.bwd_weight,
+        recompute=t.recompute + rerun_tp,
+        tp_fwd=tp_fwd,
+        moe_layers=cost.moe_layers,
+        moe_rerun=cost.moe_layers if _reruns_moe(choice) else 0,
+    )
 
 
 def optimizer_time(memory: StageMemory, cluster: ClusterSpec) -> float:
