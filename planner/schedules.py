@@ -126,23 +126,36 @@ def order_idle(
     """Idle time of the most idle rank when ``op_order`` runs with equal stages: the source's
     ``bubble_formula``, which the DualPipe sources state for f = b, plus the reference
     order's exact dependence on f - b. With k = stages/2 - 1, a forward longer than the
-    backward adds k(f - b); a shorter one saves min(f, k(b - f)) (found by running the
-    order; ``tests/test_schedule_orders.py`` checks it over a grid with and without overlap
-    gain). Every other schedule's formula is already exact for the orders here."""
-    idle = bubble_formula(
-        schedule,
-        pp=pp,
-        num_microbatches=num_microbatches,
-        virtual_stages=virtual_stages,
-        f=f,
-        b=b,
-        w=w,
-        fb=fb,
+    backward adds k(f - b); a shorter one saves min(f, k(b - f)), together
+    max(k(f - b), -f) (found by running the order; ``tests/test_schedule_orders.py`` checks
+    it over a grid with and without overlap gain). Every other schedule's formula is already
+    exact for the orders here."""
+    linear, k = idle_terms(
+        schedule, pp=pp, num_microbatches=num_microbatches, virtual_stages=virtual_stages
     )
+    pair = f + b + w if fb is None else fb
+    idle = linear["f"] * f + linear["b"] * b + linear["w"] * w + linear["fb"] * pair
+    return idle + max(k * (f - b), -f) if k is not None else idle
+
+
+def idle_terms(
+    schedule: str, *, pp: int, num_microbatches: int, virtual_stages: int
+) -> tuple[dict[str, float], int | None]:
+    """``order_idle`` as data: the coefficients of f, b, w and fb in its linear part, and for
+    DualPipe / DualPipeV the k of its max(k(f - b), -f) term (None for other schedules)."""
+    linear = {}
+    for key in ("f", "b", "w", "fb"):
+        unit = {k: float(k == key) for k in ("f", "b", "w", "fb")}
+        linear[key] = bubble_formula(
+            schedule,
+            pp=pp,
+            num_microbatches=num_microbatches,
+            virtual_stages=virtual_stages,
+            **unit,
+        )
     if schedule not in ("dualpipe", "dualpipev"):
-        return idle
-    k = (pp if schedule == "dualpipe" else 2 * pp) // 2 - 1
-    return idle + k * (f - b) if f >= b else idle - min(f, k * (b - f))
+        return linear, None
+    return linear, (pp if schedule == "dualpipe" else 2 * pp) // 2 - 1
 
 
 def in_flight(layout: Layout, rank: int, num_microbatches: int) -> dict[int, float]:
