@@ -16,6 +16,7 @@ from planner.errors import PlannerError
 from planner.estimate import Estimate, evaluate
 from planner.layout import BlockPlacement, Layout, Stage
 from planner.simulate import Simulation, simulate
+from planner.solve import Plan, plan
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "Estimate",
     "Layout",
     "ModelSpec",
+    "Plan",
     "PlannerError",
     "SearchSpace",
     "Simulation",
@@ -34,5 +36,6 @@ __all__ = [
     "load_cluster",
     "load_model",
     "model_names",
+    "plan",
     "simulate",
 ]

@@ -1,0 +1,94 @@
+"""Why a job has no layout that fits, and which changes would make one fit.
+
+The binding constraint is named with its size: the smallest per-rank memory any configuration
+of the space could need (its share of the model state and buffers, with nothing saved for
+backward) against the usable HBM, or, when no combination of degrees divides the job, that.
+Fixes are found by re-solving, not by guessing: the same job on 2x and 4x the GPUs, and the
+space with each restricted decision (ZeRO stage, recompute, EMA placement) freed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from planner.solve.result import Binding, Explanation, Plan
+from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
+
+GiB = 2**30
+Replan = Callable[[ModelSpec, ClusterSpec, TrainingJob, SearchSpace, float], Plan]
+
+
+def explain(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    job: TrainingJob,
+    space: SearchSpace,
+    *,
+    lightest: tuple[float, str] | None,
+    replan: Replan,
+    time_limit_s: float,
+) -> Explanation:
+    """``lightest``: (bytes, description) of the configuration with the smallest memory
+    floor, or None when no combination of degrees divides the job at all."""
+    usable = (cluster.hbm_bytes - job.cuda_context_bytes) / (1 + job.fragmentation)
+    binding = []
+    if lightest is None:
+        binding.append(
+            Binding(
+                family="degrees",
+                where="every combination",
+                excess=f"no tp*pp*dp = {cluster.num_gpus} divides the job within the space",
+            )
+        )
+        summary = (
+            f"No combination of tensor, pipeline and data parallel degrees in the search "
+            f"space divides {cluster.num_gpus} GPUs, {model.num_layers} layers and a global "
+            f"batch of {job.global_batch} sequences."
+        )
+    else:
+        need, where = lightest
+        excess = need - usable
+        binding.append(
+            Binding(
+                family="memory",
+                where=where,
+                excess=f"{need / GiB:.1f} GiB needed at least vs {usable / GiB:.1f} GiB usable"
+                + (f" ({excess / GiB:+.1f} GiB)" if excess > 0 else ""),
+            )
+        )
+        summary = (
+            f"No layout of {model.name} fits {cluster.num_gpus} x {cluster.name}: the lightest "
+            f"configuration ({where}) needs at least {need / GiB:.1f} GiB per GPU for its "
+            f"share of the model state and buffers alone"
+            + (
+                f", {usable / GiB:.1f} GiB usable."
+                if excess > 0
+                else f"; with activations no layout fits {usable / GiB:.1f} GiB usable."
+            )
+        )
+    fixes = []
+    per = max(0.5, time_limit_s / 6)
+    for factor in (2, 4):
+        bigger = cluster.model_copy(update={"num_gpus": cluster.num_gpus * factor})
+        found = replan(model, bigger, job, space, per)
+        if found.layout is not None and found.estimate is not None:
+            fixes.append(
+                f"{bigger.num_gpus} GPUs: fits (tp={found.layout.tp} pp={found.layout.pp} "
+                f"dp={found.layout.dp}, {found.estimate.step_time_s:.2f} s per step)"
+            )
+            break
+    for field, label in (
+        ("zero", "any ZeRO stage"),
+        ("recompute", "any recompute"),
+        ("ema", "EMA anywhere"),
+    ):
+        if getattr(space, field) is None:
+            continue
+        freed = space.model_copy(update={field: None})
+        found = replan(model, cluster, job, freed, per)
+        if found.layout is not None and found.estimate is not None:
+            seconds = found.estimate.step_time_s
+            fixes.append(f"{label} (free SearchSpace.{field}): fits, {seconds:.2f} s per step")
+    if not fixes:
+        fixes.append("none of 2x or 4x the GPUs or a freer search space fits")
+    return Explanation(summary=summary, binding=binding, fixes=fixes)

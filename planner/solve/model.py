@@ -1,0 +1,496 @@
+"""The CP-SAT model of one ``Config``: stage boundaries and recompute, minimising step time.
+
+Decisions: where each stage starts (an integer per stage; the count of each layer kind in a
+stage comes from prefix-count tables by element constraints), how many layers of each kind in
+each stage take each recompute option, and the option of each embedding / MTP / head block.
+
+The objective is ``planner.steptime``'s formula stated over the same numbers
+(``planner.solve.tables``): op times are maxima of linear terms (``add_max_equality``, exact,
+so no term can be inflated to shrink another), each rank's work is its op order's task counts
+times those op times, its wait is ``order_idle`` over the stages it does not hold, and the
+tail is the exposed gradient reduction plus the optimizer step. Memory per rank is
+``planner.costs.memory``'s buckets with the activation peak taken over every level the rank's
+op order passes through.
+
+Resolution: times are integers of ``UNIT`` seconds (each block's time rounds to the nearest
+unit); bytes are exact integers (rounded up).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ortools.sat.python import cp_model
+
+from planner.costs.timing import OVERLAP_SM_SHARE
+from planner.solve.tables import Tables
+from planner.specs import ClusterSpec, TrainingJob
+
+UNIT = 1e-6  # seconds per time unit
+KIB = 1024  # bytes per memory unit
+SLOW, FAST = 132, 112  # pair compute slowdown 132/112 = 1/(1 - 20/132)
+assert abs(FAST / SLOW - (1 - OVERLAP_SM_SHARE)) < 1e-12
+
+Expr = Any  # cp_model linear expression
+
+
+def q(seconds: float) -> int:
+    """Seconds as whole time units."""
+    return round(seconds / UNIT)
+
+
+@dataclass
+class Solution:
+    status: str  # "optimal" | "feasible" | "infeasible" | "unknown"
+    counts: list[int]  # layers per stage
+    recompute: dict[str, str]  # block name -> recompute option
+    objective_s: float
+    bound_s: float
+
+
+class StageModel:
+    """Variables and constraints for one config (see the module docstring)."""
+
+    def __init__(self, t: Tables, cluster: ClusterSpec, job: TrainingJob) -> None:
+        self.t, self.cluster, self.job = t, cluster, job
+        self.m = cp_model.CpModel()
+        self.S = t.config.stages
+        self.L = len(t.layer_kinds)
+        self._boundaries()
+        self._recompute()
+        self._stage_terms()
+        self._op_times()
+        self._memory()
+        self._objective()
+
+    # -- decisions ---------------------------------------------------------------------
+    def _boundaries(self) -> None:
+        """start[s]: first layer of stage s; per kind, layers before x by an element table."""
+        m, S, L = self.m, self.S, self.L
+        self.start = [m.new_int_var(0, L, f"stage_start[{s}]") for s in range(S + 1)]
+        m.add(self.start[0] == 0)
+        m.add(self.start[S] == L)
+        for s in range(S):
+            middle = 0 < s < S - 1
+            m.add(self.start[s + 1] >= self.start[s] + (1 if middle else 0))
+        kinds = sorted(set(self.t.layer_kinds))
+        self.kinds = kinds
+        self.n: list[dict[str, Any]] = []
+        prefix: dict[str, list[Any]] = {}
+        for k in kinds:
+            table = [0]
+            for lk in self.t.layer_kinds:
+                table.append(table[-1] + (lk == k))
+            prefix[k] = []
+            for s in range(S + 1):
+                v = m.new_int_var(0, table[-1], f"prefix[{k}][{s}]")
+                m.add_element(self.start[s], table, v)
+                prefix[k].append(v)
+        for s in range(S):
+            self.n.append({k: prefix[k][s + 1] - prefix[k][s] for k in kinds})
+
+    def _recompute(self) -> None:
+        """r[s][kind][option]: layers of a kind in a stage taking an option; fixed blocks
+        (embedding, MTP, head) pick one option each."""
+        m = self.m
+        self.r: list[dict[str, list[Any]]] = []
+        self.present: list[dict[str, list[Any]]] = []
+        for s in range(self.S):
+            rs: dict[str, list[Any]] = {}
+            ps: dict[str, list[Any]] = {}
+            for k in self.kinds:
+                opts = self.t.kinds[k].options
+                rs[k] = [m.new_int_var(0, self.L, f"r[{s}][{k}][{o.name}]") for o in opts]
+                m.add(sum(rs[k]) == self.n[s][k])
+                ps[k] = []
+                for i, o in enumerate(opts):
+                    b = m.new_bool_var(f"present[{s}][{k}][{o.name}]")
+                    m.add(rs[k][i] <= self.L * b)
+                    m.add(rs[k][i] >= b)
+                    ps[k].append(b)
+            self.r.append(rs)
+            self.present.append(ps)
+        self.x: dict[str, list[Any]] = {}
+        for name in self.t.first_fixed + self.t.last_fixed:
+            opts = self.t.kinds[name].options
+            self.x[name] = [m.new_bool_var(f"x[{name}][{o.name}]") for o in opts]
+            m.add_exactly_one(self.x[name])
+        self.has_layers = []
+        for s in range(self.S):
+            self.has_layers.append(
+                {k: self._any(self.n[s][k], f"has[{s}][{k}]") for k in self.kinds}
+            )
+
+    def _fixed_of(self, s: int) -> list[str]:
+        out = []
+        if s == 0:
+            out += self.t.first_fixed
+        if s == self.S - 1:
+            out += self.t.last_fixed
+        return out
+
+    def _sum(self, s: int, value: Any) -> Expr:
+        """Sum over the stage's blocks of value(option) (layers by counts, fixed by choice)."""
+        terms = []
+        for k in self.kinds:
+            for var, o in zip(self.r[s][k], self.t.kinds[k].options, strict=True):
+                c = value(o)
+                if c:
+                    terms.append(c * var)
+        for name in self._fixed_of(s):
+            for var, o in zip(self.x[name], self.t.kinds[name].options, strict=True):
+                c = value(o)
+                if c:
+                    terms.append(c * var)
+        return sum(terms) if terms else 0
+
+    def _layers(self, s: int, value: Any) -> Expr:
+        """Sum over the stage's layers of value(kind) (choice-independent quantities)."""
+        terms = [
+            value(self.t.kinds[k]) * self.n[s][k] for k in self.kinds if value(self.t.kinds[k])
+        ]
+        return sum(terms) if terms else 0
+
+    def _any(self, count: Expr, name: str) -> Any:
+        b = self.m.new_bool_var(name)
+        self.m.add(count >= 1).only_enforce_if(b)
+        self.m.add(count == 0).only_enforce_if(b.negated())
+        return b
+
+    # -- stage quantities --------------------------------------------------------------
+    def _stage_terms(self) -> None:
+        t = self.t
+        self.fwd, self.bin, self.bw, self.moe, self.rerun = [], [], [], [], []
+        self.sync, self.gather, self.reduce, self.has_expert = [], [], [], []
+        for s in range(self.S):
+            self.fwd.append(self._sum(s, lambda o: q(o.row.fwd)))
+            self.bin.append(self._sum(s, lambda o: q(o.row.bwd_input)))
+            self.bw.append(self._sum(s, lambda o: q(o.row.bwd_weight)))
+            self.moe.append(self._sum(s, lambda o: o.row.moe_layers))
+            self.rerun.append(self._sum(s, lambda o: o.row.moe_rerun))
+            fixed_dense, fixed_expert = t.fixed_grad[s]
+            fixed_wd, fixed_we = t.fixed_weight[s]
+            has_expert = self._has_expert(s, fixed_expert)
+            self.has_expert.append(has_expert)
+
+            def affine(
+                a: Any, kind_bytes: Any, fixed: float, c: float, on: Any, s: int = s
+            ) -> Expr:
+                """a x + c seconds for x bytes, c only when the stage has such bytes."""
+                return self._layers(s, lambda k: q(a * kind_bytes(k))) + q(a * fixed) + q(c) * on
+
+            gd, ge = t.grad_dense[s], t.grad_expert[s]
+            self.sync.append(
+                affine(gd.a, lambda k: k.dense_grad, fixed_dense, gd.c, True)
+                + affine(ge.a, lambda k: k.expert_grad, fixed_expert, ge.c, has_expert)
+            )
+            ad, ae = t.gather_dense[s], t.gather_expert[s]
+            self.gather.append(
+                affine(ad.a, lambda k: k.dense_weight, fixed_wd, ad.c, True)
+                + affine(ae.a, lambda k: k.expert_weight, fixed_we, ae.c, has_expert)
+            )
+            rd, re = t.reduce_dense[s], t.reduce_expert[s]
+            self.reduce.append(
+                affine(rd.a, lambda k: k.dense_grad, fixed_dense, rd.c, True)
+                + affine(re.a, lambda k: k.expert_grad, fixed_expert, re.c, has_expert)
+            )
+
+    def _has_expert(self, s: int, fixed_expert: float) -> Any:
+        if fixed_expert > 0:
+            return True
+        if "moe" not in self.kinds:
+            return False
+        return self.has_layers[s]["moe"]
+
+    def _a2a_fwd(self, s: int) -> Expr:
+        return self.moe[s] * q(self.t.forward_pair[s])
+
+    def _a2a_bwd(self, s: int) -> Expr:
+        return self.moe[s] * q(2 * self.t.combine[s]) + self.rerun[s] * q(self.t.forward_pair[s])
+
+    # -- op times ----------------------------------------------------------------------
+    def _op_times(self) -> None:
+        self._ops: dict[tuple[Any, ...], Any] = {}
+        hi = q(3600.0)
+        self.hi = hi
+
+    def op(self, kind: str, s: int, *, overlapped: bool = False) -> Any:
+        """The time of one op of stage s (an exact max, created on first use)."""
+        key = (kind, s, overlapped)
+        if key in self._ops:
+            return self._ops[key]
+        t = self.t
+        send = 0 if overlapped else 1
+        if kind == "F":
+            terms = [self.fwd[s] + send * (self._a2a_fwd(s) + q(t.p2p[s])), self.gather[s]]
+        elif kind == "B":
+            terms = [self.bin[s] + send * (self._a2a_bwd(s) + q(t.p2p_back[s])), self.gather[s]]
+        elif kind == "W":
+            terms = [self.bw[s], self.reduce[s]]
+        else:
+            work = self.bin[s] + self.bw[s]
+            terms = [
+                work + send * (self._a2a_bwd(s) + q(t.p2p_back[s])),
+                self.gather[s] + self.reduce[s],
+            ]
+        v = self.m.new_int_var(0, self.hi, f"op[{kind}][{s}]{'o' if overlapped else ''}")
+        self.m.add_max_equality(v, terms)
+        self._ops[key] = v
+        return v
+
+    def pair(self, f: int, b: int, kind: str) -> Any:
+        """A DualPipe pair: max(compute slowed by the communication's SMs, communication)."""
+        key = ("pair", f, b, kind)
+        if key in self._ops:
+            return self._ops[key]
+        t = self.t
+        work = self.op("F", f, overlapped=True) + self.op(kind, b, overlapped=True)
+        comm = self._a2a_fwd(f) + self._a2a_bwd(b) + q(t.p2p[f]) + q(t.p2p_back[b])
+        v = self.m.new_int_var(0, self.hi, f"pair[{f}][{b}][{kind}]")
+        const = q(t.p2p[f]) + q(t.p2p_back[b])
+        if const > 0:
+            on: Any = True
+        else:
+            flags = [self.has_expert[f], self.has_expert[b]]
+            live = [x for x in flags if not isinstance(x, bool)]
+            if any(x is True for x in flags):
+                on = True
+            elif not live:
+                on = False
+            else:
+                on = self.m.new_bool_var(f"pair_comm[{f}][{b}]")
+                self.m.add_max_equality(on, live)
+        if on is True:
+            slowed = self._slowed(work, f"slowed[{f}][{b}][{kind}]")
+            self.m.add_max_equality(v, [slowed, comm])
+        elif on is False:
+            self.m.add_max_equality(v, [work, comm])
+        else:
+            full = self._slowed(work, f"slowed[{f}][{b}][{kind}]")
+            slowed = self.m.new_int_var(0, self.hi * 2, f"slowed_if[{f}][{b}][{kind}]")
+            self.m.add(slowed == full).only_enforce_if(on)
+            self.m.add(slowed == work).only_enforce_if(on.negated())
+            self.m.add_max_equality(v, [slowed, comm])
+        self._ops[key] = v
+        return v
+
+    def _slowed(self, work: Expr, name: str) -> Any:
+        """work * 132 / 112 (integer division: exact to a unit)."""
+        num = self.m.new_int_var(0, self.hi * 2 * SLOW, name + "_num")
+        self.m.add(num == work * SLOW)
+        v = self.m.new_int_var(0, self.hi * 2, name)
+        self.m.add_division_equality(v, num, FAST)
+        return v
+
+    def task(self, task: tuple[Any, ...]) -> Any:
+        if task[0] == "pair":
+            return self.pair(task[1], task[2], task[3])
+        return self.op(task[0], task[1])
+
+    # -- memory ------------------------------------------------------------------------
+    def _memory(self) -> None:
+        t, m, job = self.t, self.m, self.job
+        usable = math.floor(
+            (self.cluster.hbm_bytes - job.cuda_context_bytes) / (1 + job.fragmentation) / KIB
+        )
+        self.activation_vars = []
+        for r, rank in enumerate(t.ranks):
+            chunks = rank.chunks
+            static = 0
+            host = 0
+            for c in chunks:
+                static += self._layers(c, lambda k: _ceil(_state_gpu(k.state)))
+                host += self._layers(c, lambda k: _ceil(k.state["host"]))
+            static += _ceil(_state_gpu(t.fixed_state[r])) + _ceil(t.buffers)
+            host += _ceil(t.fixed_state[r]["host"])
+            saved = {c: self._sum(c, lambda o: _ceil(o.saved)) for c in chunks}
+            rebuild = {}
+            for c in chunks:
+                v = m.new_int_var(0, 2**40, f"rebuild[{c}]")
+                for k in self.kinds:
+                    for b, o in zip(self.present[c][k], t.kinds[k].options, strict=True):
+                        if o.rebuilt:
+                            m.add(v >= _ceil(o.rebuilt) * b)
+                for name in self._fixed_of(c):
+                    for b, o in zip(self.x[name], t.kinds[name].options, strict=True):
+                        if o.rebuilt:
+                            m.add(v >= _ceil(o.rebuilt) * b)
+                rebuild[c] = v
+            act = m.new_int_var(0, 2**40, f"activations[{r}]")
+            for counts, rb in rank.levels:
+                level = sum(n * saved[c] for n, c in zip(counts, chunks, strict=True) if n)
+                m.add(act >= level + (rebuild[rb] if rb is not None else 0))
+            self.activation_vars.append(act)
+            extra: Expr = 0
+            if t.config.zero >= 3:  # the gathered working copy of the largest block, twice
+                biggest = m.new_int_var(0, 2**40, f"biggest[{r}]")
+                for c in chunks:
+                    for k in self.kinds:
+                        m.add(biggest >= _ceil(t.kinds[k].shard_weight) * self.has_layers[c][k])
+                    for name in self._fixed_of(c):
+                        m.add(biggest >= _ceil(t.kinds[name].shard_weight))
+                extra = 2 * biggest
+            m.add(static + act + extra <= usable)
+            if t.config.ema == "host":
+                m.add(host * self.cluster.gpus_per_node <= self.cluster.host_ram_bytes // KIB)
+
+    # -- objective ---------------------------------------------------------------------
+    def _objective(self) -> None:
+        t, m = self.t, self.m
+        n_others = t.others
+        big = self.hi * n_others * 4
+        self.pipe = m.new_int_var(0, big, "pipe")
+        self.tail = m.new_int_var(0, big, "tail")
+        for r, rank in enumerate(t.ranks):
+            busy = sum(count * self.task(task) for task, count in rank.tasks.items())
+            others = [s for s in range(self.S) if s not in rank.chunks] or list(range(self.S))
+            idle = self._idle(others, r)
+            m.add(n_others * self.pipe >= n_others * busy + idle)
+            opt = self._optimizer(r)
+            tail_r = m.new_int_var(0, big, f"tail[{r}]")
+            m.add(tail_r >= opt)
+            slack = self._slack(r)
+            for j in range(len(rank.last_grad)):
+                queued = sum(self.sync[stage] for stage, _ in rank.last_grad[j:])
+                suffix = sum(n * self.task(task) for task, n in rank.last_grad[j][1].items())
+                m.add(tail_r >= opt + queued - suffix - slack)
+            m.add(self.tail >= tail_r)
+        m.minimize(self.pipe + self.tail)
+
+    def _idle(self, others: list[int], r: int) -> Expr:
+        """``order_idle`` over the means of the other stages, times their count."""
+        t = self.t
+        lin = t.idle_linear
+        scale = t.others / len(others)  # 1 unless a rank holds every stage (pp = 1)
+        sums = {
+            "f": sum(self.op("F", s) for s in others),
+            "b": sum(self.op("B", s) for s in others),
+            "w": sum(self.op("W", s) for s in others),
+        }
+        expr: Expr = 0
+        for key in ("f", "b", "w"):
+            if lin[key]:
+                expr += _int(lin[key] * scale) * sums[key]
+        if lin["fb"]:
+            expr += _int(lin["fb"] * scale) * sum(self.pair(s, s, "BW") for s in others)
+        if t.idle_k is not None:
+            corr = self.m.new_int_var(-self.hi * t.others, self.hi * t.others, f"idle_corr[{r}]")
+            self.m.add(corr >= _int(t.idle_k * scale) * (sums["f"] - sums["b"]))
+            self.m.add(corr >= -_int(scale) * sums["f"])
+            expr += corr
+        return expr
+
+    def _optimizer(self, r: int) -> Expr:
+        t = self.t
+        rate = t.opt_Bps
+
+        def traffic(state: dict[str, float]) -> float:
+            return 2 * state["optimizer"] + state["grads"] + state["weights"] + 2 * state["ema"]
+
+        expr = q(traffic(t.fixed_state[r]) / rate)
+        for c in t.ranks[r].chunks:
+            expr += self._layers(c, lambda k: q(traffic(k.state) / rate))
+        return expr
+
+    def _slack(self, r: int) -> Expr:
+        if self.t.config.schedule not in ("gpipe", "1f1b", "interleaved"):
+            return 0
+        return sum(self.op("BW", j) for j in range(r))
+
+    # -- solving -----------------------------------------------------------------------
+    def solve(self, *, time_limit_s: float, workers: int, seed: int) -> Solution:
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = max(time_limit_s, 0.01)
+        solver.parameters.num_workers = workers
+        solver.parameters.random_seed = seed
+        # Presolve spends seconds on these small models (dual strengthening over the wide
+        # time and byte domains) and the search proves optimality in a fraction of that.
+        solver.parameters.cp_model_presolve = False
+        status = solver.solve(self.m)
+        if status == cp_model.INFEASIBLE:
+            return Solution("infeasible", [], {}, math.inf, math.inf)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return Solution("unknown", [], {}, math.inf, 0.0)
+        counts = [
+            solver.value(self.start[s + 1]) - solver.value(self.start[s]) for s in range(self.S)
+        ]
+        return Solution(
+            status="optimal" if status == cp_model.OPTIMAL else "feasible",
+            counts=counts,
+            recompute=self._recompute_names(solver, counts),
+            objective_s=solver.objective_value * UNIT,
+            bound_s=solver.best_objective_bound * UNIT,
+        )
+
+    def _recompute_names(self, solver: Any, counts: list[int]) -> dict[str, str]:
+        """Each layer's option: within a stage, layers of a kind take the options in menu
+        order (the most recomputed last, as Megatron-LM's block method recomputes a stage's
+        first layers... here any fixed order is equivalent: a stage's cost only depends on how
+        many of its layers take each option)."""
+        out: dict[str, str] = {}
+        layer = 0
+        for s, n in enumerate(counts):
+            queue: dict[str, list[str]] = {}
+            for k in self.kinds:
+                names: list[str] = []
+                for var, o in zip(self.r[s][k], self.t.kinds[k].options, strict=True):
+                    names += [o.name] * solver.value(var)
+                queue[k] = names[::-1]
+            for i in range(layer, layer + n):
+                out[f"layer.{i}"] = queue[self.t.layer_kinds[i]].pop()
+            layer += n
+        for name, vars_ in self.x.items():
+            for var, o in zip(vars_, self.t.kinds[name].options, strict=True):
+                if solver.value(var):
+                    out[name] = o.name
+        return out
+
+    def fix(self, counts: list[int], option: dict[str, str]) -> None:
+        """Pin the stage sizes and one option per kind (a candidate to complete)."""
+        acc = 0
+        for s, n in enumerate(counts):
+            self.m.add(self.start[s] == acc)
+            acc += n
+        for s in range(self.S):
+            for k in self.kinds:
+                for var, o in zip(self.r[s][k], self.t.kinds[k].options, strict=True):
+                    if o.name != option.get(k):
+                        self.m.add(var == 0)
+        for name, vars_ in self.x.items():
+            for var, o in zip(vars_, self.t.kinds[name].options, strict=True):
+                if o.name != option.get(name):
+                    self.m.add(var == 0)
+
+    def complete(self, *, time_limit_s: float) -> list[int] | None:
+        """Values of every variable of this (pinned) model, or None when it does not fit."""
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = max(time_limit_s, 0.01)
+        solver.parameters.num_workers = 1
+        solver.parameters.cp_model_presolve = False
+        status = solver.solve(self.m)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return None
+        return list(solver.response_proto.solution)
+
+    def hint_all(self, values: list[int]) -> None:
+        """Warm start from a completed candidate of an identically built model."""
+        self.m.clear_hints()  # type: ignore[no-untyped-call]
+        for index, value in enumerate(values):
+            self.m.add_hint(self.m.get_int_var_from_proto_index(index), value)
+
+
+def _ceil(x: float) -> int:
+    """Bytes as whole KiB, rounded up (memory is never under-counted)."""
+    return math.ceil(x / KIB - 1e-9)
+
+
+def _int(x: float) -> int:
+    r = round(x)
+    assert abs(r - x) < 1e-9, x
+    return r
+
+
+def _state_gpu(state: dict[str, float]) -> float:
+    return state["weights"] + state["grads"] + state["optimizer"] + state["ema"]

@@ -1,0 +1,69 @@
+"""What ``planner.plan`` returns: the chosen layout, its evaluation and the proof around it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from planner.estimate import Estimate
+from planner.layout import Layout
+
+
+class Alternative(BaseModel):
+    """A next-best layout with different parallel degrees or schedule."""
+
+    model_config = ConfigDict(frozen=True)
+
+    layout: Layout
+    step_time_s: float = Field(description="Its evaluated step time (seconds).")
+    peak_bytes: int = Field(description="Its largest per-rank memory peak (bytes).")
+
+
+class Binding(BaseModel):
+    """One constraint that keeps a job from fitting, and what would relax it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    family: str = Field(description="Constraint family, e.g. 'memory', 'host_ram', 'degrees'.")
+    where: str = Field(description="Which rank / setting it binds on.")
+    excess: str = Field(description="By how much (with a unit).")
+
+
+class Explanation(BaseModel):
+    """Why no layout fits, and the smallest changes found (by re-solving) that would."""
+
+    model_config = ConfigDict(frozen=True)
+
+    summary: str = Field(description="One paragraph for a person.")
+    binding: list[Binding] = Field(default_factory=list)
+    fixes: list[str] = Field(
+        default_factory=list, description="Changes that were re-solved and found to fit."
+    )
+
+
+class Plan(BaseModel):
+    """The planner's answer for one (model, cluster, job, search space)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    status: Literal["optimal", "feasible", "infeasible"]
+    layout: Layout | None = Field(default=None, description="None when infeasible.")
+    estimate: Estimate | None = Field(
+        default=None, description="planner.evaluate(layout): the plan's own figures."
+    )
+    objective_s: float | None = Field(
+        default=None, description="Step time the solver's model gives the layout (seconds)."
+    )
+    lower_bound_s: float | None = Field(
+        default=None, description="Proven lower bound on the step time over the space (s)."
+    )
+    gap: float | None = Field(
+        default=None, description="(objective - lower bound) / objective; 0 when optimal."
+    )
+    solve_time_s: float = Field(description="Wall time of the search (seconds).")
+    configurations: int = Field(
+        default=0, description="Degree/schedule combinations considered in the search."
+    )
+    alternatives: list[Alternative] = Field(default_factory=list)
+    explanation: Explanation | None = Field(default=None, description="Set when infeasible.")

@@ -1,0 +1,485 @@
+"""The numbers one solver model needs for one choice of degrees and schedule (a ``Config``).
+
+Everything here comes from the cost model the estimate uses (``planner.costs``) and from the
+schedule's op order (``planner.schedules``), so the solver states the estimate's own
+formulas over these numbers:
+
+- per block kind (dense layer, MoE layer, embedding, each MTP module, head) and recompute
+  choice: its ``BlockRow`` of times, saved and rebuilt activation bytes, state bytes;
+- per stage: the pipeline sends and the affine costs of its gradient reduction and ZeRO
+  collectives (a collective of x bytes takes a x + c seconds, c only when x > 0);
+- per rank: how many tasks of each kind its op order runs, the activation levels its order
+  passes through, and the order of its last gradient-producing ops.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from planner.costs.blocks import BlockCost, Param, block_cost, block_names
+from planner.costs.comm import Network, group, moe_dispatch_bytes
+from planner.costs.compute import Rates
+from planner.costs.memory import shard_of, shards, state_bytes
+from planner.costs.timing import (
+    BlockRow,
+    _dp_groups,
+    _first_rank,
+    _p2p,
+    block_row,
+)
+from planner.layout import Layout
+from planner.schedules import Op, idle_terms, op_order
+from planner.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, TrainingJob
+
+GiB = float(2**30)
+
+
+@dataclass(frozen=True)
+class Config:
+    """The outer decisions: degrees, ZeRO stage, micro-batch, schedule, EMA placement."""
+
+    tp: int
+    pp: int
+    dp: int
+    ep: int
+    zero: int
+    micro_batch: int
+    schedule: str
+    virtual_stages: int
+    ema: str
+    num_microbatches: int
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def layout(self, model: ModelSpec, counts: list[int], recompute: dict[str, str]) -> Layout:
+        return Layout.from_counts(
+            model,
+            counts=counts,
+            pp=self.pp,
+            tp=self.tp,
+            dp=self.dp,
+            ep=self.ep,
+            zero=self.zero,
+            micro_batch=self.micro_batch,
+            schedule=self.schedule,  # type: ignore[arg-type]
+            virtual_stages=self.virtual_stages,
+            recompute=recompute,
+            ema=self.ema,
+        )
+
+
+def choice_name(choice: frozenset[str] | str) -> str:
+    """The recompute string of a choice (``Layout`` and the exporters read these)."""
+    if isinstance(choice, str):
+        return choice
+    return "+".join(sorted(choice)) if choice else "none"
+
+
+@dataclass(frozen=True)
+class Option:
+    """One recompute choice of one block kind, with everything it costs."""
+
+    name: str
+    row: BlockRow
+    saved: float  # activation bytes kept per micro-batch
+    rebuilt: float  # bytes rebuilt while its backward runs
+    time: float  # fwd + bwd (for dominance)
+
+
+@dataclass
+class Kind:
+    """A block kind: every block of it costs the same (layers of one type, or one block)."""
+
+    name: str
+    cost: BlockCost
+    options: list[Option]
+    state: dict[str, float]  # weights, grads, optimizer, ema, host bytes of one block
+    dense_grad: float  # unsharded gradient bytes (dense / routed experts) of one block
+    expert_grad: float
+    dense_weight: float  # ZeRO-3 gather bytes (dense / experts)
+    expert_weight: float
+    shard_weight: float  # its weights on one rank before ZeRO-3 sharding (the gather buffer)
+
+
+@dataclass(frozen=True)
+class Affine:
+    """a * bytes + c seconds, c only when bytes > 0 (a collective's bandwidth and latency)."""
+
+    a: float
+    c: float
+
+
+@dataclass
+class RankOrder:
+    """What a rank's op order implies, independent of the stage contents."""
+
+    chunks: list[int]
+    tasks: Counter[tuple[Any, ...]]  # ("F"|"B"|"W"|"BW", stage) or ("pair", f, b, kind)
+    levels: list[tuple[tuple[int, ...], int | None]]  # per-chunk counts, rebuilding chunk
+    last_grad: list[tuple[int, Counter[tuple[Any, ...]]]]  # (stage, tasks from it to the end)
+
+
+@dataclass
+class Tables:
+    config: Config
+    layer_kinds: list[str]  # kind name of each transformer layer, in order
+    kinds: dict[str, Kind]
+    first_fixed: list[str]  # fixed blocks of stage 0 (embedding)
+    last_fixed: list[str]  # fixed blocks of the last stage (MTP modules, head)
+    p2p: list[float]
+    p2p_back: list[float]
+    forward_pair: list[float]  # expert all-to-all seconds per MoE layer per micro-batch
+    combine: list[float]
+    grad_dense: list[Affine]
+    grad_expert: list[Affine]
+    gather_dense: list[Affine]
+    gather_expert: list[Affine]
+    reduce_dense: list[Affine]
+    reduce_expert: list[Affine]
+    ranks: list[RankOrder]
+    idle_linear: dict[str, float]
+    idle_k: int | None
+    others: int  # stages a rank does not hold (the idle's averaging count)
+    fixed_state: list[dict[str, float]]  # per rank: state bytes of its fixed blocks (deduped)
+    fixed_grad: list[tuple[float, float]]  # per stage: (dense, expert) grad bytes of fixed
+    fixed_weight: list[tuple[float, float]]  # per stage: (dense, expert) gather bytes of fixed
+    buffers: float  # communication buffers and pipeline send/receive tensors per rank
+    opt_Bps: float  # optimizer traffic rate
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def build(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    job: TrainingJob,
+    config: Config,
+    network: Network,
+    *,
+    choices: list[str] | None = None,
+    light: bool = False,
+) -> Tables:
+    """The tables of ``config`` (see the module docstring). ``choices`` limits the recompute
+    options to those names (a ``SearchSpace.recompute``), else each block's whole menu.
+    ``light`` leaves out the rank orders and the per-stage collectives (bounds need neither)."""
+    proto = config.layout(model, _even_counts(model, config), {})
+    shard = shard_of(job, proto)
+    rates = Rates.of(cluster, job)
+    names = block_names(model)
+    layer_kinds = ["moe" if model.is_moe_layer(i) else "dense" for i in range(model.num_layers)]
+    representative: dict[str, str] = {}
+    for i, kind in enumerate(layer_kinds):
+        representative.setdefault(kind, f"layer.{i}")
+    fixed = [n for n in names if not n.startswith("layer.")]
+    for n in fixed:
+        representative[n] = n
+    stage0_rank = _first_rank(proto, 0)
+    tp_ar = network.all_reduce_time(
+        shard.tokens * model.hidden_size * shard.act_bytes, group(proto, "tp", stage0_rank)
+    )
+    allowed = set(choices) if choices is not None else None
+    kinds = {
+        k: _kind(
+            k, block_cost(model, n, shard), rates, tp_ar, job, proto, allowed, fixed=k in fixed
+        )
+        for k, n in representative.items()
+    }
+    first_fixed = ["embedding"]
+    last_fixed = [n for n in fixed if n != "embedding"]
+    act = shard.sp_tokens * model.hidden_size * shard.act_bytes
+    a2a = moe_dispatch_bytes(model, shard) if model.num_experts else 0.0
+    share = (1 + 4 / 128) / shard.act_bytes if job.compute_dtype == "fp8" else 1.0
+    stages = config.stages
+    p2p, back, fpair, comb = [], [], [], []
+    grads: list[tuple[Affine, Affine]] = []
+    gathers: list[tuple[Affine, Affine]] = []
+    reduces: list[tuple[Affine, Affine]] = []
+    for s in range(stages):
+        rank = _first_rank(proto, s)
+        p2p.append(_p2p(proto, network, s, act))
+        back.append(_p2p(proto, network, s - 1, act) if s else 0.0)
+        ep_group = group(proto, "ep", rank)
+        c = network.moe_all_to_all_time(a2a, ep_group, model)
+        comb.append(c)
+        fpair.append(network.moe_all_to_all_time(a2a * share, ep_group, model) + c)
+        dense_group, expert_group = _dp_groups(proto, rank)
+        rs, ag, ar = network.reduce_scatter_time, network.all_gather_time, network.all_reduce_time
+        sync = ar if config.zero == 0 else rs
+        grads.append(_pair(sync, dense_group, expert_group, on=config.zero <= 1))
+        gathers.append(_pair(ag, dense_group, expert_group, on=config.zero >= 3))
+        reduces.append(_pair(rs, dense_group, expert_group, on=config.zero >= 2))
+    ranks = (
+        []
+        if light
+        else rank_orders(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
+    )
+    linear, dual_k = idle_terms(
+        config.schedule,
+        pp=config.pp,
+        num_microbatches=config.num_microbatches,
+        virtual_stages=config.virtual_stages,
+    )
+    held = len(set(proto.chunks_of_rank(0)))
+    fixed_state, fixed_grad, fixed_weight = _fixed(
+        model, shard, job, proto, first_fixed, last_fixed, stages
+    )
+    buffers = float(job.comm_buffer_bytes) + (2 * act if config.pp > 1 else 0.0)
+    return Tables(
+        config=config,
+        layer_kinds=layer_kinds,
+        kinds=kinds,
+        first_fixed=first_fixed,
+        last_fixed=last_fixed,
+        p2p=p2p,
+        p2p_back=back,
+        forward_pair=fpair,
+        combine=comb,
+        grad_dense=[g[0] for g in grads],
+        grad_expert=[g[1] for g in grads],
+        gather_dense=[g[0] for g in gathers],
+        gather_expert=[g[1] for g in gathers],
+        reduce_dense=[g[0] for g in reduces],
+        reduce_expert=[g[1] for g in reduces],
+        ranks=ranks,
+        idle_linear=linear,
+        idle_k=dual_k,
+        others=stages - held if stages > held else stages,
+        fixed_state=fixed_state,
+        fixed_grad=fixed_grad,
+        fixed_weight=fixed_weight,
+        buffers=buffers,
+        opt_Bps=cluster.hbm_bandwidth_Bps * cluster.achieved.get("memory_bound", 1.0),
+    )
+
+
+# -- pieces ---------------------------------------------------------------------------------
+
+
+def _even_counts(model: ModelSpec, config: Config) -> list[int]:
+    n, s = model.num_layers, config.stages
+    return [n // s + (1 if i < n % s else 0) for i in range(s)]
+
+
+def _kind(
+    name: str,
+    cost: BlockCost,
+    rates: Rates,
+    tp_ar: float,
+    job: TrainingJob,
+    proto: Layout,
+    allowed: set[str] | None,
+    *,
+    fixed: bool,
+) -> Kind:
+    menu = cost.menu()
+    if name in ("embedding", "head"):
+        menu = [frozenset()]  # launchers do not recompute them (Megatron-LM has no option)
+    options = []
+    for choice in menu:
+        label = choice_name(choice)
+        # A search space's recompute list binds the layers; the embedding, MTP and head
+        # blocks may always stay as they are.
+        if allowed is not None and label not in allowed and not (fixed and label == "none"):
+            continue
+        row = block_row(cost, rates, choice, tp_ar)
+        options.append(
+            Option(
+                name=label,
+                row=row,
+                saved=float(cost.saved_bytes(choice)),
+                rebuilt=float(cost.rebuilt_bytes(choice)),
+                time=row.fwd + row.bwd_input + row.bwd_weight,
+            )
+        )
+    options = _undominated(options)
+    params = cost.params
+    st = state_bytes(params, job=job, layout=proto, ema_on_gpu=proto.ema == "hbm")
+    gb, wb = DTYPE_BYTES[job.grad_dtype], DTYPE_BYTES[job.weight_dtype]
+    return Kind(
+        name=name,
+        cost=cost,
+        options=options,
+        state=st,
+        dense_grad=_bytes(params, proto, gb, expert=False, trainable=True),
+        expert_grad=_bytes(params, proto, gb, expert=True, trainable=True),
+        dense_weight=_bytes(params, proto, wb, expert=False, trainable=False),
+        expert_weight=_bytes(params, proto, wb, expert=True, trainable=False),
+        shard_weight=sum(p.numel / shards(p, proto) for p in params) * wb,
+    )
+
+
+def _bytes(
+    params: list[Param], layout: Layout, per: int, *, expert: bool, trainable: bool
+) -> float:
+    return sum(
+        p.numel / shards(p, layout) * per
+        for p in params
+        if p.expert == expert and (p.trainable or not trainable)
+    )
+
+
+def _undominated(options: list[Option]) -> list[Option]:
+    """Drop a choice another beats or ties on saved bytes, rebuilt bytes, time and all-to-all
+    repeats (the first of equals stays)."""
+    keep = []
+    for i, o in enumerate(options):
+        dominated = False
+        for j, other in enumerate(options):
+            if i == j:
+                continue
+            no_worse = (
+                other.saved <= o.saved
+                and other.rebuilt <= o.rebuilt
+                and other.time <= o.time
+                and other.row.moe_rerun <= o.row.moe_rerun
+                and other.row.bwd_input <= o.row.bwd_input
+            )
+            strictly = (other.saved, other.rebuilt, other.time, other.row.moe_rerun) != (
+                o.saved,
+                o.rebuilt,
+                o.time,
+                o.row.moe_rerun,
+            )
+            if no_worse and (strictly or j < i):
+                dominated = True
+                break
+        if not dominated:
+            keep.append(o)
+    return keep
+
+
+def _pair(
+    collective: Any, dense_group: list[int], expert_group: list[int], *, on: bool
+) -> tuple[Affine, Affine]:
+    """The affine form of a collective over the dense and the expert group (it is affine
+    in the bytes: ring steps times bytes over bandwidth, plus latencies)."""
+    if not on:
+        return Affine(0.0, 0.0), Affine(0.0, 0.0)
+    out = []
+    for g in (dense_group, expert_group):
+        one, two = collective(GiB, g), collective(2 * GiB, g)
+        a = (two - one) / GiB
+        out.append(Affine(a, one - a * GiB))
+    return out[0], out[1]
+
+
+def rank_orders(schedule: str, pp: int, m: int, v: int) -> list[RankOrder]:
+    """Every rank's ``RankOrder`` (cached: many configurations share a schedule)."""
+    return [_rank_order(schedule, pp, m, v, r) for r in range(pp)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_order(schedule: str, pp: int, m: int, v: int, rank: int) -> RankOrder:
+    order = op_order(schedule, pp=pp, num_microbatches=m, rank=rank, virtual_stages=v)
+    chunks = list(dict.fromkeys(o.stage for o in order))
+    tasks: list[tuple[Any, ...]] = []
+    i = 0
+    while i < len(order):
+        op = order[i]
+        if op.paired:
+            nxt = order[i + 1]
+            tasks.append(("pair", op.stage, nxt.stage, nxt.kind))
+            i += 2
+        else:
+            tasks.append((op.kind, op.stage))
+            i += 1
+    return RankOrder(
+        chunks=chunks,
+        tasks=Counter(tasks),
+        levels=_levels(order, chunks),
+        last_grad=_last_grad(tasks),
+    )
+
+
+def _levels(order: list[Op], chunks: list[int]) -> list[tuple[tuple[int, ...], int | None]]:
+    """The activation levels the order passes through, as per-chunk micro-batch counts (and
+    the chunk whose backward rebuilds at that moment), keeping only undominated ones: a level
+    is implied by another with as many of every chunk and the same rebuild (or, for a level
+    without a rebuild, any rebuild)."""
+    count = dict.fromkeys(chunks, 0)
+    seen: set[tuple[tuple[int, ...], int | None]] = set()
+    for op in order:
+        if op.kind == "F":
+            count[op.stage] += 1
+            seen.add((tuple(count[c] for c in chunks), None))
+        if op.kind in ("B", "BW"):
+            seen.add((tuple(count[c] for c in chunks), op.stage))
+        if op.kind in ("BW", "W"):
+            count[op.stage] -= 1
+
+    keep: list[tuple[tuple[int, ...], int | None]] = []
+    # Largest first: a level can only be implied by one at least as large in total.
+    for x in sorted(seen, key=lambda x: (-sum(x[0]), x[1] is None, x)):
+        implied = any(
+            (x[1] is None or y[1] == x[1]) and all(a >= b for a, b in zip(y[0], x[0], strict=True))
+            for y in keep
+        )
+        if not implied:
+            keep.append(x)
+    return sorted(keep, key=lambda x: (x[0], -1 if x[1] is None else x[1]))
+
+
+def _last_grad(tasks: list[tuple[Any, ...]]) -> list[tuple[int, Counter[tuple[Any, ...]]]]:
+    """Per stage, in the order their last gradient-producing task starts: the tasks from
+    that one to the end of the rank's order."""
+    last: dict[int, int] = {}
+    for pos, task in enumerate(tasks):
+        if task[0] in ("BW", "W"):
+            last[task[1]] = pos
+        elif task[0] == "pair" and task[3] in ("BW", "W"):
+            last[task[2]] = pos
+    return [
+        (stage, Counter(tasks[pos:])) for stage, pos in sorted(last.items(), key=lambda kv: kv[1])
+    ]
+
+
+def _fixed(
+    model: ModelSpec,
+    shard: Any,
+    job: TrainingJob,
+    proto: Layout,
+    first: list[str],
+    last: list[str],
+    stages: int,
+) -> tuple[list[dict[str, float]], list[tuple[float, float]], list[tuple[float, float]]]:
+    """State bytes of each rank's fixed blocks (shared tensors once per rank), and gradient /
+    gather bytes of each stage's (shared tensors once per stage)."""
+    params = {n: block_cost(model, n, shard).params for n in first + last}
+    ema_on_gpu = proto.ema == "hbm"
+
+    def union(blocks: list[str]) -> list[Param]:
+        seen: dict[str, Param] = {}
+        for b in blocks:
+            for p in params[b]:
+                seen.setdefault(p.key, p)
+        return list(seen.values())
+
+    per_stage = {0: list(first), stages - 1: list(last)}
+    if stages == 1:
+        per_stage = {0: first + last}
+    state = []
+    for r in range(proto.pp):
+        held = dict.fromkeys(proto.chunks_of_rank(r))
+        blocks = [b for s in held for b in per_stage.get(s, [])]
+        state.append(state_bytes(union(blocks), job=job, layout=proto, ema_on_gpu=ema_on_gpu))
+    gb, wb = DTYPE_BYTES[job.grad_dtype], DTYPE_BYTES[job.weight_dtype]
+    grad, weight = [], []
+    for s in range(stages):
+        ps = union(per_stage.get(s, []))
+        grad.append(
+            (
+                _bytes(ps, proto, gb, expert=False, trainable=True),
+                _bytes(ps, proto, gb, expert=True, trainable=True),
+            )
+        )
+        weight.append(
+            (
+                _bytes(ps, proto, wb, expert=False, trainable=False),
+                _bytes(ps, proto, wb, expert=True, trainable=False),
+            )
+        )
+    return state, grad, weight

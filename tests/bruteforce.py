@@ -1,0 +1,161 @@
+"""Exhaustive search over a small search space: the reference optimum for tests.
+
+Every layout the space allows is built and costed with ``planner.evaluate``: every choice of
+degrees, ZeRO stage, micro-batch, schedule, virtual stages and EMA placement, every split of
+the layers into stages, and every recompute assignment. A stage's cost depends only on how
+many of its identical blocks take each recompute choice, so per stage (and per kind of
+block: dense layer, MoE layer, MTP module) the multisets of choices are enumerated and given
+to its blocks in order. Meant for a handful of layers and stages: it is slow by design.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import planner
+from planner.errors import PlannerError
+from planner.estimate import Estimate
+from planner.layout import SCHEDULES, Layout, Schedule
+from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
+
+
+def best_layout(
+    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, space: SearchSpace
+) -> tuple[Layout, Estimate] | None:
+    """The fastest layout in ``space`` that fits (ties: the first found), or None."""
+    return _search(model, cluster, job, space)[0]
+
+
+def count_layouts(
+    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, space: SearchSpace
+) -> int:
+    """How many valid layouts ``best_layout`` evaluates for this space."""
+    return _search(model, cluster, job, space)[1]
+
+
+def _search(
+    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, space: SearchSpace
+) -> tuple[tuple[Layout, Estimate] | None, int]:
+    best: tuple[Layout, Estimate] | None = None
+    count = 0
+    for layout in _layouts(model, cluster, job, space):
+        try:
+            est = planner.evaluate(model, cluster, job, layout)
+        except PlannerError:  # a combination the cost model rejects (e.g. tp vs heads)
+            continue
+        count += 1
+        if not est.fits or not _host_ram_fits(job, cluster, layout, est):
+            continue
+        if best is None or est.step_time_s < best[1].step_time_s:
+            best = (layout, est)
+    return best, count
+
+
+def _host_ram_fits(job: TrainingJob, cluster: ClusterSpec, layout: Layout, est: Estimate) -> bool:
+    if layout.ema != "host" or job.ema is None:
+        return True
+    gpus = min(cluster.gpus_per_node, cluster.num_gpus)  # a partial node has only num_gpus
+    return max(s.host_bytes for s in est.memory) * gpus <= cluster.host_ram_bytes
+
+
+def _required(values: list[int] | list[str] | None, name: str) -> list[int] | list[str]:
+    assert values is not None, f"best_layout needs SearchSpace.{name} spelled out"
+    return values
+
+
+def _layouts(
+    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, space: SearchSpace
+) -> Iterator[Layout]:
+    """Every layout of the space (some invalid ones are dropped on construction)."""
+    assert space.zero is not None, "best_layout needs SearchSpace.zero spelled out"
+    recompute = [str(c) for c in _required(space.recompute, "recompute")]
+    emas: list[str] = ["hbm"] if job.ema is None else list(space.ema or ["hbm", "host"])
+    for tp, pp, ep, zero, mb, schedule, v, ema in itertools.product(
+        _required(space.tp, "tp"),
+        _required(space.pp, "pp"),
+        _required(space.ep, "ep"),
+        space.zero,
+        _required(space.micro_batch, "micro_batch"),
+        _required(space.schedules, "schedules"),
+        _required(space.virtual_stages, "virtual_stages"),
+        emas,
+    ):
+        assert isinstance(tp, int) and isinstance(pp, int) and isinstance(v, int)
+        if cluster.num_gpus % (tp * pp):
+            continue
+        dp = cluster.num_gpus // (tp * pp)
+        if space.dp is not None and dp not in space.dp:
+            continue
+        fields = {"tp": tp, "dp": dp, "ep": ep, "zero": zero, "micro_batch": mb, "ema": ema}
+        yield from _splits(model, pp, v, _schedule(str(schedule)), recompute, fields)
+
+
+def _splits(
+    model: ModelSpec,
+    pp: int,
+    v: int,
+    schedule: Schedule,
+    recompute: list[str],
+    fields: dict[str, object],
+) -> Iterator[Layout]:
+    """Every split into stages and recompute assignment for one choice of the rest."""
+    for counts in _compositions(model.num_layers, pp * v):
+        for choice in _recompute_assignments(model, counts, recompute):
+            try:
+                layout = Layout.from_counts(
+                    model,
+                    counts=counts,
+                    pp=pp,
+                    virtual_stages=v,
+                    schedule=schedule,
+                    recompute=choice,
+                    **fields,
+                )
+            except PlannerError:
+                # Only the degrees and the schedule can be rejected here (ep not dividing
+                # dp*tp, virtual stages wrong for the schedule): every split fails alike.
+                return
+            yield layout
+
+
+def _schedule(name: str) -> Schedule:
+    assert name in SCHEDULES, name
+    return name  # type: ignore[return-value]
+
+
+def _compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Layer counts of ``parts`` stages summing to ``total``: the first and last stage may be
+    empty (they hold the embedding and the head), the others need a layer. Every
+    non-decreasing sequence of ``parts - 1`` cut points in 0..total is one split."""
+    for cuts in itertools.combinations_with_replacement(range(total + 1), parts - 1):
+        bounds = (0, *cuts, total)
+        counts = tuple(b - a for a, b in itertools.pairwise(bounds))
+        if all(c >= 1 for c in counts[1:-1]):
+            yield counts
+
+
+def _recompute_assignments(
+    model: ModelSpec, counts: tuple[int, ...], choices: list[str]
+) -> Iterator[dict[str, str]]:
+    """Block -> recompute choice: per stage and per kind of block, every multiset of
+    choices, given to the blocks in order (embedding and head keep "none")."""
+    options: list[list[dict[str, str]]] = []
+    start = 0
+    for i, count in enumerate(counts):
+        blocks = [(f"layer.{j}", j) for j in range(start, start + count)]
+        start += count
+        if i == len(counts) - 1:  # MTP modules sit on the last stage, before the head
+            blocks += [(f"mtp.{j}", model.num_layers + j) for j in range(model.num_mtp_layers)]
+        kinds: dict[tuple[bool, bool], list[str]] = {}
+        for name, index in blocks:
+            kind = (name.startswith("mtp."), model.is_moe_layer(index))
+            kinds.setdefault(kind, []).append(name)
+        for names in kinds.values():
+            multisets = itertools.combinations_with_replacement(choices, len(names))
+            options.append([dict(zip(names, m, strict=True)) for m in multisets])
+    for parts in itertools.product(*options):
+        merged: dict[str, str] = {}
+        for part in parts:
+            merged.update(part)
+        yield merged
