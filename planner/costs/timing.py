@@ -39,6 +39,7 @@ from planner.costs.comm import Network, group, moe_dispatch_bytes
 from planner.costs.compute import Rates, block_time
 from planner.costs.memory import StageMemory, block_costs, shard_of, shards
 from planner.layout import Layout, parse_recompute
+from planner.schedules import stage_rank
 from planner.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, TrainingJob
 
 # DeepSeek-V3 report section 3.2.2: 20 of the H800's 132 SMs suffice to run the all-to-all
@@ -181,8 +182,9 @@ def _reruns_moe(choice: frozenset[str] | str) -> bool:
 
 
 def _holder(layout: Layout, stage: int) -> int:
-    """Pipeline rank holding ``stage`` (direction 0 for DualPipe)."""
-    return next(r for r in range(layout.pp) if stage in layout.chunks_of_rank(r))
+    """Pipeline rank holding ``stage`` (direction 0 for DualPipe, whose ranks also hold a
+    mirror copy of another stage)."""
+    return stage_rank(layout.schedule, layout.pp, stage, 0)
 
 
 def _first_rank(layout: Layout, stage: int) -> int:

@@ -48,6 +48,7 @@ class Solution:
     recompute: dict[str, str]  # block name -> recompute option
     objective_s: float
     bound_s: float
+    work: float = 0.0  # CP-SAT deterministic time spent
 
 
 class StageModel:
@@ -253,7 +254,12 @@ class StageModel:
         if const > 0:
             on: Any = True
         else:
-            flags = [self.has_expert[f], self.has_expert[b]]
+            # The all-to-alls exist only where the stage has MoE layers and the EP group
+            # spans more than one GPU (else they take no time).
+            flags = [
+                self.has_expert[f] if t.forward_pair[f] > 0 else False,
+                self.has_expert[b] if t.combine[b] + t.forward_pair[b] > 0 else False,
+            ]
             live = [x for x in flags if not isinstance(x, bool)]
             if any(x is True for x in flags):
                 on = True
@@ -334,7 +340,8 @@ class StageModel:
                 extra = 2 * biggest
             m.add(static + act + extra <= usable)
             if t.config.ema == "host":
-                m.add(host * self.cluster.gpus_per_node <= self.cluster.host_ram_bytes // KIB)
+                per_node = min(self.cluster.gpus_per_node, self.cluster.num_gpus)
+                m.add(host * per_node <= self.cluster.host_ram_bytes // KIB)
 
     # -- objective ---------------------------------------------------------------------
     def _objective(self) -> None:
@@ -401,18 +408,15 @@ class StageModel:
 
     # -- solving -----------------------------------------------------------------------
     def solve(self, *, time_limit_s: float, workers: int, seed: int) -> Solution:
-        solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = max(time_limit_s, 0.01)
-        solver.parameters.num_workers = workers
-        solver.parameters.random_seed = seed
-        # Presolve spends seconds on these small models (dual strengthening over the wide
-        # time and byte domains) and the search proves optimality in a fraction of that.
-        solver.parameters.cp_model_presolve = False
+        """Solve within ``time_limit_s`` of CP-SAT's deterministic time (about seconds on
+        this kind of machine), so the same inputs give the same answer anywhere."""
+        solver = _solver(time_limit_s, workers=workers, seed=seed)
         status = solver.solve(self.m)
+        work = solver.deterministic_time
         if status == cp_model.INFEASIBLE:
-            return Solution("infeasible", [], {}, math.inf, math.inf)
+            return Solution("infeasible", [], {}, math.inf, math.inf, work)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return Solution("unknown", [], {}, math.inf, 0.0)
+            return Solution("unknown", [], {}, math.inf, 0.0, work)
         counts = [
             solver.value(self.start[s + 1]) - solver.value(self.start[s]) for s in range(self.S)
         ]
@@ -422,6 +426,7 @@ class StageModel:
             recompute=self._recompute_names(solver, counts),
             objective_s=solver.objective_value * UNIT,
             bound_s=solver.best_objective_bound * UNIT,
+            work=work,
         )
 
     def _recompute_names(self, solver: Any, counts: list[int]) -> dict[str, str]:
@@ -463,22 +468,34 @@ class StageModel:
                 if o.name != option.get(name):
                     self.m.add(var == 0)
 
-    def complete(self, *, time_limit_s: float) -> list[int] | None:
-        """Values of every variable of this (pinned) model, or None when it does not fit."""
-        solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = max(time_limit_s, 0.01)
-        solver.parameters.num_workers = 1
-        solver.parameters.cp_model_presolve = False
+    def complete(self, *, time_limit_s: float) -> tuple[list[int] | None, float]:
+        """Values of every variable of this (pinned) model, or None when it does not fit;
+        and the deterministic time spent."""
+        solver = _solver(time_limit_s, workers=1, seed=0)
         status = solver.solve(self.m)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return None
-        return list(solver.response_proto.solution)
+            return None, solver.deterministic_time
+        return list(solver.response_proto.solution), solver.deterministic_time
 
     def hint_all(self, values: list[int]) -> None:
         """Warm start from a completed candidate of an identically built model."""
         self.m.clear_hints()  # type: ignore[no-untyped-call]
         for index, value in enumerate(values):
             self.m.add_hint(self.m.get_int_var_from_proto_index(index), value)
+
+
+def _solver(limit: float, *, workers: int, seed: int) -> cp_model.CpSolver:
+    solver = cp_model.CpSolver()
+    p = solver.parameters
+    p.max_deterministic_time = max(limit, 0.01)
+    p.max_time_in_seconds = 10 * max(limit, 0.01) + 1  # a wall-clock safety net only
+    p.num_workers = max(1, workers)
+    p.interleave_search = workers > 1  # subsolvers take turns in one thread: deterministic
+    p.random_seed = seed
+    # Presolve spends seconds on these small models (dual strengthening over the wide time
+    # and byte domains) and the search proves optimality in a fraction of that.
+    p.cp_model_presolve = False
+    return solver
 
 
 def _ceil(x: float) -> int:

@@ -53,7 +53,7 @@ def plan(
     *,
     time_limit_s: float = 30.0,
     top_k: int = 1,
-    workers: int = 2,
+    workers: int = 1,
     seed: int = 0,
     explain_infeasible: bool = True,
 ) -> Plan:
@@ -73,8 +73,12 @@ def plan(
     def best() -> float:
         return found[0][0] if found else math.inf
 
+    spent = [0.0]  # CP-SAT deterministic time: the budget, so answers do not depend on load
+
     def left() -> float:
-        return time_limit_s - (time.perf_counter() - started)
+        if time.perf_counter() - started > 3 * time_limit_s + 5:  # wall-clock safety net
+            return 0.0
+        return time_limit_s - spent[0]
 
     def attempt(bound: float, config: Config, limit: float) -> None:
         t0 = time.perf_counter()
@@ -89,6 +93,7 @@ def plan(
             workers=workers,
             seed=seed,
         )
+        spent[0] += out.work
         if out.layout is not None:
             found.append((out.objective, config, out.layout))
             found.sort(key=lambda x: (x[0], _key(x[1])))
@@ -455,6 +460,7 @@ class Outcome:
     objective: float = math.inf
     bound: float = 0.0
     layout: Layout | None = None
+    work: float = 0.0
 
 
 def solve_config(
@@ -473,15 +479,16 @@ def solve_config(
     tables = build(model, cluster, job, config, network, choices=_choices(space))
     if any(not k.options for k in tables.kinds.values()):
         return Outcome("infeasible")
-    values = _warm_start(tables, cluster, job, time_limit_s)
+    values, warm = _warm_start(tables, cluster, job, time_limit_s)
     sm = StageModel(tables, cluster, job)
     if values is not None:
         sm.hint_all(values)
-    sol = sm.solve(time_limit_s=time_limit_s, workers=workers, seed=seed)
+    sol = sm.solve(time_limit_s=max(0.01, time_limit_s - warm), workers=workers, seed=seed)
+    work = warm + sol.work
     if sol.status in ("infeasible", "unknown"):
-        return Outcome(sol.status)
+        return Outcome(sol.status, work=work)
     layout = config.layout(model, sol.counts, sol.recompute)
-    return Outcome(sol.status, sol.objective_s, sol.bound_s, layout)
+    return Outcome(sol.status, sol.objective_s, sol.bound_s, layout, work)
 
 
 def _choices(space: SearchSpace) -> list[str] | None:
@@ -492,7 +499,7 @@ def _choices(space: SearchSpace) -> list[str] | None:
 
 def _warm_start(
     tables: Tables, cluster: ClusterSpec, job: TrainingJob, time_limit_s: float
-) -> list[int] | None:
+) -> tuple[list[int] | None, float]:
     """A balanced partition with one option for every layer: the fastest option that fits."""
     names: set[str] | None = None
     for kind in set(tables.layer_kinds):
@@ -506,6 +513,7 @@ def _warm_start(
         ),
     )
     counts = _balanced(tables)
+    spent = 0.0
     for name in ordered:
         option = {k: name for k in set(tables.layer_kinds)}
         for fixed in tables.first_fixed + tables.last_fixed:
@@ -513,10 +521,11 @@ def _warm_start(
             option[fixed] = name if name in fixed_opts else fixed_opts[0]
         pinned = StageModel(tables, cluster, job)
         pinned.fix(counts, option)
-        values = pinned.complete(time_limit_s=min(1.0, time_limit_s))
+        values, work = pinned.complete(time_limit_s=min(1.0, time_limit_s))
+        spent += work
         if values is not None:
-            return values
-    return None
+            return values, spent
+    return None, spent
 
 
 def _balanced(tables: Tables) -> list[int]:

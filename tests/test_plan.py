@@ -1,0 +1,180 @@
+"""``planner.plan``: the CP-SAT search against exhaustive search, the independent checker on
+every plan, determinism, search-space pins, and explained infeasibility."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from bruteforce import best_layout
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import planner
+from planner.check import check_plan
+
+GiB = 2**30
+LLAMA4 = planner.load_model("llama3-8b").model_copy(update={"num_layers": 4})
+MIXTRAL4 = planner.load_model("mixtral-8x7b").model_copy(update={"num_layers": 4})
+H100x8 = planner.load_cluster("h100", gpus=8)
+
+
+def solve(
+    model: planner.ModelSpec,
+    cluster: planner.ClusterSpec,
+    job: planner.TrainingJob,
+    space: planner.SearchSpace | None = None,
+    limit: float = 20.0,
+) -> planner.Plan:
+    plan = planner.plan(model, cluster, job, space, time_limit_s=limit)
+    assert check_plan(model, cluster, job, plan, space=space) == []
+    return plan
+
+
+DENSE = planner.SearchSpace(
+    tp=[1, 2],
+    pp=[1, 2, 4],
+    ep=[1],
+    zero=[1, 3],
+    micro_batch=[1, 2],
+    schedules=["1f1b", "zb-h1"],
+    virtual_stages=[1],
+    recompute=["none", "full"],
+)
+
+
+@pytest.mark.parametrize("hbm_gib", [12, 9, 7, 5])
+def test_dense_optimum_equals_exhaustive_search(hbm_gib: int) -> None:
+    """Llama-3-8B cut to 4 layers on 8 H100s with less and less HBM: the planner's optimum is
+    the exhaustive optimum (or both find nothing), and it proves it."""
+    cluster = H100x8.model_copy(update={"hbm_bytes": hbm_gib * GiB})
+    job = planner.TrainingJob(seq_len=2048, global_batch=16)
+    plan = solve(LLAMA4, cluster, job, DENSE)
+    reference = best_layout(LLAMA4, cluster, job, DENSE)
+    if reference is None:
+        assert plan.status == "infeasible"
+        return
+    assert plan.status == "optimal" and plan.estimate is not None
+    assert plan.estimate.step_time_s == pytest.approx(reference[1].step_time_s, rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("schedules", "pp", "v", "hbm_gib"),
+    [
+        (["interleaved"], [2], [2], 30),
+        (["dualpipe"], [2], [1], 60),
+        (["dualpipev"], [2], [2], 40),
+        (["1f1b", "dualpipe"], [1, 2], [1], 20),
+    ],
+)
+def test_moe_and_pipeline_schedules_equal_exhaustive_search(
+    schedules: list[str], pp: list[int], v: list[int], hbm_gib: int
+) -> None:
+    cluster = H100x8.model_copy(update={"hbm_bytes": hbm_gib * GiB})
+    job = planner.TrainingJob(seq_len=2048, global_batch=32)
+    space = planner.SearchSpace(
+        tp=[1, 2],
+        pp=pp,
+        ep=[1, 2],
+        zero=[1],
+        micro_batch=[1],
+        schedules=schedules,
+        virtual_stages=v,
+        recompute=["none", "full"],
+    )
+    plan = solve(MIXTRAL4, cluster, job, space)
+    reference = best_layout(MIXTRAL4, cluster, job, space)
+    assert reference is not None and plan.estimate is not None
+    assert plan.status == "optimal"
+    assert plan.estimate.step_time_s == pytest.approx(reference[1].step_time_s, rel=1e-4)
+
+
+def test_same_inputs_same_plan() -> None:
+    job = planner.TrainingJob(seq_len=2048, global_batch=64)
+    cluster = planner.load_cluster("h100", gpus=16)
+    model = planner.load_model("llama3-8b").model_copy(update={"num_layers": 8})
+
+    def stripped(plan: planner.Plan) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(plan.model_dump_json())
+        data.pop("solve_time_s")
+        return data
+
+    # A short budget, so the search stops on its time limit: CP-SAT's deterministic time
+    # makes even that repeatable.
+    first, second = solve(model, cluster, job, limit=2), solve(model, cluster, job, limit=2)
+    assert stripped(first) == stripped(second)
+
+
+def test_pinned_decisions_are_kept() -> None:
+    model = planner.load_model("llama3-8b").model_copy(update={"num_layers": 8})
+    cluster = planner.load_cluster("h100", gpus=16)
+    job = planner.TrainingJob(seq_len=2048, global_batch=64)
+    space = planner.SearchSpace(pp=[4], schedules=["1f1b"], zero=[1])
+    plan = solve(model, cluster, job, space)
+    assert plan.layout is not None
+    assert (plan.layout.pp, plan.layout.schedule, plan.layout.zero) == (4, "1f1b", 1)
+
+
+def test_never_worse_than_a_uniform_layout_of_the_same_degrees() -> None:
+    model = planner.load_model("llama3-8b").model_copy(update={"num_layers": 8})
+    cluster = planner.load_cluster("h100", gpus=16).model_copy(update={"hbm_bytes": 24 * GiB})
+    job = planner.TrainingJob(seq_len=4096, global_batch=64)
+    plan = solve(model, cluster, job)
+    assert plan.layout is not None and plan.estimate is not None
+    lay = plan.layout
+    for recompute in ("none", "selective", "full"):
+        uniform = planner.Layout.uniform(
+            model,
+            pp=lay.pp,
+            tp=lay.tp,
+            dp=lay.dp,
+            ep=lay.ep,
+            zero=lay.zero,
+            micro_batch=lay.micro_batch,
+            schedule=lay.schedule,
+            virtual_stages=lay.virtual_stages,
+            recompute=recompute,
+        )
+        est = planner.evaluate(model, cluster, job, uniform)
+        if est.fits:
+            assert plan.estimate.step_time_s <= est.step_time_s * (1 + 1e-6)
+
+
+def test_infeasible_job_is_explained_with_a_re_solved_fix() -> None:
+    model = planner.load_model("llama3-70b")
+    cluster = planner.load_cluster("h100", gpus=8)
+    job = planner.TrainingJob(seq_len=4096, global_batch=64)
+    plan = solve(model, cluster, job, limit=10)
+    assert plan.status == "infeasible" and plan.explanation is not None
+    assert plan.explanation.binding[0].family == "memory"
+    assert "GiB needed at least" in plan.explanation.binding[0].excess
+    assert any(fix.startswith("16 GPUs: fits") for fix in plan.explanation.fixes)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.sampled_from(["llama3-8b", "mixtral-8x7b", "deepseek-v2"]),
+    st.integers(2, 6),
+    st.sampled_from([8, 16]),
+    st.sampled_from([1024, 2048]),
+    st.sampled_from([16, 32, 48]),
+    st.sampled_from([24, 40, 80]),
+)
+def test_fuzzed_jobs_plan_without_crash_and_pass_the_checker(
+    name: str, layers: int, gpus: int, seq: int, batch: int, hbm: int
+) -> None:
+    model = planner.load_model(name).model_copy(
+        update={"num_layers": layers, "first_dense_layers": min(1, layers - 1)}
+        if name == "deepseek-v2"
+        else {"num_layers": layers}
+    )
+    cluster = planner.load_cluster("h100", gpus=gpus).model_copy(update={"hbm_bytes": hbm * GiB})
+    job = planner.TrainingJob(seq_len=seq, global_batch=batch)
+    try:
+        plan = planner.plan(model, cluster, job, time_limit_s=1.5)
+    except planner.PlannerError as exc:  # only the time limit may stop it without an answer
+        assert "time_limit_s" in str(exc)
+        return
+    assert plan.status in ("optimal", "feasible", "infeasible")
+    assert check_plan(model, cluster, job, plan) == []
