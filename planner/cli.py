@@ -20,7 +20,8 @@ from planner.errors import PlannerError
 from planner.estimate import Estimate, evaluate
 from planner.layout import SCHEDULES, Layout
 from planner.simulate import simulate
-from planner.specs import ClusterSpec, ModelSpec, TrainingJob
+from planner.solve import plan
+from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 
 GiB = 2**30
 SHORT = {"optimizer": "optim", "activations": "activ", "fragmentation": "frag", "context": "ctx"}
@@ -39,18 +40,34 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("clusters", help="list the machine types")
     _layout_args(sub.add_parser("memory", help="per-rank memory of a stated layout"))
     _layout_args(sub.add_parser("evaluate", help="memory and step time of a stated layout"))
+    pl = sub.add_parser("plan", help="find the fastest layout that fits, with its proof")
+    _job_args(pl)
+    for degree in ("tp", "pp", "ep", "micro-batch", "zero"):
+        pl.add_argument(f"--{degree}", type=int, nargs="+", default=None, help=f"allowed {degree}")
+    pl.add_argument("--schedule", nargs="+", choices=SCHEDULES, default=None, help="allowed")
+    pl.add_argument("--recompute", nargs="+", default=None, help="allowed recompute choices")
+    pl.add_argument("--time-limit", type=float, default=10.0, help="solver budget (s)")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     sim = sub.add_parser("simulate", help="run a stated layout's step event by event")
     _layout_args(sim)
     sim.add_argument("--trace", default=None, help="write a Perfetto/Chrome trace JSON here")
     return p
 
 
-def _layout_args(cmd: argparse.ArgumentParser) -> None:
+def _job_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--model", required=True, help="catalog name or path to config.json")
     cmd.add_argument("--cluster", required=True, help="machine type name or path to YAML")
     cmd.add_argument("--gpus", type=int, required=True, help="total GPUs")
     cmd.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     cmd.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    cmd.add_argument("--compute-dtype", default="bf16", choices=["bf16", "fp8"], help="GEMMs")
+    cmd.add_argument("--moment-dtype", default="fp32", help="optimizer moment dtype")
+    cmd.add_argument("--grad-dtype", default="bf16", help="gradient dtype")
+    cmd.add_argument("--ema", default=None, help="EMA dtype (omit for no EMA)")
+
+
+def _layout_args(cmd: argparse.ArgumentParser) -> None:
+    _job_args(cmd)
     for degree in ("tp", "pp", "ep"):
         cmd.add_argument(f"--{degree}", type=int, default=1, help=f"{degree} degree")
     cmd.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage")
@@ -60,10 +77,6 @@ def _layout_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument(
         "--recompute", default="none", help="none | selective | full | modules joined by '+'"
     )
-    cmd.add_argument("--compute-dtype", default="bf16", choices=["bf16", "fp8"], help="GEMMs")
-    cmd.add_argument("--moment-dtype", default="fp32", help="optimizer moment dtype")
-    cmd.add_argument("--grad-dtype", default="bf16", help="gradient dtype")
-    cmd.add_argument("--ema", default=None, help="EMA dtype (omit for no EMA)")
     cmd.add_argument("--ema-on-host", action="store_true", help="keep the EMA in host RAM")
     cmd.add_argument("--json", action="store_true", help="print JSON for machines")
 
@@ -79,13 +92,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             _evaluate(args)
         elif args.command == "simulate":
             _simulate(args)
+        elif args.command == "plan":
+            _plan(args)
     except PlannerError as exc:
         print(f"planner: {exc}", file=sys.stderr)
         return 2
     return 0
 
 
-def _build(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJob, Layout]:
+def _job(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJob]:
     model = load_model(args.model)
     cluster = load_cluster(args.cluster, gpus=args.gpus)
     job = TrainingJob(
@@ -96,6 +111,11 @@ def _build(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJo
         grad_dtype=args.grad_dtype,
         ema=args.ema,
     )
+    return model, cluster, job
+
+
+def _build(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJob, Layout]:
+    model, cluster, job = _job(args)
     world = args.tp * args.pp
     if args.gpus % world:
         raise PlannerError(f"--gpus={args.gpus}: must be a multiple of tp*pp={world}")
@@ -162,6 +182,53 @@ def _simulate(args: argparse.Namespace) -> None:
         f"Simulated step {sim.step_time_s:.3f} s; analytic estimate {est.step_time_s:.3f} s "
         f"({diff:+.1%})."
         + (f" Trace written to {path} (open in https://ui.perfetto.dev)." if path else "")
+    )
+
+
+def _plan(args: argparse.Namespace) -> None:
+    model, cluster, job = _job(args)
+    space = SearchSpace(
+        tp=args.tp,
+        pp=args.pp,
+        ep=args.ep,
+        micro_batch=args.micro_batch,
+        zero=args.zero,
+        schedules=args.schedule,
+        recompute=args.recompute,
+    )
+    console = Console(width=max(Console().width, 132), stderr=True)
+    with console.status(f"planning {model.name} on {cluster.num_gpus} x {cluster.name} ..."):
+        result = plan(model, cluster, job, space, time_limit_s=args.time_limit)
+    if args.json:
+        print(result.model_dump_json(indent=1))
+        return
+    out = Console(width=max(Console().width, 132))
+    if result.layout is None or result.estimate is None:
+        out.print(
+            f"[bold red]infeasible[/]: {result.explanation.summary if result.explanation else ''}"
+        )
+        if result.explanation:
+            for b in result.explanation.binding:
+                out.print(f"  binds: {b.family} on {b.where}: {b.excess}")
+            for fix in result.explanation.fixes:
+                out.print(f"  fix: {fix}")
+        return
+    lay = result.layout
+    layers = [sum(b.block.startswith("layer.") for b in s.blocks) for s in lay.stages]
+    _print_memory(model.name, lay, result.estimate)
+    _print_time(result.estimate)
+    gap = (
+        f"gap {result.gap:.1%} to the proven bound {result.lower_bound_s:.3f} s"
+        if result.gap
+        else "proven optimal"
+    )
+    out.print(
+        f"[bold]{result.status}[/] ({gap}) after {result.solve_time_s:.1f} s over "
+        f"{result.configurations} degree/schedule combinations. Layout: tp={lay.tp} pp={lay.pp} "
+        f"dp={lay.dp} ep={lay.ep} ZeRO-{lay.zero} micro-batch {lay.micro_batch} x"
+        f"{result.estimate.num_microbatches} {lay.schedule}"
+        + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
+        + f", layers per stage {layers}."
     )
 
 

@@ -145,3 +145,67 @@ def test_time_model_rules_are_one_line_errors(change: tuple[str, str], message: 
     assert out.returncode == 2, out.stdout
     assert message in out.stderr
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+
+
+PLAN = [
+    "plan",
+    "--model",
+    "llama3-8b",
+    "--cluster",
+    "h100",
+    "--gpus",
+    "16",
+    "--seq-len",
+    "2048",
+    "--global-batch",
+    "64",
+    "--time-limit",
+    "3",
+]
+
+
+def test_plan_json_is_a_plan_that_checks_out() -> None:
+    import planner
+    from planner.check import check_plan
+
+    out = run(*PLAN, "--json")
+    assert out.returncode == 0, out.stderr
+    plan = planner.Plan.model_validate_json(out.stdout)
+    assert plan.status in ("optimal", "feasible") and plan.layout is not None
+    model = planner.load_model("llama3-8b")
+    cluster = planner.load_cluster("h100", gpus=16)
+    job = planner.TrainingJob(seq_len=2048, global_batch=64)
+    assert check_plan(model, cluster, job, plan) == []
+
+
+def test_plan_prints_layout_memory_time_and_proof() -> None:
+    out = run(*PLAN, "--pp", "2", "--schedule", "1f1b")
+    assert out.returncode == 0, out.stderr
+    assert "per-rank memory (GiB)" in out.stdout and "step time:" in out.stdout
+    assert "pp=2" in out.stdout and ("proven optimal" in out.stdout or "gap" in out.stdout)
+
+
+def test_infeasible_plan_is_explained_not_a_traceback() -> None:
+    args = list(PLAN)
+    args[args.index("--model") + 1] = "llama3-70b"
+    args[args.index("--gpus") + 1] = "8"
+    out = run(*args)
+    assert out.returncode == 0, out.stderr
+    assert "infeasible" in out.stdout and "binds: memory" in out.stdout
+    assert "fix: 16 GPUs: fits" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (("--model", "gpt-5"), "unknown model name"),
+        (("--gpus", "0"), "must be a positive whole number"),
+        (("--cluster", "tpu"), "unknown cluster name"),
+    ],
+)
+def test_plan_bad_input_is_one_line_and_exit_2(change: tuple[str, str], message: str) -> None:
+    args = list(PLAN)
+    args[args.index(change[0]) + 1] = change[1]
+    out = run(*args)
+    assert out.returncode == 2
+    assert message in out.stderr and out.stderr.count("\n") == 1

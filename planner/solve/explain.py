@@ -15,7 +15,7 @@ from planner.solve.result import Binding, Explanation, Plan
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 
 GiB = 2**30
-Replan = Callable[[ModelSpec, ClusterSpec, TrainingJob, SearchSpace, float], Plan]
+Replan = Callable[[ModelSpec, ClusterSpec, TrainingJob, SearchSpace, float], Plan | None]
 
 
 def explain(
@@ -67,11 +67,13 @@ def explain(
             )
         )
     fixes = []
-    per = max(0.5, time_limit_s / 6)
+    per = max(2.0, time_limit_s / 4)
     for factor in (2, 4):
         bigger = cluster.model_copy(update={"num_gpus": cluster.num_gpus * factor})
         found = replan(model, bigger, job, space, per)
-        if found.layout is not None and found.estimate is not None:
+        if found is None:
+            fixes.append(f"{bigger.num_gpus} GPUs: no answer within {per:.0f} s of solving")
+        elif found.layout is not None and found.estimate is not None:
             fixes.append(
                 f"{bigger.num_gpus} GPUs: fits (tp={found.layout.tp} pp={found.layout.pp} "
                 f"dp={found.layout.dp}, {found.estimate.step_time_s:.2f} s per step)"
@@ -86,9 +88,9 @@ def explain(
             continue
         freed = space.model_copy(update={field: None})
         found = replan(model, cluster, job, freed, per)
-        if found.layout is not None and found.estimate is not None:
+        if found is not None and found.layout is not None and found.estimate is not None:
             seconds = found.estimate.step_time_s
             fixes.append(f"{label} (free SearchSpace.{field}): fits, {seconds:.2f} s per step")
-    if not fixes:
-        fixes.append("none of 2x or 4x the GPUs or a freer search space fits")
+    if not any(": fits" in f for f in fixes):
+        fixes.append("none of 2x or 4x the GPUs or a freer search space was found to fit")
     return Explanation(summary=summary, binding=binding, fixes=fixes)

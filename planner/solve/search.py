@@ -14,12 +14,18 @@ Dominance rules applied before solving (each says why it loses nothing):
 - ZeRO-0 is never better than ZeRO-1: same compute, the reduce-scatter is half the all-reduce
   and the parameter all-gather overlaps the next forward; ZeRO-1 holds less.
 - GPipe is never better than 1F1B: the same bubble, more activations.
-- An EMA in host RAM costs no step time and no HBM: when the job has one and the host has room,
-  host RAM is used (the memory constraint still checks the host).
+- An EMA in host RAM costs no step time and no HBM: when the job has one, host RAM is used
+  unless the average rank's share times the GPUs of a node exceeds the node's RAM (then the
+  HBM variant is searched too; the model checks the heaviest rank's host RAM either way).
+
+The budget is CP-SAT's deterministic time (one worker, interleaved search), so the same inputs
+give the same plan on any machine and under any load; wall time is only a safety net (three
+times the budget). Python's own work (bounds, tables, model building) is not in the budget.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -63,6 +69,13 @@ def plan(
     space = space or SearchSpace()
     network = Network.of(cluster)
     configs = list(enumerate_configs(model, cluster, job, space))
+    if job.ema and space.ema is None:
+        # The EMA goes to host RAM (no HBM, no step time) unless the host cannot hold it.
+        configs += [
+            dataclasses.replace(c, ema="hbm")
+            for c in configs
+            if (t := _tables(model, cluster, job, c)) is not None and not _host_fits(t, cluster, c)
+        ]
     bounded = sorted(
         ((bound, c) for c in configs if (bound := lower_bound(model, cluster, job, c)) is not None),
         key=lambda x: (x[0], _key(x[1])),
@@ -179,7 +192,7 @@ def plan(
 def _replan(workers: int, seed: int) -> Replan:
     def replan(
         model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, space: SearchSpace, limit: float
-    ) -> Plan:
+    ) -> Plan | None:
         try:
             return plan(
                 model,
@@ -191,8 +204,8 @@ def _replan(workers: int, seed: int) -> Replan:
                 seed=seed,
                 explain_infeasible=False,
             )
-        except PlannerError:
-            return Plan(status="infeasible", solve_time_s=limit)
+        except PlannerError:  # no answer within the time: neither a fit nor a proof
+            return None
 
     return replan
 
@@ -275,7 +288,7 @@ def _per_degrees(
     zeros = space.zero or [1, 2, 3]
     mbs = space.micro_batch or list(DEFAULT_MICRO_BATCHES)
     schedules = space.schedules or (list(DEFAULT_SCHEDULES) if pp > 1 else ["1f1b"])
-    emas = space.ema or (["host", "hbm"] if job.ema else ["hbm"])
+    emas = space.ema or (["host"] if job.ema else ["hbm"])
     for zero, mb, schedule, ema in itertools.product(zeros, mbs, schedules, emas):
         if schedule not in SCHEDULES:
             raise PlannerError(f"SearchSpace.schedules: unknown schedule {schedule!r}")
@@ -341,6 +354,8 @@ def lower_bound(
         return None
     if not _fits_at_all(t, cluster, job, config):
         return None
+    if config.ema == "host" and not _host_fits(t, cluster, config):
+        return None
     S, m, p = config.stages, config.num_microbatches, config.pp
     blocks = t.layer_kinds + t.first_fixed + t.last_fixed
     opts = [t.kinds[b].options for b in blocks]
@@ -363,18 +378,19 @@ def lower_bound(
     f_hi = fwd + moe * fpair + sum(t.p2p) + g_hi
     b_hi = bin_hi + moe * (2 * comb + fpair) + sum(t.p2p_back) + g_hi
     lin, k = t.idle_linear, t.idle_k
+    tail = _optimizer_floor(t, config)
     if config.schedule == "zb-h1":
         # F, B and W each run m times on their stage and enter the wait with (p-1)(F+B-W):
         # W's net coefficient is m/p - (p-1)/S.
         net = m / p - lin["f"] / S
-        return (m / p + lin["f"] / S) * (f_lo + b_lo) + net * (w_lo if net >= 0 else w_hi)
+        return (m / p + lin["f"] / S) * (f_lo + b_lo) + net * (w_lo if net >= 0 else w_hi) + tail
     busy = m * (f_lo + bw_lo) / p
     if dual:
         # Every task lasts at least its communication too (a pair: max(compute, comm)).
         comm = moe * (fpair + 2 * comb) + sum(t.p2p) + sum(t.p2p_back)
         busy = max(busy, m * comm / p)
     if not dual:
-        return busy + (lin["f"] * f_lo + lin["b"] * b_lo + lin["w"] * w_lo) / S
+        return busy + (lin["f"] * f_lo + lin["b"] * b_lo + lin["w"] * w_lo) / S + tail
     # DualPipe: k'(FB + B - 2W), with FB >= F + BW (a pair holds a forward and a full
     # backward) >= F + B + W and >= F + W: at least k'(F + 2B - W_hi) or k'(F + B - W_hi)...
     # the first needs only FB >= F + B + W, the second also W <= BW; take the larger.
@@ -382,7 +398,19 @@ def lower_bound(
     idle = k1 * max(f_lo + 2 * b_lo + w_lo - 2 * w_hi, f_lo + b_lo - w_hi) / S
     assert k is not None
     idle += max(k * (f_lo - b_hi), -f_hi) / S
-    return busy + idle
+    return busy + idle + tail
+
+
+def _optimizer_floor(t: Tables, config: Config) -> float:
+    """The mean rank's optimizer step: the tail is at least the largest rank's."""
+    copies = 2 if config.schedule == "dualpipe" else 1
+
+    def traffic(state: dict[str, float]) -> float:
+        return 2 * state["optimizer"] + state["grads"] + state["weights"] + 2 * state["ema"]
+
+    total = copies * sum(traffic(t.kinds[k].state) for k in t.layer_kinds)
+    total += sum(traffic(s) for s in t.fixed_state)
+    return total / config.pp / t.opt_Bps
 
 
 SLOW_PAIR = 132 / 112  # a DualPipe pair's compute slowdown (``costs.timing.OVERLAP_SM_SHARE``)
@@ -419,6 +447,15 @@ def _fits_at_all(tables: Tables, cluster: ClusterSpec, job: TrainingJob, config:
     the usable HBM, no partition fits."""
     usable = (cluster.hbm_bytes - job.cuda_context_bytes) / (1 + job.fragmentation)
     return _memory_floor(tables, config) <= usable
+
+
+def _host_fits(tables: Tables, cluster: ClusterSpec, config: Config) -> bool:
+    """The average rank's host-RAM EMA, times the GPUs of a node, within the node's RAM."""
+    copies = 2 if config.schedule == "dualpipe" else 1
+    host = copies * sum(tables.kinds[k].state["host"] for k in tables.layer_kinds)
+    host += sum(s["host"] for s in tables.fixed_state)
+    per_node = min(cluster.gpus_per_node, cluster.num_gpus)
+    return host / config.pp * per_node <= cluster.host_ram_bytes
 
 
 def _memory_floor(tables: Tables, config: Config) -> float:

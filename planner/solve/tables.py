@@ -198,20 +198,37 @@ def build(
     grads: list[tuple[Affine, Affine]] = []
     gathers: list[tuple[Affine, Affine]] = []
     reduces: list[tuple[Affine, Affine]] = []
+    plane = config.tp * config.dp  # ranks of one pipeline position
+    # Every position's groups sit on nodes the same way when a node holds whole positions or
+    # a position whole nodes: then one position's collective costs serve them all.
+    same = cluster.gpus_per_node % plane == 0 or plane % cluster.gpus_per_node == 0
+    Pair = tuple[Affine, Affine]
+    done: dict[int, tuple[float, float, Pair, Pair, Pair]] = {}
     for s in range(stages):
         rank = _first_rank(proto, s)
         p2p.append(_p2p(proto, network, s, act))
         back.append(_p2p(proto, network, s - 1, act) if s else 0.0)
-        ep_group = group(proto, "ep", rank)
-        c = network.moe_all_to_all_time(a2a, ep_group, model)
+        key = 0 if same else rank
+        if key not in done:
+            ep_group = group(proto, "ep", rank)
+            c = network.moe_all_to_all_time(a2a, ep_group, model)
+            f = network.moe_all_to_all_time(a2a * share, ep_group, model) + c
+            dense_group, expert_group = _dp_groups(proto, rank)
+            rs, ag = network.reduce_scatter_time, network.all_gather_time
+            sync = network.all_reduce_time if config.zero == 0 else rs
+            done[key] = (
+                c,
+                f,
+                _pair(sync, dense_group, expert_group, on=config.zero <= 1),
+                _pair(ag, dense_group, expert_group, on=config.zero >= 3),
+                _pair(rs, dense_group, expert_group, on=config.zero >= 2),
+            )
+        c, f, g, a, r = done[key]
         comb.append(c)
-        fpair.append(network.moe_all_to_all_time(a2a * share, ep_group, model) + c)
-        dense_group, expert_group = _dp_groups(proto, rank)
-        rs, ag, ar = network.reduce_scatter_time, network.all_gather_time, network.all_reduce_time
-        sync = ar if config.zero == 0 else rs
-        grads.append(_pair(sync, dense_group, expert_group, on=config.zero <= 1))
-        gathers.append(_pair(ag, dense_group, expert_group, on=config.zero >= 3))
-        reduces.append(_pair(rs, dense_group, expert_group, on=config.zero >= 2))
+        fpair.append(f)
+        grads.append(g)
+        gathers.append(a)
+        reduces.append(r)
     ranks = (
         []
         if light
@@ -275,6 +292,39 @@ def _kind(
     *,
     fixed: bool,
 ) -> Kind:
+    key = (id(cost), name, rates, tp_ar, frozenset(allowed) if allowed is not None else None)
+    if key not in _OPTIONS or _OPTIONS[key][0] is not cost:
+        _OPTIONS[key] = (cost, _options(name, cost, rates, tp_ar, allowed, fixed=fixed))
+    options = _OPTIONS[key][1]
+    params = cost.params
+    st = state_bytes(params, job=job, layout=proto, ema_on_gpu=proto.ema == "hbm")
+    gb, wb = DTYPE_BYTES[job.grad_dtype], DTYPE_BYTES[job.weight_dtype]
+    return Kind(
+        name=name,
+        cost=cost,
+        options=options,
+        state=st,
+        dense_grad=_bytes(params, proto, gb, expert=False, trainable=True),
+        expert_grad=_bytes(params, proto, gb, expert=True, trainable=True),
+        dense_weight=_bytes(params, proto, wb, expert=False, trainable=False),
+        expert_weight=_bytes(params, proto, wb, expert=True, trainable=False),
+        shard_weight=sum(p.numel / shards(p, proto) for p in params) * wb,
+    )
+
+
+_OPTIONS: dict[tuple[Any, ...], tuple[BlockCost, list[Option]]] = {}
+
+
+def _options(
+    name: str,
+    cost: BlockCost,
+    rates: Rates,
+    tp_ar: float,
+    allowed: set[str] | None,
+    *,
+    fixed: bool,
+) -> list[Option]:
+    """A block's undominated recompute options (cached: many configurations share them)."""
     menu = cost.menu()
     if name in ("embedding", "head"):
         menu = [frozenset()]  # launchers do not recompute them (Megatron-LM has no option)
@@ -295,21 +345,7 @@ def _kind(
                 time=row.fwd + row.bwd_input + row.bwd_weight,
             )
         )
-    options = _undominated(options)
-    params = cost.params
-    st = state_bytes(params, job=job, layout=proto, ema_on_gpu=proto.ema == "hbm")
-    gb, wb = DTYPE_BYTES[job.grad_dtype], DTYPE_BYTES[job.weight_dtype]
-    return Kind(
-        name=name,
-        cost=cost,
-        options=options,
-        state=st,
-        dense_grad=_bytes(params, proto, gb, expert=False, trainable=True),
-        expert_grad=_bytes(params, proto, gb, expert=True, trainable=True),
-        dense_weight=_bytes(params, proto, wb, expert=False, trainable=False),
-        expert_weight=_bytes(params, proto, wb, expert=True, trainable=False),
-        shard_weight=sum(p.numel / shards(p, proto) for p in params) * wb,
-    )
+    return _undominated(options)
 
 
 def _bytes(
@@ -361,10 +397,17 @@ def _pair(
         return Affine(0.0, 0.0), Affine(0.0, 0.0)
     out = []
     for g in (dense_group, expert_group):
-        one, two = collective(GiB, g), collective(2 * GiB, g)
-        a = (two - one) / GiB
-        out.append(Affine(a, one - a * GiB))
+        network = collective.__self__
+        key = (collective.__name__, network, network._spread(g))
+        if key not in _AFFINE:  # a collective's time depends only on how its group spreads
+            one, two = collective(GiB, g), collective(2 * GiB, g)
+            a = (two - one) / GiB
+            _AFFINE[key] = Affine(a, one - a * GiB)
+        out.append(_AFFINE[key])
     return out[0], out[1]
+
+
+_AFFINE: dict[tuple[Any, ...], Affine] = {}
 
 
 def rank_orders(schedule: str, pp: int, m: int, v: int) -> list[RankOrder]:
