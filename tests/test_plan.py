@@ -178,3 +178,48 @@ def test_fuzzed_jobs_plan_without_crash_and_pass_the_checker(
         return
     assert plan.status in ("optimal", "feasible", "infeasible")
     assert check_plan(model, cluster, job, plan) == []
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "v", "zero"),
+    [
+        ("1f1b", 4, 1, 1),
+        ("zb-h1", 4, 1, 2),
+        ("interleaved", 2, 2, 1),
+        ("dualpipe", 2, 1, 3),
+        ("dualpipev", 2, 2, 0),
+    ],
+)
+def test_solver_objective_is_the_estimate_of_its_layout(
+    schedule: str, pp: int, v: int, zero: int
+) -> None:
+    """Each constraint family states ``evaluate``'s own formula: the CP-SAT objective of the
+    layout it returns equals that layout's evaluated step time (to the model's 1 us per block
+    time resolution)."""
+    from planner.costs.comm import Network
+    from planner.solve.model import StageModel
+    from planner.solve.tables import Config, build
+
+    model = planner.load_model("mixtral-8x7b").model_copy(update={"num_layers": 8})
+    cluster = planner.load_cluster("h100", gpus=16)
+    job = planner.TrainingJob(seq_len=2048, global_batch=64)
+    dp = 16 // pp
+    config = Config(
+        tp=1,
+        pp=pp,
+        dp=dp,
+        ep=2,
+        zero=zero,
+        micro_batch=1,
+        schedule=schedule,
+        virtual_stages=v,
+        ema="hbm",
+        num_microbatches=64 // dp,
+    )
+    tables = build(model, cluster, job, config, Network.of(cluster))
+    sol = StageModel(tables, cluster, job).solve(time_limit_s=5, workers=1, seed=0)
+    assert sol.status in ("optimal", "feasible")
+    layout = config.layout(model, sol.counts, sol.recompute)
+    est = planner.evaluate(model, cluster, job, layout)
+    assert est.fits
+    assert sol.objective_s == pytest.approx(est.step_time_s, rel=2e-4)
