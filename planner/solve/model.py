@@ -304,13 +304,14 @@ class StageModel:
         self.activation_vars = []
         for r, rank in enumerate(t.ranks):
             chunks = rank.chunks
-            static = 0
-            host = 0
-            for c in chunks:
-                static += self._layers(c, lambda k: _ceil(_state_gpu(k.state)))
-                host += self._layers(c, lambda k: _ceil(k.state["host"]))
-            static += _ceil(_state_gpu(t.fixed_state[r])) + _ceil(t.buffers)
-            host += _ceil(t.fixed_state[r]["host"])
+            static = sum(
+                [self._layers(c, lambda k: _ceil(_state_gpu(k.state))) for c in chunks],
+                _ceil(_state_gpu(t.fixed_state[r])) + _ceil(t.buffers),
+            )
+            host = sum(
+                [self._layers(c, lambda k: _ceil(k.state["host"])) for c in chunks],
+                _ceil(t.fixed_state[r]["host"]),
+            )
             saved = {c: self._sum(c, lambda o: _ceil(o.saved)) for c in chunks}
             rebuild = {}
             for c in chunks:
@@ -371,22 +372,25 @@ class StageModel:
         t = self.t
         lin = t.idle_linear
         scale = t.others / len(others)  # 1 unless a rank holds every stage (pp = 1)
-        sums = {
-            "f": sum(self.op("F", s) for s in others),
-            "b": sum(self.op("B", s) for s in others),
-            "w": sum(self.op("W", s) for s in others),
+        ops = {
+            "f": [self.op("F", s) for s in others],
+            "b": [self.op("B", s) for s in others],
+            "w": [self.op("W", s) for s in others],
+            "fb": [self.pair(s, s, "BW") for s in others],
         }
-        expr: Expr = 0
-        for key in ("f", "b", "w"):
+        # Fresh expressions for every term: CP-SAT's += may grow an expression in place.
+        terms: list[Expr] = []
+        for key in ("f", "b", "w", "fb"):
             if lin[key]:
-                expr += _int(lin[key] * scale) * sums[key]
-        if lin["fb"]:
-            expr += _int(lin["fb"] * scale) * sum(self.pair(s, s, "BW") for s in others)
+                c = _int(lin[key] * scale)
+                terms += [c * v for v in ops[key]]
         if t.idle_k is not None:
             corr = self.m.new_int_var(-self.hi * t.others, self.hi * t.others, f"idle_corr[{r}]")
-            self.m.add(corr >= _int(t.idle_k * scale) * (sums["f"] - sums["b"]))
-            self.m.add(corr >= -_int(scale) * sums["f"])
-            expr += corr
+            k = _int(t.idle_k * scale)
+            self.m.add(corr >= sum(k * v for v in ops["f"]) - sum(k * v for v in ops["b"]))
+            self.m.add(corr >= -sum(_int(scale) * v for v in ops["f"]))
+            terms.append(corr)
+        expr: Expr = sum(terms) if terms else 0
         return expr
 
     def _optimizer(self, r: int) -> Expr:
@@ -396,10 +400,10 @@ class StageModel:
         def traffic(state: dict[str, float]) -> float:
             return 2 * state["optimizer"] + state["grads"] + state["weights"] + 2 * state["ema"]
 
-        expr = q(traffic(t.fixed_state[r]) / rate)
-        for c in t.ranks[r].chunks:
-            expr += self._layers(c, lambda k: q(traffic(k.state) / rate))
-        return expr
+        return sum(
+            [self._layers(c, lambda k: q(traffic(k.state) / rate)) for c in t.ranks[r].chunks],
+            q(traffic(t.fixed_state[r]) / rate),
+        )
 
     def _slack(self, r: int) -> Expr:
         if self.t.config.schedule not in ("gpipe", "1f1b", "interleaved"):
