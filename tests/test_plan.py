@@ -149,7 +149,7 @@ def test_infeasible_job_is_explained_with_a_re_solved_fix() -> None:
     assert plan.status == "infeasible" and plan.explanation is not None
     assert plan.explanation.binding[0].family == "memory"
     assert "GiB needed at least" in plan.explanation.binding[0].excess
-    assert any(fix.startswith("16 GPUs: fits") for fix in plan.explanation.fixes)
+    assert any(" GPUs: fits" in fix for fix in plan.explanation.fixes)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])

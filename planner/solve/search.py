@@ -30,7 +30,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from planner.costs.blocks import block_cost
@@ -41,7 +41,7 @@ from planner.layout import SCHEDULES, Layout, parse_recompute
 from planner.solve.explain import Replan, explain
 from planner.solve.model import StageModel
 from planner.solve.result import Alternative, Plan
-from planner.solve.tables import Config, Tables, build, choice_name
+from planner.solve.tables import Config, Option, Tables, _even_counts, build, choice_name
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 
 log = logging.getLogger(__name__)
@@ -359,13 +359,16 @@ def lower_bound(
     S, m, p = config.stages, config.num_microbatches, config.pp
     blocks = t.layer_kinds + t.first_fixed + t.last_fixed
     opts = [t.kinds[b].options for b in blocks]
+    forced = _forced_recompute(model, t, cluster, job, config)
+    if forced is None:
+        return None  # even recomputing everything leaves too many activations
     moe = sum(t.kinds[b].cost.moe_layers for b in blocks)
     dual = config.schedule in ("dualpipe", "dualpipev")
     fpair, comb = min(t.forward_pair), min(t.combine)
     sends_f = 0.0 if dual else moe * fpair + sum(t.p2p)
     sends_b = 0.0 if dual else moe * 2 * comb + sum(t.p2p_back)
     fwd = sum(min(o.row.fwd for o in os) for os in opts)
-    bin_lo = sum(min(o.row.bwd_input for o in os) for os in opts)
+    bin_lo = sum(min(o.row.bwd_input for o in os) for os in opts) + forced
     bin_hi = sum(max(o.row.bwd_input for o in os) for os in opts)
     bw = sum(os[0].row.bwd_weight for os in opts)  # recompute does not change it
     g_lo, g_hi = _collective(t, "gather", low=True), _collective(t, "gather", low=False)
@@ -399,6 +402,75 @@ def lower_bound(
     assert k is not None
     idle += max(k * (f_lo - b_hi), -f_hi) / S
     return busy + idle + tail
+
+
+def _forced_recompute(
+    model: ModelSpec, t: Tables, cluster: ClusterSpec, job: TrainingJob, config: Config
+) -> float | None:
+    """The least recompute time (seconds per micro-batch, all layers) that makes the ranks'
+    activations fit together, or None if none does.
+
+    Summed over ranks, the memory peaks hold every rank's state and buffers plus, at the
+    least, each stage's saved bytes times the micro-batches its holders keep in flight
+    (``schedules.in_flight``), at least ``w`` (the smallest such count) per stage. So the
+    layers' saved bytes may total at most (ranks x usable - state) / w; the cheapest way
+    there is the fractional multiple-choice knapsack over the recompute options (convex
+    hull, cheapest seconds per byte first), a bound on any integral choice."""
+    from planner.schedules import in_flight
+
+    usable = (cluster.hbm_bytes - job.cuda_context_bytes) / (1 + job.fragmentation)
+    copies = 2 if config.schedule == "dualpipe" else 1
+    state = copies * sum(_gpu_state(t.kinds[k].state) for k in t.layer_kinds)
+    state += sum(_gpu_state(s) for s in t.fixed_state) + config.pp * t.buffers
+    proto = config.layout(model, _even_counts(model, config), {})
+    weight = [0.0] * config.stages
+    for r in range(config.pp):
+        for stage, count in in_flight(proto, r, config.num_microbatches).items():
+            weight[stage] += count
+    w = min(weight)
+    fixed = t.first_fixed + t.last_fixed
+    fixed_saved = sum(min(o.saved for o in t.kinds[b].options) for b in fixed)
+    budget = (config.pp * usable - state) / w - fixed_saved
+    kinds: dict[str, int] = {}
+    for k in t.layer_kinds:
+        kinds[k] = kinds.get(k, 0) + 1
+    hulls = {k: _hull(t.kinds[k].options) for k in kinds}
+    saved = sum(n * hulls[k][0][0] for k, n in kinds.items())
+    if saved <= budget:
+        return 0.0
+    steps = []  # (seconds per byte saved, bytes saved, seconds) for every layer of a kind
+    for k, n in kinds.items():
+        h = hulls[k]
+        for (s0, t0), (s1, t1) in itertools.pairwise(h):
+            steps.append(((t1 - t0) / (s0 - s1), n * (s0 - s1), n * (t1 - t0)))
+    extra = 0.0
+    for _rate, gain, cost in sorted(steps):  # cheapest seconds per byte first
+        need = saved - budget
+        if need <= 0:
+            break
+        take = min(1.0, need / gain)
+        saved -= take * gain
+        extra += take * cost
+    return extra if saved <= budget * (1 + 1e-12) else None
+
+
+def _hull(options: list[Option]) -> list[tuple[float, float]]:
+    """(saved bytes, seconds) of the options on the lower convex hull of the time each saved
+    budget costs, fastest (most bytes) first."""
+    efficient: list[tuple[float, float]] = []
+    for saved, seconds in sorted({(o.saved, o.time) for o in options}):
+        if not efficient or seconds < efficient[-1][1]:  # less time than anything leaner
+            efficient.append((saved, seconds))
+    hull: list[tuple[float, float]] = []
+    for pt in efficient:  # ascending bytes, descending time: keep the convex lower chain
+        while len(hull) >= 2:
+            (s0, t0), (s1, t1) = hull[-2], hull[-1]
+            if (t1 - t0) * (pt[0] - s0) >= (pt[1] - t0) * (s1 - s0):
+                hull.pop()  # hull[-1] lies on or above the chord from hull[-2] to pt
+            else:
+                break
+        hull.append(pt)
+    return hull[::-1]
 
 
 def _optimizer_floor(t: Tables, config: Config) -> float:
@@ -446,7 +518,12 @@ def _fits_at_all(tables: Tables, cluster: ClusterSpec, job: TrainingJob, config:
     """Every rank holds its share of the model state: if the average share alone is over
     the usable HBM, no partition fits."""
     usable = (cluster.hbm_bytes - job.cuda_context_bytes) / (1 + job.fragmentation)
-    return _memory_floor(tables, config) <= usable
+    # Pigeonhole: some rank holds at least ceil(layer copies / pp) layers.
+    copies = 2 if config.schedule == "dualpipe" else 1
+    most = -(-copies * len(tables.layer_kinds) // config.pp)
+    lightest = min(_gpu_state(tables.kinds[k].state) for k in set(tables.layer_kinds))
+    heaviest_rank = most * lightest + tables.buffers
+    return max(_memory_floor(tables, config), heaviest_rank) <= usable
 
 
 def _host_fits(tables: Tables, cluster: ClusterSpec, config: Config) -> bool:
@@ -549,9 +626,15 @@ def _warm_start(
             for k in set(tables.layer_kinds)
         ),
     )
-    counts = _balanced(tables)
+    by_time = _balanced(tables, lambda o: o.time)
+    # A second partition for tight memory: balance what each stage holds (its state and the
+    # leanest option's activations), with the leanest option everywhere.
+    by_memory = _balanced(tables, lambda o: o.saved, state=True)
+    candidates = [(by_time, name) for name in ordered]
+    if ordered and by_memory != by_time:
+        candidates.append((by_memory, ordered[-1]))
     spent = 0.0
-    for name in ordered:
+    for counts, name in candidates:
         option = {k: name for k in set(tables.layer_kinds)}
         for fixed in tables.first_fixed + tables.last_fixed:
             fixed_opts = [o.name for o in tables.kinds[fixed].options]
@@ -565,14 +648,19 @@ def _warm_start(
     return None, spent
 
 
-def _balanced(tables: Tables) -> list[int]:
-    """Layers per stage so every stage gets about the same forward+backward time (cheapest
-    option), the embedding's and head's own time counted on the first and last stage; every
-    stage but the first and last keeps at least one layer."""
-    per = [min(o.time for o in tables.kinds[k].options) for k in tables.layer_kinds]
+def _balanced(tables: Tables, cost: Callable[[Option], float], *, state: bool = False) -> list[int]:
+    """Layers per stage so every stage gets about the same total of ``cost`` (the least over
+    a block's options, plus its state bytes when ``state``), the embedding's and head's own
+    counted on the first and last stage; every stage but the first and last keeps a layer."""
+
+    def block(k: str) -> float:
+        extra = _gpu_state(tables.kinds[k].state) if state else 0.0
+        return min(cost(o) for o in tables.kinds[k].options) + extra
+
+    per = [block(k) for k in tables.layer_kinds]
     stages, n = tables.config.stages, len(per)
-    first = sum(min(o.time for o in tables.kinds[b].options) for b in tables.first_fixed)
-    last = sum(min(o.time for o in tables.kinds[b].options) for b in tables.last_fixed)
+    first = sum(block(b) for b in tables.first_fixed)
+    last = sum(block(b) for b in tables.last_fixed)
     target = (sum(per) + first + last) / stages
     cumulative = list(itertools.accumulate(per, initial=first))
     bounds = [0]
