@@ -456,12 +456,15 @@ class StageModel:
                     out[name] = o.name
         return out
 
-    def fix(self, counts: list[int], option: dict[str, str]) -> None:
-        """Pin the stage sizes and one option per kind (a candidate to complete)."""
+    def fix(self, counts: list[int], option: dict[str, str] | None = None) -> None:
+        """Pin the stage sizes and, if given, one option per kind (a candidate to complete;
+        without options the recompute is left to the solver)."""
         acc = 0
         for s, n in enumerate(counts):
             self.m.add(self.start[s] == acc)
             acc += n
+        if option is None:
+            return
         for s in range(self.S):
             for k in self.kinds:
                 for var, o in zip(self.r[s][k], self.t.kinds[k].options, strict=True):

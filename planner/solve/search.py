@@ -645,6 +645,14 @@ def _warm_start(
         spent += work
         if values is not None:
             return values, spent
+    # No single option fits: keep a partition and let the solver mix the options per stage.
+    for partition in dict.fromkeys((tuple(by_time), tuple(by_memory))):
+        pinned = StageModel(tables, cluster, job)
+        pinned.fix(list(partition))
+        values, work = pinned.complete(time_limit_s=min(0.5, time_limit_s))
+        spent += work
+        if values is not None:
+            return values, spent
     return None, spent
 
 
