@@ -166,7 +166,7 @@ def build(
     """The tables of ``config`` (see the module docstring). ``choices`` limits the recompute
     options to those names (a ``SearchSpace.recompute``), else each block's whole menu.
     ``light`` leaves out the rank orders and the per-stage collectives (bounds need neither)."""
-    proto = config.layout(model, _even_counts(model, config), {})
+    proto = config.layout(model, even_counts(model, config), {})
     shard = shard_of(job, proto)
     rates = Rates.of(cluster, job)
     names = block_names(model)
@@ -276,7 +276,7 @@ def build(
 # -- pieces ---------------------------------------------------------------------------------
 
 
-def _even_counts(model: ModelSpec, config: Config) -> list[int]:
+def even_counts(model: ModelSpec, config: Config) -> list[int]:
     n, s = model.num_layers, config.stages
     return [n // s + (1 if i < n % s else 0) for i in range(s)]
 
@@ -293,6 +293,8 @@ def _kind(
     fixed: bool,
 ) -> Kind:
     key = (id(cost), name, rates, tp_ar, frozenset(allowed) if allowed is not None else None)
+    if len(_OPTIONS) > 50_000:  # bounded across long sweeps
+        _OPTIONS.clear()
     if key not in _OPTIONS or _OPTIONS[key][0] is not cost:
         _OPTIONS[key] = (cost, _options(name, cost, rates, tp_ar, allowed, fixed=fixed))
     options = _OPTIONS[key][1]

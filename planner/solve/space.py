@@ -1,0 +1,104 @@
+"""The outer decisions a search enumerates: degrees, ZeRO stage, micro-batch, schedule.
+
+Every combination the ``SearchSpace`` allows and the model, cluster and job divide (tp within
+a node and dividing the heads, ep dividing the experts and dp*tp, the micro-batches each
+schedule's reference implementation accepts). The dominance rules the search relies on
+(ZeRO-0 and GPipe never better; the EMA on the host when it fits) are stated in
+``planner.solve.search``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+from planner.costs.blocks import Shard, block_cost
+from planner.errors import PlannerError
+from planner.layout import SCHEDULES
+from planner.solve.tables import Config
+from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
+
+DEFAULT_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "dualpipe", "dualpipev")
+DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
+DEFAULT_VIRTUAL = (2, 4)
+
+
+def enumerate_configs(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, space: SearchSpace):  # type: ignore[no-untyped-def]
+    n = cluster.num_gpus
+    tps = space.tp or [t for t in _divisors(cluster.gpus_per_node) if n % t == 0]
+    for tp in tps:
+        if tp > cluster.gpus_per_node or n % tp or not _tp_fits(model, tp):
+            continue
+        pps = space.pp or _divisors(n // tp)
+        for pp in pps:
+            if (n // tp) % pp:
+                continue
+            dp = n // (tp * pp)
+            if space.dp and dp not in space.dp:
+                continue
+            eps = space.ep or (
+                [e for e in _divisors(dp * tp) if model.num_experts % e == 0]
+                if model.num_experts
+                else [1]
+            )
+            for ep in eps:
+                if (dp * tp) % ep or (model.num_experts and model.num_experts % ep):
+                    continue
+                yield from _per_degrees(model, cluster, job, space, tp, pp, dp, ep)
+
+
+def _per_degrees(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    job: TrainingJob,
+    space: SearchSpace,
+    tp: int,
+    pp: int,
+    dp: int,
+    ep: int,
+) -> Iterator[Config]:
+    zeros = space.zero or [1, 2, 3]
+    mbs = space.micro_batch or list(DEFAULT_MICRO_BATCHES)
+    schedules = space.schedules or (list(DEFAULT_SCHEDULES) if pp > 1 else ["1f1b"])
+    emas = space.ema or (["host"] if job.ema else ["hbm"])
+    for zero, mb, schedule, ema in itertools.product(zeros, mbs, schedules, emas):
+        if schedule not in SCHEDULES:
+            raise PlannerError(f"SearchSpace.schedules: unknown schedule {schedule!r}")
+        if job.global_batch % (dp * mb):
+            continue
+        m = job.global_batch // (dp * mb)
+        for v in _virtuals(space, schedule):
+            stages = pp * v
+            if stages > model.num_layers + 2:
+                continue
+            if not _schedule_ok(schedule, pp, m, v):
+                continue
+            yield Config(tp, pp, dp, ep, zero, mb, schedule, v, ema, m)
+
+
+def _virtuals(space: SearchSpace, schedule: str) -> list[int]:
+    if schedule == "interleaved":
+        return [v for v in (space.virtual_stages or DEFAULT_VIRTUAL) if v >= 2]
+    if schedule == "dualpipev":
+        return [2] if not space.virtual_stages or 2 in space.virtual_stages else []
+    return [1] if not space.virtual_stages or 1 in space.virtual_stages else []
+
+
+def _schedule_ok(schedule: str, pp: int, m: int, v: int) -> bool:
+    if schedule == "interleaved":
+        return pp > 1 and m % pp == 0
+    if schedule in ("dualpipe", "dualpipev"):
+        return pp % 2 == 0 and m >= 2 * pp and (schedule == "dualpipev" or m % 2 == 0)
+    return True
+
+
+def _tp_fits(model: ModelSpec, tp: int) -> bool:
+    try:
+        block_cost(model, "layer.0", Shard(seq_len=1, tp=tp))
+    except PlannerError:
+        return False
+    return True
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
