@@ -223,3 +223,76 @@ def test_solver_objective_is_the_estimate_of_its_layout(
     est = planner.evaluate(model, cluster, job, layout)
     assert est.fits
     assert sol.objective_s == pytest.approx(est.step_time_s, rel=2e-4)
+
+
+def _pinned(
+    model: planner.ModelSpec,
+    cluster: planner.ClusterSpec,
+    job: planner.TrainingJob,
+    layout: planner.Layout,
+) -> tuple[Any, Any]:
+    """The solver's model of ``layout``'s configuration with its partition and options
+    pinned: (completed values or None, the model)."""
+    from planner.costs.comm import Network
+    from planner.solve.model import StageModel
+    from planner.solve.tables import Config, build
+
+    m = job.global_batch // (layout.dp * layout.micro_batch)
+    config = Config(
+        layout.tp,
+        layout.pp,
+        layout.dp,
+        layout.ep,
+        layout.zero,
+        layout.micro_batch,
+        layout.schedule,
+        layout.virtual_stages,
+        layout.ema,
+        m,
+    )
+    sm = StageModel(build(model, cluster, job, config, Network.of(cluster)), cluster, job)
+    counts = [sum(b.block.startswith("layer.") for b in s.blocks) for s in layout.stages]
+    choice = layout.stages[1].blocks[0].recompute
+    sm.fix(counts, {"dense": choice, "moe": choice, "embedding": "none", "head": "none"})
+    values, _ = sm.complete(time_limit_s=5)
+    return values, sm
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "dualpipe"])
+def test_memory_constraint_is_the_estimate_peak(schedule: str) -> None:
+    """With HBM set to the layout's own evaluated peak the solver's model accepts it; 2 MiB
+    less and it rejects it: saved activations, the recompute rebuild and every bucket
+    are counted as ``evaluate`` counts them (to the model's 1 KiB rounding)."""
+    model = planner.load_model("llama3-8b").model_copy(update={"num_layers": 8})
+    job = planner.TrainingJob(seq_len=4096, global_batch=64)
+    v = 2 if schedule == "interleaved" else None
+    layout = planner.Layout.uniform(
+        model,
+        pp=2,
+        dp=8,
+        schedule=schedule,
+        virtual_stages=v,
+        recompute="full",  # type: ignore[arg-type]
+    )
+    cluster = planner.load_cluster("h100", gpus=16)
+    peak = planner.evaluate(model, cluster, job, layout).peak_bytes
+    ok, _ = _pinned(model, cluster.model_copy(update={"hbm_bytes": peak + 2**12}), job, layout)
+    tight = cluster.model_copy(update={"hbm_bytes": peak - 2**21})
+    bad, _ = _pinned(model, tight, job, layout)
+    assert ok is not None and bad is None
+
+
+def test_objective_counts_the_exposed_gradient_reduction_after_the_drain() -> None:
+    """1F1B on a slow fabric: the gradient reduction runs past the backward, less on ranks
+    that drain early; the solver's objective for a pinned layout is its evaluated step."""
+    model = planner.load_model("llama3-8b").model_copy(update={"num_layers": 15})
+    cluster = planner.load_cluster("h100", gpus=64)
+    slow = cluster.model_copy(update={"nic_Bps": cluster.nic_Bps / 50})
+    job = planner.TrainingJob(seq_len=4096, global_batch=64)
+    layout = planner.Layout.from_counts(model, counts=[1, 2, 4, 8], dp=16, zero=0)
+    est = planner.evaluate(model, slow, job, layout)
+    assert est.breakdown["grad_sync"] > 0.05 * est.step_time_s
+    values, sm = _pinned(model, slow, job, layout)
+    assert values is not None
+    sol = sm.solve(time_limit_s=5, workers=1, seed=0)
+    assert sol.objective_s == pytest.approx(est.step_time_s, rel=2e-4)
