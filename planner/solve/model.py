@@ -283,11 +283,11 @@ class StageModel:
         return v
 
     def _slowed(self, work: Expr, name: str) -> Any:
-        """work * 132 / 112 (integer division: exact to a unit)."""
-        num = self.m.new_int_var(0, self.hi * 2 * SLOW, name + "_num")
-        self.m.add(num == work * SLOW)
+        """floor(work * 132 / 112), stated as two linear inequalities (exact for integers,
+        and visible to the LP relaxation, which a division constraint is not)."""
         v = self.m.new_int_var(0, self.hi * 2, name)
-        self.m.add_division_equality(v, num, FAST)
+        self.m.add(FAST * v <= SLOW * work)
+        self.m.add(FAST * v >= SLOW * work - (FAST - 1))
         return v
 
     def task(self, task: tuple[Any, ...]) -> Any:
