@@ -39,6 +39,17 @@ class Op:
     paired: bool = False
 
 
+def layout_order(layout: Layout, rank: int, num_microbatches: int) -> list[Op]:
+    """``op_order`` of ``rank`` under ``layout``'s schedule and degrees."""
+    return op_order(
+        layout.schedule,
+        pp=layout.pp,
+        num_microbatches=num_microbatches,
+        rank=rank,
+        virtual_stages=layout.virtual_stages,
+    )
+
+
 def stage_rank(schedule: str, pp: int, stage: int, direction: int = 0) -> int:
     """Pipeline rank holding ``stage`` (for DualPipe: the copy serving ``direction``)."""
     _known(schedule)

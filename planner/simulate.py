@@ -39,7 +39,7 @@ from planner.costs.memory import StageMemory, block_costs, shard_of, stage_memor
 from planner.costs.timing import StageTime, op_time, optimizer_time, paired_time, stage_times
 from planner.estimate import check_layout
 from planner.layout import Layout, parse_recompute
-from planner.schedules import Op, op_order
+from planner.schedules import Op, layout_order
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 
 
@@ -157,13 +157,7 @@ def _tasks(layout: Layout, times: list[StageTime], m: int) -> list[list[_Task]]:
     """Each rank's ops as tasks with durations; a paired F joins the op after it."""
     out = []
     for rank in range(layout.pp):
-        order = op_order(
-            layout.schedule,
-            pp=layout.pp,
-            num_microbatches=m,
-            rank=rank,
-            virtual_stages=layout.virtual_stages,
-        )
+        order = layout_order(layout, rank, m)
         mine: list[_Task] = []
         i = 0
         while i < len(order):

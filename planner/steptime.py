@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from planner.costs.timing import OpParts, StageTime, op_parts, op_time, pair_parts, paired_time
 from planner.layout import Layout
-from planner.schedules import Op, op_order, order_idle
+from planner.schedules import Op, layout_order, order_idle
 
 PARTS = (
     "compute",
@@ -123,13 +123,7 @@ _FIELDS = ("compute", "recompute", "tp", "a2a", "p2p", "zero")
 
 
 def _order(layout: Layout, rank: int, m: int) -> list[Op]:
-    return op_order(
-        layout.schedule,
-        pp=layout.pp,
-        num_microbatches=m,
-        rank=rank,
-        virtual_stages=layout.virtual_stages,
-    )
+    return layout_order(layout, rank, m)
 
 
 def _exposed_sync(layout: Layout, times: list[StageTime], rank: int, m: int) -> float:

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from planner.costs.blocks import BlockCost, Param, Shard, block_cost
 from planner.layout import Layout, parse_recompute
-from planner.schedules import op_order
+from planner.schedules import layout_order
 from planner.specs import DTYPE_BYTES, ModelSpec, TrainingJob
 
 BUCKETS = (
@@ -79,13 +79,7 @@ def activation_peak(
     the block it recomputes holds its rebuilt tensors too (``rebuild``: the chunk's largest).
     ``schedules.in_flight`` gives the same counts in closed form where chunks save equal
     bytes."""
-    order = op_order(
-        layout.schedule,
-        pp=layout.pp,
-        num_microbatches=num_microbatches,
-        rank=rank,
-        virtual_stages=layout.virtual_stages,
-    )
+    order = layout_order(layout, rank, num_microbatches)
     level = peak = 0.0
     for op in order:
         if op.kind == "F":
