@@ -213,9 +213,9 @@ class StageModel:
 
     # -- op times ----------------------------------------------------------------------
     def _op_times(self) -> None:
+        """Op times are created on first use (``op``, ``pair``); an hour bounds them."""
         self._ops: dict[tuple[Any, ...], Any] = {}
-        hi = q(3600.0)
-        self.hi = hi
+        self.hi = q(3600.0)
 
     def op(self, kind: str, s: int, *, overlapped: bool = False) -> Any:
         """The time of one op of stage s (an exact max, created on first use)."""
@@ -301,7 +301,6 @@ class StageModel:
         usable = math.floor(
             (self.cluster.hbm_bytes - job.cuda_context_bytes) / (1 + job.fragmentation) / KIB
         )
-        self.activation_vars = []
         for r, rank in enumerate(t.ranks):
             chunks = rank.chunks
             static = sum(
@@ -329,7 +328,6 @@ class StageModel:
             for counts, rb in rank.levels:
                 level = sum(n * saved[c] for n, c in zip(counts, chunks, strict=True) if n)
                 m.add(act >= level + (rebuild[rb] if rb is not None else 0))
-            self.activation_vars.append(act)
             extra: Expr = 0
             if t.config.zero >= 3:  # the gathered working copy of the largest block, twice
                 biggest = m.new_int_var(0, 2**40, f"biggest[{r}]")

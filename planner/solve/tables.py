@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from planner.costs.blocks import BlockCost, Param, block_cost, block_names
@@ -150,7 +150,6 @@ class Tables:
     fixed_weight: list[tuple[float, float]]  # per stage: (dense, expert) gather bytes of fixed
     buffers: float  # communication buffers and pipeline send/receive tensors per rank
     opt_Bps: float  # optimizer traffic rate
-    meta: dict[str, Any] = field(default_factory=dict)
 
 
 def build(
