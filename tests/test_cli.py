@@ -209,3 +209,10 @@ def test_plan_bad_input_is_one_line_and_exit_2(change: tuple[str, str], message:
     out = run(*args)
     assert out.returncode == 2
     assert message in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_pinned_degree_that_cannot_divide_is_explained_with_the_pin_to_free() -> None:
+    out = run(*PLAN, "--tp", "3")
+    assert out.returncode == 0, out.stderr
+    assert "binds: degrees" in out.stdout
+    assert "fix: any tensor-parallel degree (free SearchSpace.tp): fits" in out.stdout

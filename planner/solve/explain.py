@@ -3,8 +3,9 @@
 The binding constraint is named with its size: the smallest per-rank memory any configuration
 of the space could need (its share of the model state and buffers, with nothing saved for
 backward) against the usable HBM, or, when no combination of degrees divides the job, that.
-Fixes are found by re-solving, not by guessing: the same job on 2x and 4x the GPUs, and the
-space with each restricted decision (ZeRO stage, recompute, EMA placement) freed.
+Fixes are found by re-solving, not by guessing: the same job on 2x and 4x the GPUs (when
+memory binds), and the space with each pinned decision (a degree, the micro-batch, the
+schedule, the ZeRO stage, recompute, EMA placement) freed in turn.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def explain(
         )
     fixes = []
     per = max(2.0, time_limit_s / 4)
-    for factor in (2, 4):
+    # More GPUs relieve memory; they cannot mend degrees that do not divide.
+    for factor in (2, 4) if lightest is not None else ():
         bigger = cluster.model_copy(update={"num_gpus": cluster.num_gpus * factor})
         found = replan(model, bigger, job, space, per)
         if found is None:
@@ -80,6 +82,13 @@ def explain(
             )
             break
     for field, label in (
+        ("tp", "any tensor-parallel degree"),
+        ("pp", "any pipeline degree"),
+        ("dp", "any data-parallel degree"),
+        ("ep", "any expert-parallel degree"),
+        ("micro_batch", "any micro-batch"),
+        ("schedules", "any schedule"),
+        ("virtual_stages", "any virtual stages"),
         ("zero", "any ZeRO stage"),
         ("recompute", "any recompute"),
         ("ema", "EMA anywhere"),
