@@ -87,7 +87,7 @@ def stage_times(
     dispatch_share = (1 + 4 / 128) / shard.act_bytes if job.compute_dtype == "fp8" else 1.0
     out = []
     for index, stage in enumerate(layout.stages):
-        rank = _first_rank(layout, index)
+        rank = first_rank(layout, index)
         tp_ar = network.all_reduce_time(region, group(layout, "tp", rank))
         ep_group = group(layout, "ep", rank)
         combine = network.moe_all_to_all_time(a2a_bytes, ep_group, model)
@@ -112,8 +112,8 @@ def stage_times(
                 tp_bwd=total.tp_fwd,
                 a2a_fwd=total.moe_layers * forward_pair,
                 a2a_bwd=total.moe_layers * 2 * combine + total.moe_rerun * forward_pair,
-                p2p=_p2p(layout, network, index, act),
-                p2p_back=_p2p(layout, network, index - 1, act) if index else 0.0,
+                p2p=stage_send(layout, network, index, act),
+                p2p_back=stage_send(layout, network, index - 1, act) if index else 0.0,
                 grad_sync=_grad_sync(layout, network, rank, dense, expert),
                 zero_gather=_zero_gather(layout, network, rank, params, job),
                 zero_reduce=_zero_reduce(layout, network, rank, dense, expert),
@@ -187,15 +187,15 @@ def _holder(layout: Layout, stage: int) -> int:
     return stage_rank(layout.schedule, layout.pp, stage, 0)
 
 
-def _first_rank(layout: Layout, stage: int) -> int:
+def first_rank(layout: Layout, stage: int) -> int:
     return _holder(layout, stage) * layout.tp * layout.dp
 
 
-def _p2p(layout: Layout, network: Network, stage: int, nbytes: float) -> float:
+def stage_send(layout: Layout, network: Network, stage: int, nbytes: float) -> float:
     """Send to the next stage's holder (DualPipe's second direction mirrors the same hop)."""
     if stage + 1 >= len(layout.stages):
         return 0.0
-    return network.p2p_time(nbytes, _first_rank(layout, stage), _first_rank(layout, stage + 1))
+    return network.p2p_time(nbytes, first_rank(layout, stage), first_rank(layout, stage + 1))
 
 
 def _grad_bytes(params: list[Param], job: TrainingJob, layout: Layout) -> tuple[float, float]:
@@ -206,7 +206,7 @@ def _grad_bytes(params: list[Param], job: TrainingJob, layout: Layout) -> tuple[
     return dense, expert
 
 
-def _dp_groups(layout: Layout, rank: int) -> tuple[list[int], list[int]]:
+def dp_groups(layout: Layout, rank: int) -> tuple[list[int], list[int]]:
     """Gradient-reduction groups of a rank's dense and expert parameters. DualPipe keeps each
     stage on two ranks (both directions), so their gradients are reduced together."""
     dense, expert = group(layout, "dp", rank), group(layout, "edp", rank)
@@ -222,7 +222,7 @@ def _dp_groups(layout: Layout, rank: int) -> tuple[list[int], list[int]]:
 def _grad_sync(layout: Layout, network: Network, rank: int, dense: float, expert: float) -> float:
     if layout.zero >= 2:  # reduced per micro-batch instead (``zero_reduce``)
         return 0.0
-    dense_group, expert_group = _dp_groups(layout, rank)
+    dense_group, expert_group = dp_groups(layout, rank)
     collective = network.all_reduce_time if layout.zero == 0 else network.reduce_scatter_time
     return collective(dense, dense_group) + collective(expert, expert_group)
 
@@ -230,7 +230,7 @@ def _grad_sync(layout: Layout, network: Network, rank: int, dense: float, expert
 def _zero_reduce(layout: Layout, network: Network, rank: int, dense: float, expert: float) -> float:
     if layout.zero < 2:
         return 0.0
-    dense_group, expert_group = _dp_groups(layout, rank)
+    dense_group, expert_group = dp_groups(layout, rank)
     return network.reduce_scatter_time(dense, dense_group) + network.reduce_scatter_time(
         expert, expert_group
     )
@@ -245,7 +245,7 @@ def _zero_gather(
     ps = list(params.values())
     dense = sum(p.numel / shards(p, layout) * wb for p in ps if not p.expert)
     expert = sum(p.numel / shards(p, layout) * wb for p in ps if p.expert)
-    dense_group, expert_group = _dp_groups(layout, rank)
+    dense_group, expert_group = dp_groups(layout, rank)
     return network.all_gather_time(dense, dense_group) + network.all_gather_time(
         expert, expert_group
     )

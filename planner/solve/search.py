@@ -40,7 +40,7 @@ from planner.solve.explain import Replan, explain
 from planner.solve.model import StageModel
 from planner.solve.result import Alternative, Plan
 from planner.solve.space import enumerate_configs
-from planner.solve.tables import Config, build, choice_name
+from planner.solve.tables import Config, build, choice_name, rank_orders
 from planner.solve.warm import warm_start
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 
@@ -273,7 +273,15 @@ def solve_config(
     seed: int,
 ) -> Outcome:
     """Solve one configuration's CP-SAT model, warm-started (see the module docstring)."""
-    tables = build(model, cluster, job, config, network, choices=_choices(space))
+    choices = _choices(space)
+    bounded = bound_tables(model, cluster, job, config) if choices is None else None
+    if bounded is not None:  # the bound's tables lack only the rank orders: add them
+        orders = rank_orders(
+            config.schedule, config.pp, config.num_microbatches, config.virtual_stages
+        )
+        tables = dataclasses.replace(bounded, ranks=orders)
+    else:
+        tables = build(model, cluster, job, config, network, choices=choices)
     if any(not k.options for k in tables.kinds.values()):
         return Outcome("infeasible")
     values, warm = warm_start(tables, cluster, job, time_limit_s)

@@ -25,10 +25,10 @@ from planner.costs.compute import Rates
 from planner.costs.memory import shard_of, shards, state_bytes
 from planner.costs.timing import (
     BlockRow,
-    _dp_groups,
-    _first_rank,
-    _p2p,
     block_row,
+    dp_groups,
+    first_rank,
+    stage_send,
 )
 from planner.layout import Layout
 from planner.schedules import Op, idle_terms, op_order
@@ -164,7 +164,7 @@ def build(
 ) -> Tables:
     """The tables of ``config`` (see the module docstring). ``choices`` limits the recompute
     options to those names (a ``SearchSpace.recompute``), else each block's whole menu.
-    ``light`` leaves out the rank orders and the per-stage collectives (bounds need neither)."""
+    ``light`` leaves out the rank orders (bounds do not need them)."""
     proto = config.layout(model, even_counts(model, config), {})
     shard = shard_of(job, proto)
     rates = Rates.of(cluster, job)
@@ -176,7 +176,7 @@ def build(
     fixed = [n for n in names if not n.startswith("layer.")]
     for n in fixed:
         representative[n] = n
-    stage0_rank = _first_rank(proto, 0)
+    stage0_rank = first_rank(proto, 0)
     tp_ar = network.all_reduce_time(
         shard.tokens * model.hidden_size * shard.act_bytes, group(proto, "tp", stage0_rank)
     )
@@ -204,15 +204,15 @@ def build(
     Pair = tuple[Affine, Affine]
     done: dict[int, tuple[float, float, Pair, Pair, Pair]] = {}
     for s in range(stages):
-        rank = _first_rank(proto, s)
-        p2p.append(_p2p(proto, network, s, act))
-        back.append(_p2p(proto, network, s - 1, act) if s else 0.0)
+        rank = first_rank(proto, s)
+        p2p.append(stage_send(proto, network, s, act))
+        back.append(stage_send(proto, network, s - 1, act) if s else 0.0)
         key = 0 if same else rank
         if key not in done:
             ep_group = group(proto, "ep", rank)
             c = network.moe_all_to_all_time(a2a, ep_group, model)
             f = network.moe_all_to_all_time(a2a * share, ep_group, model) + c
-            dense_group, expert_group = _dp_groups(proto, rank)
+            dense_group, expert_group = dp_groups(proto, rank)
             rs, ag = network.reduce_scatter_time, network.all_gather_time
             sync = network.all_reduce_time if config.zero == 0 else rs
             done[key] = (
