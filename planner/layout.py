@@ -12,6 +12,7 @@ ranks of one pipeline position hold the same amount of memory.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -67,6 +68,12 @@ class BlockPlacement(Spec):
     def _known_choice(self) -> BlockPlacement:
         parse_recompute(self.recompute)
         return self
+
+
+@functools.lru_cache(maxsize=65536)
+def _placement(block: str, recompute: str) -> BlockPlacement:
+    """Placements are frozen, so layouts built by the thousand (the search) share them."""
+    return BlockPlacement(block=block, recompute=recompute)
 
 
 class Stage(Spec):
@@ -225,9 +232,6 @@ class Layout(Spec):
             pp=pp,
             virtual_stages=v,
             schedule=schedule,
-            stages=[
-                Stage(blocks=[BlockPlacement(block=b, recompute=choice(b)) for b in blocks])
-                for blocks in stages
-            ],
+            stages=[Stage(blocks=[_placement(b, choice(b)) for b in blocks]) for blocks in stages],
             **fields,
         )

@@ -7,10 +7,12 @@ Each bound holds for every layout of the configuration under ``planner.steptime`
 from __future__ import annotations
 
 import itertools
+from collections import Counter
+from collections.abc import Callable
 
 from planner.costs.comm import Network
 from planner.errors import PlannerError
-from planner.solve.tables import Config, Option, Tables, build, even_counts
+from planner.solve.tables import Config, Option, Tables, build, prototype
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 
 
@@ -35,19 +37,24 @@ def lower_bound(
         return None
     S, m, p = config.stages, config.num_microbatches, config.pp
     blocks = t.layer_kinds + t.first_fixed + t.last_fixed
-    opts = [t.kinds[b].options for b in blocks]
+    count = Counter(blocks)
+    opts = {b: t.kinds[b].options for b in count}
+
+    def total(per_kind: Callable[[list[Option]], float]) -> float:
+        return sum(n * per_kind(opts[b]) for b, n in count.items())
+
     forced = _forced_recompute(model, t, cluster, job, config)
     if forced is None:
         return None  # even recomputing everything leaves too many activations
-    moe = sum(t.kinds[b].cost.moe_layers for b in blocks)
+    moe = sum(n * t.kinds[b].cost.moe_layers for b, n in count.items())
     dual = config.schedule in ("dualpipe", "dualpipev")
     fpair, comb = min(t.forward_pair), min(t.combine)
     sends_f = 0.0 if dual else moe * fpair + sum(t.p2p)
     sends_b = 0.0 if dual else moe * 2 * comb + sum(t.p2p_back)
-    fwd = sum(min(o.row.fwd for o in os) for os in opts)
-    bin_lo = sum(min(o.row.bwd_input for o in os) for os in opts) + forced
-    bin_hi = sum(max(o.row.bwd_input for o in os) for os in opts)
-    bw = sum(os[0].row.bwd_weight for os in opts)  # recompute does not change it
+    fwd = total(lambda os: min(o.row.fwd for o in os))
+    bin_lo = total(lambda os: min(o.row.bwd_input for o in os)) + forced
+    bin_hi = total(lambda os: max(o.row.bwd_input for o in os))
+    bw = total(lambda os: os[0].row.bwd_weight)  # recompute does not change it
     g_lo, g_hi = _collective(t, "gather", low=True), _collective(t, "gather", low=False)
     r_lo, r_hi = _collective(t, "reduce", low=True), _collective(t, "reduce", low=False)
     # Sums over stages of each op's time: a max of work (+ exposed sends) and ZeRO comm.
@@ -99,7 +106,7 @@ def _forced_recompute(
     copies = 2 if config.schedule == "dualpipe" else 1
     state = copies * sum(gpu_state(t.kinds[k].state) for k in t.layer_kinds)
     state += sum(gpu_state(s) for s in t.fixed_state) + config.pp * t.buffers
-    proto = config.layout(model, even_counts(model, config), {})
+    proto = prototype(model, config)
     weight = [0.0] * config.stages
     for r in range(config.pp):
         for stage, count in in_flight(proto, r, config.num_microbatches).items():

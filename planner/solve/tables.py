@@ -14,10 +14,12 @@ formulas over these numbers:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from planner.costs.blocks import BlockCost, Param, block_cost, block_names
 from planner.costs.comm import Network, group, moe_dispatch_bytes
@@ -165,64 +167,62 @@ def build(
     """The tables of ``config`` (see the module docstring). ``choices`` limits the recompute
     options to those names (a ``SearchSpace.recompute``), else each block's whole menu.
     ``light`` leaves out the rank orders (bounds do not need them)."""
-    proto = config.layout(model, even_counts(model, config), {})
+    proto = prototype(model, config)
     shard = shard_of(job, proto)
-    rates = Rates.of(cluster, job)
-    names = block_names(model)
     layer_kinds = ["moe" if model.is_moe_layer(i) else "dense" for i in range(model.num_layers)]
-    representative: dict[str, str] = {}
-    for i, kind in enumerate(layer_kinds):
-        representative.setdefault(kind, f"layer.{i}")
-    fixed = [n for n in names if not n.startswith("layer.")]
-    for n in fixed:
-        representative[n] = n
-    stage0_rank = first_rank(proto, 0)
-    tp_ar = network.all_reduce_time(
-        shard.tokens * model.hidden_size * shard.act_bytes, group(proto, "tp", stage0_rank)
+    fixed = [n for n in block_names(model) if not n.startswith("layer.")]
+    kinds = _memo(
+        _KINDS,
+        (
+            model,
+            job,
+            cluster.model_dump_json(),
+            config.tp,
+            config.dp,
+            config.ep,
+            config.zero,
+            config.micro_batch,
+            config.ema,
+            None if choices is None else frozenset(choices),
+        ),
+        lambda: _kinds(model, cluster, job, network, proto, shard, layer_kinds, fixed, choices),
     )
-    allowed = set(choices) if choices is not None else None
-    kinds = {
-        k: _kind(
-            k, block_cost(model, n, shard), rates, tp_ar, job, proto, allowed, fixed=k in fixed
-        )
-        for k, n in representative.items()
-    }
     first_fixed = ["embedding"]
     last_fixed = [n for n in fixed if n != "embedding"]
     act = shard.sp_tokens * model.hidden_size * shard.act_bytes
-    a2a = moe_dispatch_bytes(model, shard) if model.num_experts else 0.0
-    share = (1 + 4 / 128) / shard.act_bytes if job.compute_dtype == "fp8" else 1.0
     stages = config.stages
-    p2p, back, fpair, comb = [], [], [], []
-    grads: list[tuple[Affine, Affine]] = []
-    gathers: list[tuple[Affine, Affine]] = []
-    reduces: list[tuple[Affine, Affine]] = []
+    p2p, back = _memo(
+        _SENDS,
+        (network, config.tp, config.pp, config.dp, config.schedule, config.virtual_stages, act),
+        lambda: _sends(proto, network, act),
+    )
     plane = config.tp * config.dp  # ranks of one pipeline position
     # Every position's groups sit on nodes the same way when a node holds whole positions or
     # a position whole nodes: then one position's collective costs serve them all.
     same = cluster.gpus_per_node % plane == 0 or plane % cluster.gpus_per_node == 0
-    Pair = tuple[Affine, Affine]
-    done: dict[int, tuple[float, float, Pair, Pair, Pair]] = {}
+    fpair, comb = [], []
+    grads: list[_Pair] = []
+    gathers: list[_Pair] = []
+    reduces: list[_Pair] = []
     for s in range(stages):
-        rank = first_rank(proto, s)
-        p2p.append(stage_send(proto, network, s, act))
-        back.append(stage_send(proto, network, s - 1, act) if s else 0.0)
-        key = 0 if same else rank
-        if key not in done:
-            ep_group = group(proto, "ep", rank)
-            c = network.moe_all_to_all_time(a2a, ep_group, model)
-            f = network.moe_all_to_all_time(a2a * share, ep_group, model) + c
-            dense_group, expert_group = dp_groups(proto, rank)
-            rs, ag = network.reduce_scatter_time, network.all_gather_time
-            sync = network.all_reduce_time if config.zero == 0 else rs
-            done[key] = (
-                c,
-                f,
-                _pair(sync, dense_group, expert_group, on=config.zero <= 1),
-                _pair(ag, dense_group, expert_group, on=config.zero >= 3),
-                _pair(rs, dense_group, expert_group, on=config.zero >= 2),
-            )
-        c, f, g, a, r = done[key]
+        rank = 0 if same else first_rank(proto, s)
+        c, f, g, a, r = _memo(
+            _STAGE_COMM,
+            (
+                model,
+                job,
+                network,
+                config.tp,
+                config.pp,
+                config.dp,
+                config.ep,
+                config.zero,
+                config.micro_batch,
+                config.schedule == "dualpipe",
+                rank,
+            ),
+            lambda rank=rank: _stage_comm(model, job, network, proto, shard, rank),
+        )
         comb.append(c)
         fpair.append(f)
         grads.append(g)
@@ -240,8 +240,21 @@ def build(
         virtual_stages=config.virtual_stages,
     )
     held = len(set(proto.chunks_of_rank(0)))
-    fixed_state, fixed_grad, fixed_weight = _fixed(
-        model, shard, job, proto, first_fixed, last_fixed, stages
+    fixed_state, fixed_grad, fixed_weight = _memo(
+        _FIXED,
+        (
+            model,
+            job,
+            config.tp,
+            config.dp,
+            config.ep,
+            config.zero,
+            config.ema,
+            config.pp,
+            config.schedule,
+            config.virtual_stages,
+        ),
+        lambda: _fixed(model, shard, job, proto, first_fixed, last_fixed, stages),
     )
     buffers = float(job.comm_buffer_bytes) + (2 * act if config.pp > 1 else 0.0)
     return Tables(
@@ -273,6 +286,94 @@ def build(
 
 
 # -- pieces ---------------------------------------------------------------------------------
+
+# Many configurations share a piece (every schedule of the same degrees, say): each piece is
+# kept under the fields it depends on. Bounded across long sweeps.
+_Pair = tuple["Affine", "Affine"]
+_KINDS: dict[tuple[Any, ...], dict[str, Kind]] = {}
+_SENDS: dict[tuple[Any, ...], tuple[list[float], list[float]]] = {}
+_STAGE_COMM: dict[tuple[Any, ...], tuple[float, float, _Pair, _Pair, _Pair]] = {}
+_FIXED: dict[tuple[Any, ...], Any] = {}
+_PROTO: dict[tuple[Any, ...], Layout] = {}
+_T = TypeVar("_T")
+
+
+def _memo(cache: dict[tuple[Any, ...], _T], key: tuple[Any, ...], make: Callable[[], _T]) -> _T:
+    if key not in cache:
+        if len(cache) > 20_000:
+            cache.clear()
+        cache[key] = make()
+    return cache[key]
+
+
+def prototype(model: ModelSpec, config: Config) -> Layout:
+    """A layout of ``config`` with even stages and no recompute: what every layout of the
+    configuration shares (degrees, rank order, schedule)."""
+    base = dataclasses.replace(config, zero=1, micro_batch=1, ema="hbm", num_microbatches=1)
+    shape = _memo(_PROTO, (model, base), lambda: base.layout(model, even_counts(model, base), {}))
+    # ZeRO stage, micro-batch and EMA placement are valid on their own (the enumeration
+    # checked them): copy them in without rebuilding every stage.
+    return shape.model_copy(
+        update={"zero": config.zero, "micro_batch": config.micro_batch, "ema": config.ema}
+    )
+
+
+def _kinds(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    job: TrainingJob,
+    network: Network,
+    proto: Layout,
+    shard: Any,
+    layer_kinds: list[str],
+    fixed: list[str],
+    choices: list[str] | None,
+) -> dict[str, Kind]:
+    rates = Rates.of(cluster, job)
+    representative: dict[str, str] = {}
+    for i, kind in enumerate(layer_kinds):
+        representative.setdefault(kind, f"layer.{i}")
+    for n in fixed:
+        representative[n] = n
+    tp_ar = network.all_reduce_time(
+        shard.tokens * model.hidden_size * shard.act_bytes, group(proto, "tp", 0)
+    )
+    allowed = set(choices) if choices is not None else None
+    return {
+        k: _kind(
+            k, block_cost(model, n, shard), rates, tp_ar, job, proto, allowed, fixed=k in fixed
+        )
+        for k, n in representative.items()
+    }
+
+
+def _sends(proto: Layout, network: Network, act: float) -> tuple[list[float], list[float]]:
+    """Each stage's pipeline send forward, and the send of its input gradient back."""
+    stages = len(proto.stages)
+    forward = [stage_send(proto, network, s, act) for s in range(stages)]
+    return forward, [forward[s - 1] if s else 0.0 for s in range(stages)]
+
+
+def _stage_comm(
+    model: ModelSpec, job: TrainingJob, network: Network, proto: Layout, shard: Any, rank: int
+) -> tuple[float, float, _Pair, _Pair, _Pair]:
+    """At one pipeline position: the expert combine and forward dispatch+combine seconds
+    per MoE layer, and the affine gradient-sync, ZeRO gather and reduce-scatter costs."""
+    a2a = moe_dispatch_bytes(model, shard) if model.num_experts else 0.0
+    share = (1 + 4 / 128) / shard.act_bytes if job.compute_dtype == "fp8" else 1.0
+    ep_group = group(proto, "ep", rank)
+    c = network.moe_all_to_all_time(a2a, ep_group, model)
+    f = network.moe_all_to_all_time(a2a * share, ep_group, model) + c
+    dense_group, expert_group = dp_groups(proto, rank)
+    rs, ag = network.reduce_scatter_time, network.all_gather_time
+    sync = network.all_reduce_time if proto.zero == 0 else rs
+    return (
+        c,
+        f,
+        _pair(sync, dense_group, expert_group, on=proto.zero <= 1),
+        _pair(ag, dense_group, expert_group, on=proto.zero >= 3),
+        _pair(rs, dense_group, expert_group, on=proto.zero >= 2),
+    )
 
 
 def even_counts(model: ModelSpec, config: Config) -> list[int]:
