@@ -221,7 +221,7 @@ def build(
                 config.schedule == "dualpipe",
                 rank,
             ),
-            lambda rank=rank: _stage_comm(model, job, network, proto, shard, rank),
+            functools.partial(_stage_comm, model, job, network, proto, shard, rank),
         )
         comb.append(c)
         fpair.append(f)
