@@ -377,7 +377,13 @@ def _stage_comm(
 
 
 def even_counts(model: ModelSpec, config: Config) -> list[int]:
+    """Layers per stage, as even as can be. With fewer layers than stages the first and
+    last stages (which hold the embedding and the head) are the ones left without."""
     n, s = model.num_layers, config.stages
+    if n < s and s > 1:
+        middle = [1] * (s - 2)
+        spare = n - (s - 2)  # 0 or 1 (enumeration keeps stages <= layers + 2)
+        return [min(spare, 1), *middle, max(0, spare - 1)]
     return [n // s + (1 if i < n % s else 0) for i in range(s)]
 
 

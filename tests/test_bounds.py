@@ -1,0 +1,73 @@
+"""The search's lower bounds hold: no layout of a configuration beats them.
+
+For every configuration of small search spaces (dense and MoE models, every schedule, ZeRO
+1-3, tight and loose HBM), the exhaustive optimum of that configuration alone
+(``bruteforce.best_layout``) is at least both bounds the search prunes with: the mean-rank
+``lower_bound`` and the ``heaviest_rank_bound``. A bound that cut off a better layout would
+make the planner call a worse layout optimal.
+"""
+
+from __future__ import annotations
+
+import pytest
+from bruteforce import best_layout
+
+import planner
+from planner.solve.bounds import lower_bound
+from planner.solve.rankbound import heaviest_rank_bound
+from planner.solve.space import enumerate_configs
+from planner.solve.tables import Config
+
+GiB = 2**30
+H100x8 = planner.load_cluster("h100", gpus=8)
+
+
+def _pinned(c: Config) -> planner.SearchSpace:
+    return planner.SearchSpace(
+        tp=[c.tp],
+        pp=[c.pp],
+        dp=[c.dp],
+        ep=[c.ep],
+        zero=[c.zero],
+        micro_batch=[c.micro_batch],
+        schedules=[c.schedule],
+        virtual_stages=[c.virtual_stages],
+        ema=[c.ema],  # type: ignore[list-item]
+        recompute=["none", "full"],
+    )
+
+
+CASES = [  # model, layers, global batch, HBM GiB, schedules
+    ("llama3-8b", 6, 16, 20, ["interleaved"]),
+    ("llama3-8b", 5, 16, 20, ["1f1b", "zb-h1"]),
+    ("llama3-8b", 4, 16, 9, ["1f1b", "zb-h1", "dualpipe", "dualpipev"]),
+    ("mixtral-8x7b", 4, 32, 40, ["1f1b", "interleaved", "dualpipe", "dualpipev"]),
+    ("mixtral-8x7b", 4, 32, 80, ["zb-h1", "dualpipe"]),
+]
+
+
+@pytest.mark.parametrize(("name", "layers", "batch", "hbm_gib", "schedules"), CASES)
+def test_bounds_never_exceed_the_exhaustive_optimum(
+    name: str, layers: int, batch: int, hbm_gib: int, schedules: list[str]
+) -> None:
+    model = planner.load_model(name).model_copy(update={"num_layers": layers})
+    cluster = H100x8.model_copy(update={"hbm_bytes": hbm_gib * GiB})
+    job = planner.TrainingJob(seq_len=2048, global_batch=batch)
+    space = planner.SearchSpace(
+        tp=[1, 2], pp=[2, 4], zero=[1, 2, 3], micro_batch=[1, 2], schedules=schedules
+    )
+    if layers > 4:  # a smaller space where the exhaustive search is slow
+        space = space.model_copy(update={"tp": [2], "zero": [1, 3], "micro_batch": [1]})
+    checked = 0
+    for config in enumerate_configs(model, cluster, job, space):
+        mean = lower_bound(model, cluster, job, config)
+        heavy = heaviest_rank_bound(model, cluster, job, config)
+        best = best_layout(model, cluster, job, _pinned(config))
+        if best is None:
+            continue
+        assert mean is not None, config  # "no layout fits" would be wrong: one does
+        optimum = best[1].step_time_s
+        assert mean <= optimum * (1 + 1e-9), (config, mean, optimum)
+        assert heavy is not None and heavy <= optimum * (1 + 1e-9), (config, heavy, optimum)
+        checked += 1
+    assert checked >= 5
