@@ -19,6 +19,7 @@ stages, each other stage's op at most its dearest option plus its communication.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -48,6 +49,56 @@ def heaviest_rank_bound(
 ) -> float | None:
     """A step time no layout of ``config`` beats (see the module docstring), or None when
     the configuration has no tables (its degrees do not divide the model)."""
+    terms = _rank_terms(model, cluster, job, config)
+    if terms is None:
+        return None
+    const, coef, need, tail = terms
+    return _least_threshold(const, coef, need) + tail
+
+
+def rank_balanced_counts(
+    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config
+) -> list[int] | None:
+    """Layers per stage that make the ranks' terms (see the module docstring) as even as
+    whole layers allow: each layer goes to the rank it raises least, then each rank's
+    layers are split evenly over its chunks. A starting point for the solver (None for
+    DualPipe, whose two copies of a stage must hold the same layers)."""
+    terms = _rank_terms(model, cluster, job, config)
+    if terms is None or config.schedule == "dualpipe":
+        return None
+    const, coef, need, _ = terms
+    orders = rank_orders(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
+    S = config.stages
+    # Every stage but the first and last holds a layer.
+    held = [sum(1 for c in o.chunks if 0 < c < S - 1) for o in orders]
+    per_layer = [row[-1] for row in coef]  # the most common kind's cost
+    if sum(held) > sum(need):
+        return None
+    heap = [(const[r] + (held[r] + 1) * per_layer[r], r) for r in range(len(orders))]
+    heapq.heapify(heap)
+    for _ in range(sum(need) - sum(held)):
+        _, r = heapq.heappop(heap)
+        held[r] += 1
+        heapq.heappush(heap, (const[r] + (held[r] + 1) * per_layer[r], r))
+    counts = [0] * S
+    for r, o in enumerate(orders):
+        chunks = sorted(o.chunks)
+        n = held[r]
+        inner = [c for c in chunks if 0 < c < S - 1]
+        for c in inner:  # one each, then the rest as evenly as possible over all chunks
+            counts[c] = 1
+        n -= len(inner)
+        for i in range(n):
+            counts[chunks[i % len(chunks)]] += 1
+    return counts if sum(counts) == model.num_layers else None
+
+
+def _rank_terms(
+    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config
+) -> tuple[list[float], list[list[float]], list[int], float] | None:
+    """Per rank: the constant and per-layer coefficients (one per layer kind, fewest kind
+    first) of its term's lower bound; the layers of each kind to deal (every copy); the
+    optimizer floor."""
     t = bound_tables(model, cluster, job, config)
     if t is None or any(not k.options for k in t.kinds.values()):
         return None
@@ -99,8 +150,7 @@ def heaviest_rank_bound(
         const.append(rank_const)
         coef.append(row)
     need = [copies * layer_count[k] for k in kinds]
-    T = _least_threshold(const, [[row[k] for k in kinds] for row in coef], need)
-    return T + _optimizer_floor(t, config)
+    return const, [[row[k] for k in kinds] for row in coef], need, _optimizer_floor(t, config)
 
 
 def _block(t: Tables, kind: str, dual: bool) -> _Block:

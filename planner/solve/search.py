@@ -26,6 +26,7 @@ times the budget). Python's own work (bounds, tables, model building) is not in 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
 import math
 import time
@@ -38,6 +39,7 @@ from planner.layout import Layout, parse_recompute
 from planner.solve.bounds import bound_tables, host_fits, lower_bound, memory_floor
 from planner.solve.explain import Replan, explain
 from planner.solve.model import StageModel
+from planner.solve.rankbound import heaviest_rank_bound, rank_balanced_counts
 from planner.solve.result import Alternative, Plan
 from planner.solve.space import enumerate_configs
 from planner.solve.tables import Config, build, choice_name, rank_orders
@@ -119,15 +121,25 @@ def plan(
             time.perf_counter() - t0,
         )
 
-    # First pass: every configuration whose bound beats the best so far, briefly.
+    # First pass: every configuration whose bound beats the best so far, briefly. A
+    # configuration's heaviest-rank bound is only worked out when its mean bound comes up
+    # (it is dearer); it goes back in line with the larger of the two.
     quick = max(0.3, min(2.0, time_limit_s / 20))
-    for index, (bound, config) in enumerate(bounded):
+    queue = [(bound, _key(c), False, c) for bound, c in bounded]
+    heapq.heapify(queue)
+    while queue:
+        bound, key, refined, config = queue[0]
         if bound >= best() * (1 - 1e-9):
             break
         if left() <= 0:
-            pending += bounded[index:]
             break
+        heapq.heappop(queue)
+        if not refined:
+            heavy = heaviest_rank_bound(model, cluster, job, config)
+            heapq.heappush(queue, (max(bound, heavy or bound), key, True, config))
+            continue
         attempt(bound, config, min(quick, left()))
+    pending += [(bound, c) for bound, _, _, c in queue]
     # Second pass: reopen the unclosed ones in order of bound, with the time that is left.
     while pending and left() > 0:
         pending.sort(key=lambda x: (x[0], _key(x[1])))
@@ -284,7 +296,8 @@ def solve_config(
         tables = build(model, cluster, job, config, network, choices=choices)
     if any(not k.options for k in tables.kinds.values()):
         return Outcome("infeasible")
-    values, warm = warm_start(tables, cluster, job, time_limit_s)
+    even = rank_balanced_counts(model, cluster, job, config) if choices is None else None
+    values, warm = warm_start(tables, cluster, job, time_limit_s, even)
     sm = StageModel(tables, cluster, job)
     if values is not None:
         sm.hint_all(values)

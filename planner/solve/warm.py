@@ -12,9 +12,15 @@ from planner.specs import ClusterSpec, TrainingJob
 
 
 def warm_start(
-    tables: Tables, cluster: ClusterSpec, job: TrainingJob, time_limit_s: float
+    tables: Tables,
+    cluster: ClusterSpec,
+    job: TrainingJob,
+    time_limit_s: float,
+    ranks_even: list[int] | None = None,
 ) -> tuple[list[int] | None, float]:
-    """A balanced partition with one option for every layer: the fastest option that fits."""
+    """A balanced partition with one option for every layer: the fastest option that fits.
+    ``ranks_even`` (layers per stage that even out the ranks rather than the stages; see
+    ``rankbound.rank_balanced_counts``) is tried first."""
     names: set[str] | None = None
     for kind in set(tables.layer_kinds):
         opts = {o.name for o in tables.kinds[kind].options}
@@ -30,7 +36,8 @@ def warm_start(
     # A second partition for tight memory: balance what each stage holds (its state and the
     # leanest option's activations), with the leanest option everywhere.
     by_memory = _balanced(tables, lambda o: o.saved, state=True)
-    candidates = [(by_time, name) for name in ordered]
+    partitions = [p for p in (ranks_even, by_time) if p is not None]
+    candidates = [(p, name) for name in ordered for p in partitions]
     if ordered and by_memory != by_time:
         candidates.append((by_memory, ordered[-1]))
     spent = 0.0
@@ -46,7 +53,7 @@ def warm_start(
         if values is not None:
             return values, spent
     # No single option fits: keep a partition and let the solver mix the options per stage.
-    for partition in dict.fromkeys((tuple(by_time), tuple(by_memory))):
+    for partition in dict.fromkeys((*map(tuple, partitions), tuple(by_memory))):
         pinned = StageModel(tables, cluster, job)
         pinned.fix(list(partition))
         values, work = pinned.complete(time_limit_s=min(0.5, time_limit_s))
