@@ -19,13 +19,19 @@ stages, each other stage's op at most its dearest option plus its communication.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import heapq
+import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
+from ortools.linear_solver import pywraplp
+
 from planner.costs.timing import OVERLAP_SM_SHARE
-from planner.solve.bounds import _optimizer_floor, bound_tables
+from planner.solve.bounds import _hull, _optimizer_floor, bound_tables, gpu_state
 from planner.solve.tables import Config, Tables, rank_orders
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 
@@ -42,18 +48,22 @@ class _Block:
     f_hi: float
     b_hi: float
     w_hi: float
+    gather: float = 0.0  # ZeRO-3 all-gather at the cheapest stage's rate
+    reduce: float = 0.0  # ZeRO-2/3 reduce-scatter at the cheapest stage's rate
+    a2a: bool = False  # its ops surely communicate (MoE all-to-alls)
 
 
 def heaviest_rank_bound(
     model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config
 ) -> float | None:
-    """A step time no layout of ``config`` beats (see the module docstring), or None when
-    the configuration has no tables (its degrees do not divide the model)."""
+    """A step time no layout of ``config`` beats (see the module docstring): ``math.inf``
+    when no dealing of the layers fits every rank's memory, None when the configuration has
+    no tables (its degrees do not divide the model)."""
     terms = _rank_terms(model, cluster, job, config)
     if terms is None:
         return None
-    const, coef, need, tail = terms
-    return _least_threshold(const, coef, need) + tail
+    tables, need, tail = terms
+    return _least_threshold(tables, need) + tail
 
 
 def rank_balanced_counts(
@@ -66,20 +76,25 @@ def rank_balanced_counts(
     terms = _rank_terms(model, cluster, job, config)
     if terms is None or config.schedule == "dualpipe":
         return None
-    const, coef, need, _ = terms
+    tables, need, _ = terms
     orders = rank_orders(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
     S = config.stages
-    # Every stage but the first and last holds a layer.
+    # Every stage but the first and last holds a layer. Costs: the most common kind's.
     held = [sum(1 for c in o.chunks if 0 < c < S - 1) for o in orders]
-    per_layer = [row[-1] for row in coef]  # the most common kind's cost
-    if sum(held) > sum(need):
+    rows = [table[0] for table in tables]
+    if sum(held) > sum(need) or any(h >= len(row) for h, row in zip(held, rows, strict=True)):
         return None
-    heap = [(const[r] + (held[r] + 1) * per_layer[r], r) for r in range(len(orders))]
+
+    def next_cost(r: int) -> float:
+        n = held[r] + 1
+        return float(rows[r][n]) if n < len(rows[r]) else math.inf
+
+    heap = [(next_cost(r), r) for r in range(len(orders))]
     heapq.heapify(heap)
     for _ in range(sum(need) - sum(held)):
         _, r = heapq.heappop(heap)
         held[r] += 1
-        heapq.heappush(heap, (const[r] + (held[r] + 1) * per_layer[r], r))
+        heapq.heappush(heap, (next_cost(r), r))
     counts = [0] * S
     for r, o in enumerate(orders):
         chunks = sorted(o.chunks)
@@ -95,21 +110,24 @@ def rank_balanced_counts(
 
 def _rank_terms(
     model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config
-) -> tuple[list[float], list[list[float]], list[int], float] | None:
-    """Per rank: the constant and per-layer coefficients (one per layer kind, fewest kind
-    first) of its term's lower bound; the layers of each kind to deal (every copy); the
-    optimizer floor."""
+) -> tuple[list[np.ndarray], list[int], float] | None:
+    """Per rank, its term's lower bound for every count of each layer kind it might hold
+    (a table indexed [fewer kind][more common kind]; ``inf`` where they cannot fit its
+    memory); the layers of each kind to deal (every copy, fewer kind first); the optimizer
+    floor."""
     t = bound_tables(model, cluster, job, config)
     if t is None or any(not k.options for k in t.kinds.values()):
         return None
     orders = rank_orders(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
     dual = config.schedule in ("dualpipe", "dualpipev")
-    blocks = {k: _block(t, k, dual) for k in t.kinds}
+    layer_count = Counter(t.layer_kinds)
+    raw = {k: _block(t, k, dual) for k in t.kinds}
+    lam_f, lam_b = _pieces(raw, max(layer_count, key=lambda k: (layer_count[k], k)))
+    blocks = {k: _weighted(b, lam_f, lam_b) for k, b in raw.items()}
     S = config.stages
     fixed_at = (
         {0: t.first_fixed, S - 1: t.last_fixed} if S > 1 else {0: t.first_fixed + t.last_fixed}
     )
-    layer_count = Counter(t.layer_kinds)
     kinds = sorted(layer_count, key=lambda k: (layer_count[k], k))  # fewest first: the DP state
     copies = 2 if config.schedule == "dualpipe" else 1
 
@@ -118,7 +136,10 @@ def _rank_terms(
     def total(attr: str) -> float:
         layers = sum(n * _get(blocks[k], attr) for k, n in layer_count.items())
         fixed = sum(_get(blocks[b], attr) for bs in fixed_at.values() for b in bs)
-        consts = (_stage_lo(t, s, dual) if attr in "fbw" else _stage_hi(t, s) for s in range(S))
+        consts = (
+            _stage_lo(t, s, dual, lam_f, lam_b) if attr in "fbw" else _stage_hi(t, s)
+            for s in range(S)
+        )
         return layers + fixed + sum(c.get(attr, 0.0) for c in consts)
 
     lin, n_o, zero = t.idle_linear, t.others, config.zero
@@ -130,12 +151,17 @@ def _rank_terms(
         wait += lin["fb"] * (totals["f"] + totals["b"] + totals["w"])
     if t.idle_k is not None:
         wait -= totals["f_hi"]  # DualPipe's correction is at least minus the others' F
-    const: list[float] = []
-    coef: list[dict[str, float]] = []
-    for order in orders:
+    need = [copies * layer_count[k] for k in kinds]
+    if len(kinds) == 1:
+        need = [0, *need]
+    usable = (cluster.hbm_bytes - job.cuda_context_bytes) / (1 + job.fragmentation)
+    hulls = {k: _hull(t.kinds[k].options) for k in kinds}
+    tables: list[np.ndarray] = []
+    for r, order in enumerate(orders):
         per_chunk = _chunk_coefficients(order.tasks, t, dual)
         rank_const = wait / n_o
         row = dict.fromkeys(layer_count, math.inf)
+        b_mult = math.inf  # what a second more of one layer's backward adds to the term
         for c in order.chunks:
             counts = per_chunk[c]
 
@@ -144,13 +170,93 @@ def _rank_terms(
 
             fixed = fixed_at.get(c, [])
             rank_const += sum(term(blocks[b], blocks[b]) for b in fixed)
-            rank_const += term(_stage_lo(t, c, dual), _stage_hi(t, c))
+            rank_const += term(_stage_lo(t, c, dual, lam_f, lam_b), _stage_hi(t, c))
             for k in layer_count:
-                row[k] = min(row[k], term(blocks[k], blocks[k]))
-        const.append(rank_const)
-        coef.append(row)
-    need = [copies * layer_count[k] for k in kinds]
-    return const, [[row[k] for k in kinds] for row in coef], need, _optimizer_floor(t, config)
+                # A chunk with an MoE layer makes every pair it is in communicate.
+                sure = _surely_slowed(counts) if blocks[k].a2a else counts
+                value = _term(sure, blocks[k], blocks[k], lin, n_o, dual=dual, zero=zero)
+                row[k] = min(row[k], value)
+            b_only = _Block(0.0, 1.0, 0.0, 0.0, 0.0, 0.0)  # a backward of 1 s, nothing else
+            b_mult = min(b_mult, _term(counts, b_only, b_only, lin, n_o, dual=dual, zero=zero))
+        b_mult *= lam_b  # recompute lengthens the work, not the communication
+        # Memory: besides its state and buffers, the rank holds at some moment at least
+        # ``w`` micro-batches' worth of whatever its chunks save (see ``_in_flight``).
+        w = _in_flight(
+            config.schedule, config.pp, config.num_microbatches, config.virtual_stages, r
+        )
+        fixed = [b for c in order.chunks for b in fixed_at.get(c, [])]
+        fixed_saved = sum(min(o.saved for o in t.kinds[b].options) for b in fixed)
+        room = usable - gpu_state(t.fixed_state[r]) - t.buffers - w * fixed_saved
+        kinds2 = kinds if len(kinds) == 2 else [None, kinds[0]]
+        tables.append(
+            _term_table(
+                rank_const,
+                [row[k] if k else 0.0 for k in kinds2],
+                need,
+                [gpu_state(t.kinds[k].state) if k else 0.0 for k in kinds2],
+                [hulls[k] if k else [(0.0, 0.0)] for k in kinds2],
+                w,
+                room,
+                b_mult,
+            )
+        )
+    return tables, need, _optimizer_floor(t, config)
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_flight(schedule: str, pp: int, m: int, v: int, rank: int) -> float:
+    """The least w such that, however a rank's saved bytes X split over its chunks, some
+    activation level of its op order holds at least w X: the value of the game min over
+    splits x of max over levels l of sum_c count[l][c] x[c] (a small LP)."""
+    levels = [counts for counts, _ in rank_orders(schedule, pp, m, v)[rank].levels]
+    if len(levels[0]) == 1:
+        return float(max(c[0] for c in levels))
+    solver = pywraplp.Solver.CreateSolver("GLOP")
+    x = [solver.NumVar(0.0, 1.0, f"x{c}") for c in range(len(levels[0]))]
+    z = solver.NumVar(0.0, solver.infinity(), "z")
+    solver.Add(sum(x) == 1)
+    for counts in levels:
+        solver.Add(sum(n * xc for n, xc in zip(counts, x, strict=True)) <= z)
+    solver.Minimize(z)
+    if solver.Solve() != pywraplp.Solver.OPTIMAL:
+        return float(max(min(c) for c in levels))
+    # Never above the exact answer: GLOP's tolerance taken off, and at least the plain bound.
+    return max(float(max(min(c) for c in levels)), float(z.solution_value()) * (1 - 1e-7))
+
+
+def _term_table(
+    const: float,
+    coef: list[float],
+    need: list[int],
+    state: list[float],
+    hulls: list[list[tuple[float, float]]],
+    w: float,
+    room: float,
+    b_mult: float,
+) -> np.ndarray:
+    """A rank's term for d layers of the first kind and e of the second: its constant, its
+    per-layer work, and the least recompute that brings w micro-batches of its layers'
+    activations and their state within ``room`` bytes (the fractional multiple-choice
+    knapsack over each kind's convex hull of options: cheapest seconds per byte first)."""
+    d = np.arange(need[0] + 1, dtype=float)[:, None]
+    e = np.arange(need[1] + 1, dtype=float)[None, :]
+    n = (d, e)
+    term = const + coef[0] * d + coef[1] * e
+    # Bytes to shed beyond room with every layer at its fastest (most memory) option.
+    excess = w * (hulls[0][0][0] * d + hulls[1][0][0] * e) + state[0] * d + state[1] * e - room
+    excess = np.maximum(excess, 0.0) + 0.0 * term
+    steps = []  # (seconds per byte, kind, bytes per layer)
+    for k, hull in enumerate(hulls if w else []):
+        for (s0, t0), (s1, t1) in itertools.pairwise(hull):
+            steps.append((b_mult * (t1 - t0) / (w * (s0 - s1)), k, w * (s0 - s1)))
+    extra = np.zeros_like(term)
+    for rate, k, per_layer in sorted(steps):
+        take = np.minimum(excess, per_layer * n[k])
+        extra += rate * take
+        excess -= take
+    term = term + extra
+    term[excess > 1e-6 * max(room, 1.0)] = math.inf
+    return term
 
 
 def _block(t: Tables, kind: str, dual: bool) -> _Block:
@@ -172,7 +278,32 @@ def _block(t: Tables, kind: str, dual: bool) -> _Block:
         f_hi=max(r.fwd for r in rows) + hi_f + gather,
         b_hi=max(r.bwd_input for r in rows) + hi_b + gather,
         w_hi=w + reduce,
+        gather=_min_a(t.gather_dense) * k.dense_weight + _min_a(t.gather_expert) * k.expert_weight,
+        reduce=_min_a(t.reduce_dense) * k.dense_grad + _min_a(t.reduce_expert) * k.expert_grad,
+        a2a=moe > 0 and min(t.forward_pair, default=0.0) > 0,
     )
+
+
+def _pieces(blocks: dict[str, _Block], dominant: str) -> tuple[float, float]:
+    """An op lasts max(its work, its ZeRO communication), at least any weighted mean of the
+    two: weight 1 on the work (0 on the communication) where the most common layer's work is
+    the larger. The forward's weight, and the backward's (B and W share one: a fused BW
+    lasts max(b + w, gather + reduce))."""
+    d = blocks[dominant]
+    return float(d.f >= d.gather), float(d.b + d.w >= d.gather + d.reduce)
+
+
+def _weighted(block: _Block, lam_f: float, lam_b: float) -> _Block:
+    return dataclasses.replace(
+        block,
+        f=lam_f * block.f + (1 - lam_f) * block.gather,
+        b=lam_b * block.b + (1 - lam_b) * block.gather,
+        w=lam_b * block.w + (1 - lam_b) * block.reduce,
+    )
+
+
+def _min_a(affines: list) -> float:  # type: ignore[type-arg]
+    return min((a.a for a in affines), default=0.0)
 
 
 def _max_a(affines: list) -> float:  # type: ignore[type-arg]
@@ -214,10 +345,10 @@ def _get(values: _Block | dict[str, float], attr: str) -> float:
     return float(getattr(values, attr)) if isinstance(values, _Block) else values.get(attr, 0.0)
 
 
-def _stage_lo(t: Tables, s: int, dual: bool) -> dict[str, float]:
+def _stage_lo(t: Tables, s: int, dual: bool, lam_f: float, lam_b: float) -> dict[str, float]:
     """A stage's own constants in its ops, at the least: its sends, exposed unless DualPipe
-    pairs them."""
-    return {} if dual else {"f": t.p2p[s], "b": t.p2p_back[s]}
+    pairs them (weighted as the ops' work, see ``_pieces``)."""
+    return {} if dual else {"f": lam_f * t.p2p[s], "b": lam_b * t.p2p_back[s]}
 
 
 def _stage_hi(t: Tables, s: int) -> dict[str, float]:
@@ -234,12 +365,15 @@ def _chunk_coefficients(
     tasks: Counter[tuple[object, ...]], t: Tables, dual: bool
 ) -> dict[int, dict[str, float]]:
     """Per chunk: how many times its F, B and W work runs on the rank, the extra share of
-    that work slowed in pairs that surely communicate (a pipeline send is part of them)."""
+    that work slowed in pairs that surely communicate (a pipeline send is part of them), and
+    in all its pairs (for blocks whose all-to-alls make every pair communicate)."""
     out: dict[int, dict[str, float]] = {}
 
     def row(s: object) -> dict[str, float]:
         assert isinstance(s, int)
-        return out.setdefault(s, dict.fromkeys(("F", "B", "W", "BW", "sF", "sB", "sW"), 0.0))
+        return out.setdefault(
+            s, dict.fromkeys(("F", "B", "W", "BW", "sF", "sB", "sW", "pF", "pB", "pW"), 0.0)
+        )
 
     for task, n in tasks.items():
         kind = task[0]
@@ -248,13 +382,17 @@ def _chunk_coefficients(
             assert isinstance(f, int) and isinstance(b, int)
             sure = t.p2p[f] > 0 or t.p2p_back[b] > 0
             extra = (SLOW - 1) * n if sure else 0.0
+            slowed = (SLOW - 1) * n  # if the pair communicates at all
             row(f)["F"] += n
             row(f)["sF"] += extra
+            row(f)["pF"] += slowed
             row(b)["B"] += n
             row(b)["sB"] += extra
+            row(b)["pB"] += slowed
             if bkind == "BW":
                 row(b)["W"] += n
                 row(b)["sW"] += extra
+                row(b)["pW"] += slowed
             continue
         s = task[1]
         assert isinstance(s, int)
@@ -270,58 +408,48 @@ def _chunk_coefficients(
     return out
 
 
-def _least_threshold(const: list[float], coef: list[list[float]], need: list[int]) -> float:
-    """The least T such that whole layers (``need[k]`` of kind k) can be dealt to the ranks
-    with const[r] + sum_k n[r][k] coef[r][k] <= T on every rank (bisection to 1e-6)."""
-    if any(c <= 0 for row in coef for c in row):
-        return max(const)  # a layer that costs its rank nothing: no integrality to use
-    lo = max(const)
-    hi = max(const) + sum(max(row[k] for row in coef) * n for k, n in enumerate(need))
+def _surely_slowed(counts: dict[str, float]) -> dict[str, float]:
+    """``counts`` for a block whose own all-to-alls make each of its pairs communicate."""
+    return {**counts, "sF": counts["pF"], "sB": counts["pB"], "sW": counts["pW"]}
+
+
+def _least_threshold(tables: list[np.ndarray], need: list[int]) -> float:
+    """The least T such that whole layers (``need``: of the first kind, of the second) can
+    be dealt to the ranks with every rank's term at most T (bisection to 1e-6); ``inf``
+    when no dealing fits."""
+    lo = max(float(table[0, 0]) for table in tables)
+    finite = [table[np.isfinite(table)] for table in tables]
+    hi = max(float(f.max()) for f in finite if f.size) if any(f.size for f in finite) else lo
+    if not math.isfinite(lo) or not _deal(hi, tables, need):
+        return math.inf
     for _ in range(60):
         if hi - lo <= 1e-6 * hi:
             break
         mid = (lo + hi) / 2
-        if _deal(mid, const, coef, need):
+        if _deal(mid, tables, need):
             hi = mid
         else:
             lo = mid
     return lo
 
 
-def _deal(T: float, const: list[float], coef: list[list[float]], need: list[int]) -> bool:
-    """Can the layers be dealt with every rank's term at most T? One kind: each rank takes
-    as many as fit. Two kinds: a DP over ranks on how many of the fewer kind are placed,
-    maximising the other kind placed."""
-    if not need:
-        return all(c <= T for c in const)
-    if len(need) == 1:
-        room = 0
-        for c, row in zip(const, coef, strict=True):
-            if c > T:
-                return False
-            room += math.floor((T - c) / row[0] + 1e-9)
-            if room >= need[0]:
-                return True
-        return room >= need[0]
-    assert len(need) == 2, "layer kinds are dense and MoE"
+def _deal(T: float, tables: list[np.ndarray], need: list[int]) -> bool:
+    """Can the layers be dealt with every rank's term at most T? A DP over the ranks on how
+    many of the first kind are placed, maximising the second kind placed (each rank's table
+    grows along the second kind, so it takes as many as stay within T)."""
     few, many = need
-    best = [0] + [-1] * few  # best[j]: most of the second kind placed with j of the first
-    for c, (a, b) in zip(const, coef, strict=True):
-        if c > T:
-            return False
-        take = [
-            math.floor((T - c - d * a) / b + 1e-9) if T - c - d * a >= 0 else -1
-            for d in range(few + 1)
-        ]
-        new = [-1] * (few + 1)
-        for j in range(few + 1):
-            if best[j] < 0:
-                continue
-            for d in range(few + 1 - j):
-                if take[d] < 0:
-                    break
-                new[j + d] = max(new[j + d], best[j] + take[d])
+    best = np.full(few + 1, -1, dtype=np.int64)
+    best[0] = 0
+    for table in tables:
+        # take[d]: most of the second kind the rank holds with d of the first (-1: none).
+        take = (table <= T).sum(axis=1) - 1
+        new = np.full(few + 1, -1, dtype=np.int64)
+        for j in np.nonzero(best >= 0)[0]:
+            room = few - j
+            cand = best[j] + take[: room + 1]
+            cand[take[: room + 1] < 0] = -1
+            new[j : j + room + 1] = np.maximum(new[j : j + room + 1], cand)
         best = new
         if best[few] >= many:
             return True
-    return best[few] >= many
+    return bool(best[few] >= many)
