@@ -19,38 +19,23 @@ stages, each other stage's op at most its dearest option plus its communication.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import heapq
 import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from ortools.linear_solver import pywraplp
 
 from planner.costs.timing import OVERLAP_SM_SHARE
 from planner.solve.bounds import _hull, _optimizer_floor, bound_tables, gpu_state
-from planner.solve.tables import Config, Tables, rank_orders
+from planner.solve.tables import Affine, Config, Tables, rank_orders
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 
 SLOW = 1 / (1 - OVERLAP_SM_SHARE)
-
-
-@dataclass(frozen=True)
-class _Block:
-    """Per micro-batch op times of one block: lowest and highest over its options."""
-
-    f: float
-    b: float
-    w: float
-    f_hi: float
-    b_hi: float
-    w_hi: float
-    gather: float = 0.0  # ZeRO-3 all-gather at the cheapest stage's rate
-    reduce: float = 0.0  # ZeRO-2/3 reduce-scatter at the cheapest stage's rate
-    a2a: bool = False  # its ops surely communicate (MoE all-to-alls)
 
 
 def heaviest_rank_bound(
@@ -121,64 +106,61 @@ def _rank_terms(
     orders = rank_orders(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
     dual = config.schedule in ("dualpipe", "dualpipev")
     layer_count = Counter(t.layer_kinds)
-    raw = {k: _block(t, k, dual) for k in t.kinds}
-    lam_f, lam_b = _pieces(raw, max(layer_count, key=lambda k: (layer_count[k], k)))
-    blocks = {k: _weighted(b, lam_f, lam_b) for k, b in raw.items()}
+    blocks = {k: _block(t, k) for k in t.kinds}
+    dominant = max(layer_count, key=lambda k: (layer_count[k], k))
+    lam = _pieces([blocks[dominant]])
     S = config.stages
     fixed_at = (
         {0: t.first_fixed, S - 1: t.last_fixed} if S > 1 else {0: t.first_fixed + t.last_fixed}
     )
     kinds = sorted(layer_count, key=lambda k: (layer_count[k], k))  # fewest first: the DP state
     copies = 2 if config.schedule == "dualpipe" else 1
+    stage = [_stage_block(t, s) for s in range(S)]
 
     # Every stage's ops summed (each stage once, also under DualPipe's two copies), at their
     # lowest and highest: the wait sums them over the stages a rank does not hold.
-    def total(attr: str) -> float:
-        layers = sum(n * _get(blocks[k], attr) for k, n in layer_count.items())
-        fixed = sum(_get(blocks[b], attr) for bs in fixed_at.values() for b in bs)
-        consts = (
-            _stage_lo(t, s, dual, lam_f, lam_b) if attr in "fbw" else _stage_hi(t, s)
-            for s in range(S)
-        )
-        return layers + fixed + sum(c.get(attr, 0.0) for c in consts)
-
+    every = [blocks[k] for k in t.layer_kinds]
+    every += [blocks[b] for bs in fixed_at.values() for b in bs] + stage
+    low = {op: sum(_op_lo(b, op, lam) for b in every) for op in ("f", "b", "w", "fb")}
+    high = {op: sum(_op_hi(b, op) for b in every) for op in ("f", "b", "w")}
     lin, n_o, zero = t.idle_linear, t.others, config.zero
-    totals = {a: total(a) for a in ("f", "b", "w", "f_hi", "b_hi", "w_hi")}
     # The wait is lin * (the others' ops) / n_o = lin * (every stage's - own) / n_o: every
-    # stage's at its lowest (highest where lin < 0), and own subtracted as below.
-    wait = sum(c * totals[key if c > 0 else key + "_hi"] for key, c in lin.items() if key != "fb")
-    if lin["fb"]:
-        wait += lin["fb"] * (totals["f"] + totals["b"] + totals["w"])
+    # stage's at its lowest (highest where lin < 0), and own subtracted as ``_term`` does.
+    wait = sum(c * (low[op] if c > 0 else high[op]) for op, c in lin.items() if op != "fb")
+    wait += lin["fb"] * low["fb"]
     if t.idle_k is not None:
-        wait -= totals["f_hi"]  # DualPipe's correction is at least minus the others' F
+        wait -= high["f"]  # DualPipe's correction is at least minus the others' F
     need = [copies * layer_count[k] for k in kinds]
     if len(kinds) == 1:
         need = [0, *need]
     usable = (cluster.hbm_bytes - job.cuda_context_bytes) / (1 + job.fragmentation)
+    kinds2: list[str | None] = list(kinds) if len(kinds) == 2 else [None, kinds[0]]
     hulls = {k: _hull(t.kinds[k].options) for k in kinds}
-    tables: list[np.ndarray] = []
-    for r, order in enumerate(orders):
-        per_chunk = _chunk_coefficients(order.tasks, t, dual)
+    recompute = _Block(b=1.0)  # a backward one second longer, nothing else
+
+    def rank_table(r: int, lams: dict[int, dict[str, float]]) -> np.ndarray:
+        """Rank r's table, each chunk's ops weighted by its ``lams`` (else the layers')."""
+        order = orders[r]
+        per_chunk = _chunk_counts(order.tasks, t)
         rank_const = wait / n_o
         row = dict.fromkeys(layer_count, math.inf)
         b_mult = math.inf  # what a second more of one layer's backward adds to the term
         for c in order.chunks:
-            counts = per_chunk[c]
+            counts, weights = per_chunk[c], lams.get(c, lam)
 
-            def term(lo: _Block | dict[str, float], hi: _Block | dict[str, float]) -> float:
-                return _term(counts, lo, hi, lin, n_o, dual=dual, zero=zero)  # noqa: B023
+            def term(
+                block: _Block,
+                slowed: bool = False,
+                counts: dict[str, Any] = counts,
+                weights: dict[str, float] = weights,
+            ) -> float:
+                return _term(counts, block, weights, lin, n_o, dual=dual, zero=zero, slowed=slowed)
 
-            fixed = fixed_at.get(c, [])
-            rank_const += sum(term(blocks[b], blocks[b]) for b in fixed)
-            rank_const += term(_stage_lo(t, c, dual, lam_f, lam_b), _stage_hi(t, c))
+            rank_const += sum(term(blocks[b]) for b in fixed_at.get(c, [])) + term(stage[c])
             for k in layer_count:
                 # A chunk with an MoE layer makes every pair it is in communicate.
-                sure = _surely_slowed(counts) if blocks[k].a2a else counts
-                value = _term(sure, blocks[k], blocks[k], lin, n_o, dual=dual, zero=zero)
-                row[k] = min(row[k], value)
-            b_only = _Block(0.0, 1.0, 0.0, 0.0, 0.0, 0.0)  # a backward of 1 s, nothing else
-            b_mult = min(b_mult, _term(counts, b_only, b_only, lin, n_o, dual=dual, zero=zero))
-        b_mult *= lam_b  # recompute lengthens the work, not the communication
+                row[k] = min(row[k], term(blocks[k], slowed=blocks[k].a2a))
+            b_mult = min(b_mult, term(recompute))
         # Memory: besides its state and buffers, the rank holds at some moment at least
         # ``w`` micro-batches' worth of whatever its chunks save (see ``_in_flight``).
         w = _in_flight(
@@ -187,20 +169,188 @@ def _rank_terms(
         fixed = [b for c in order.chunks for b in fixed_at.get(c, [])]
         fixed_saved = sum(min(o.saved for o in t.kinds[b].options) for b in fixed)
         room = usable - gpu_state(t.fixed_state[r]) - t.buffers - w * fixed_saved
-        kinds2 = kinds if len(kinds) == 2 else [None, kinds[0]]
-        tables.append(
-            _term_table(
-                rank_const,
-                [row[k] if k else 0.0 for k in kinds2],
-                need,
-                [gpu_state(t.kinds[k].state) if k else 0.0 for k in kinds2],
-                [hulls[k] if k else [(0.0, 0.0)] for k in kinds2],
-                w,
-                room,
-                b_mult,
-            )
+        return _term_table(
+            rank_const,
+            [row[k] if k else 0.0 for k in kinds2],
+            need,
+            [gpu_state(t.kinds[k].state) if k else 0.0 for k in kinds2],
+            [hulls[k] if k else [(0.0, 0.0)] for k in kinds2],
+            w,
+            room,
+            b_mult,
         )
+
+    # The embedding's and head's ops may be communication-bound where the layers' are not
+    # (ZeRO-2 reduces the embedding's gradients every micro-batch): a rank holding them
+    # also takes its term with their chunks weighted their way; both tables bound it.
+    ends = {c: _pieces([blocks[b] for b in bs]) for c, bs in fixed_at.items()}
+    tables: list[np.ndarray] = []
+    for r, order in enumerate(orders):
+        table = rank_table(r, {})
+        mine = {c: weights for c, weights in ends.items() if c in order.chunks}
+        if any(weights != lam for weights in mine.values()):
+            table = np.maximum(table, rank_table(r, mine))
+        tables.append(table)
     return tables, need, _optimizer_floor(t, config)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Per micro-batch seconds of one block's (or a stage's constant) parts of its ops.
+
+    Lowest over its options: ``f``, ``b``, ``w`` work; ``a2a_f``, ``a2a_b`` all-to-alls
+    (exposed when the op is not paired); ``gather``, ``reduce`` ZeRO communication at the
+    cheapest stage's rate. Highest: ``f_hi``, ``b_hi``, ``w_hi`` (dearest option, every
+    communication added). ``paired``: whether a DualPipe pair runs this part (a stage's
+    sends are hidden there); ``a2a``: whether the block's own all-to-alls make every pair it
+    is in communicate."""
+
+    f: float = 0.0
+    b: float = 0.0
+    w: float = 0.0
+    a2a_f: float = 0.0
+    a2a_b: float = 0.0
+    gather: float = 0.0
+    reduce: float = 0.0
+    f_hi: float = 0.0
+    b_hi: float = 0.0
+    w_hi: float = 0.0
+    paired: bool = True
+    a2a: bool = False
+
+
+def _block(t: Tables, kind: str) -> _Block:
+    k = t.kinds[kind]
+    rows = [o.row for o in k.options]
+    moe = k.cost.moe_layers
+    hi_f = moe * max(t.forward_pair, default=0.0)
+    hi_b = moe * (2 * max(t.combine, default=0.0) + max(t.forward_pair, default=0.0))
+    gather_hi = _max_a(t.gather_dense) * k.dense_weight + _max_a(t.gather_expert) * k.expert_weight
+    reduce_hi = _max_a(t.reduce_dense) * k.dense_grad + _max_a(t.reduce_expert) * k.expert_grad
+    w = rows[0].bwd_weight  # recompute does not change it
+    return _Block(
+        f=min(r.fwd for r in rows),
+        b=min(r.bwd_input for r in rows),
+        w=w,
+        a2a_f=moe * min(t.forward_pair, default=0.0),
+        a2a_b=moe * 2 * min(t.combine, default=0.0),
+        gather=_min_a(t.gather_dense) * k.dense_weight + _min_a(t.gather_expert) * k.expert_weight,
+        reduce=_min_a(t.reduce_dense) * k.dense_grad + _min_a(t.reduce_expert) * k.expert_grad,
+        f_hi=max(r.fwd for r in rows) + hi_f + gather_hi,
+        b_hi=max(r.bwd_input for r in rows) + hi_b + gather_hi,
+        w_hi=w + reduce_hi,
+        a2a=moe > 0 and min(t.forward_pair, default=0.0) > 0,
+    )
+
+
+def _stage_block(t: Tables, s: int) -> _Block:
+    """A stage's own part of its ops: its sends (hidden in pairs) and, at the most, every
+    collective's latency."""
+    gather = t.gather_dense[s].c + t.gather_expert[s].c
+    return _Block(
+        f=t.p2p[s],
+        b=t.p2p_back[s],
+        f_hi=t.p2p[s] + gather,
+        b_hi=t.p2p_back[s] + gather,
+        w_hi=t.reduce_dense[s].c + t.reduce_expert[s].c,
+        paired=False,
+    )
+
+
+# Op categories: unpaired F, B, W and fused BW; F, B and BW inside a DualPipe pair.
+_CATEGORIES = ("F", "B", "W", "BW", "pF", "pB", "pBW")
+
+
+def _piece_values(x: _Block, cat: str) -> tuple[float, float]:
+    """(work, ZeRO communication) of one category's op for this block: an op lasts the
+    longer of the two (a paired op's all-to-alls are the pair's, not its own)."""
+    paired = cat.startswith("p")
+    if paired and not x.paired:
+        return 0.0, 0.0
+    a2a_f = 0.0 if paired else x.a2a_f
+    a2a_b = 0.0 if paired else x.a2a_b
+    base = cat.removeprefix("p")
+    if base == "F":
+        return x.f + a2a_f, x.gather
+    if base == "B":
+        return x.b + a2a_b, x.gather
+    if base == "W":
+        return x.w, x.reduce
+    return x.b + x.w + a2a_b, x.gather + x.reduce
+
+
+def _pieces(blocks: list[_Block]) -> dict[str, float]:
+    """An op lasts max(its work, its ZeRO communication), so at least any weighted mean of
+    the two: per category, weight 1 on the work where these blocks' work is the larger,
+    else 1 on the communication (one weight per op: its blocks share it)."""
+    out = {}
+    for cat in _CATEGORIES:
+        work = sum(_piece_values(b, cat)[0] for b in blocks)
+        comm = sum(_piece_values(b, cat)[1] for b in blocks)
+        out[cat] = float(work >= comm)
+    return out
+
+
+def _piece(x: _Block, cat: str, lam: dict[str, float]) -> float:
+    work, comm = _piece_values(x, cat)
+    return lam[cat] * work + (1 - lam[cat]) * comm
+
+
+def _op_lo(x: _Block, op: str, lam: dict[str, float]) -> float:
+    """A lower bound on this block's share of an unpaired op (the wait counts unpaired ops
+    and a stage's pair with itself)."""
+    if op == "fb":
+        return _piece(x, "pF", lam) + _piece(x, "pBW", lam)
+    return _piece(x, op.upper(), lam)
+
+
+def _op_hi(x: _Block, op: str) -> float:
+    return float(getattr(x, op + "_hi"))
+
+
+def _term(
+    counts: dict[str, Any],
+    x: _Block,
+    lam: dict[str, float],
+    lin: dict[str, float],
+    n_o: int,
+    *,
+    dual: bool,
+    zero: int,
+    slowed: bool,
+) -> float:
+    """What holding ``x`` in a chunk whose ops run ``counts`` times adds to its rank's term:
+    its share of the rank's ops (a pair's work slowed by the communication's SMs where the
+    pair surely communicates: a pipeline send, or ``slowed``: x's own all-to-alls), less
+    what it takes off the rank's wait on the others (``order_idle`` over the stages it does
+    not hold: lin/n_o of each of their ops)."""
+    boost = counts["slow_all" if slowed else "slow_sure"]
+    busy = {
+        cat: counts[cat] * _piece(x, cat, lam) * (1 + boost[cat] if cat.startswith("p") else 1)
+        for cat in _CATEGORIES
+    }
+    out = float(sum(busy.values()))
+    # Where every op of a kind the rank runs is the very op the wait counts, the two net
+    # out: unpaired F, B and W (or fused BW when no ZeRO communication makes B + W differ
+    # from it). Elsewhere the wait loses the op at its highest.
+    fused_exact = zero <= 1
+    for op in ("f", "b", "w"):
+        share = lin[op] / n_o
+        if not share:
+            continue
+        cat = op.upper()
+        same = not dual and (counts["BW"] == 0 or fused_exact or op == "f")
+        lo = _piece(x, cat, lam) if counts["BW"] == 0 or op == "f" else _split_lo(x, op)
+        if same and share > 0 and counts[cat] + (counts["BW"] if op != "f" else 0) >= share:
+            out -= share * lo
+        elif share > 0:
+            out -= share * _op_hi(x, op)
+        else:
+            out -= share * _piece(x, cat, lam)  # share < 0: the wait gains at least this
+    if lin["fb"]:
+        pair_hi = (_op_hi(x, "f") + _op_hi(x, "b") + _op_hi(x, "w")) * SLOW
+        out -= lin["fb"] / n_o * pair_hi
+    return out
 
 
 @functools.lru_cache(maxsize=4096)
@@ -259,178 +409,70 @@ def _term_table(
     return term
 
 
-def _block(t: Tables, kind: str, dual: bool) -> _Block:
-    k = t.kinds[kind]
-    rows = [o.row for o in k.options]
-    moe = k.cost.moe_layers
-    # Exposed all-to-alls (every schedule but DualPipe's pairs): the cheapest stage's rate.
-    a2a_f = 0.0 if dual else moe * min(t.forward_pair, default=0.0)
-    a2a_b = 0.0 if dual else moe * 2 * min(t.combine, default=0.0)
-    hi_f = moe * max(t.forward_pair, default=0.0)
-    hi_b = moe * (2 * max(t.combine, default=0.0) + max(t.forward_pair, default=0.0))
-    gather = _max_a(t.gather_dense) * k.dense_weight + _max_a(t.gather_expert) * k.expert_weight
-    reduce = _max_a(t.reduce_dense) * k.dense_grad + _max_a(t.reduce_expert) * k.expert_grad
-    w = rows[0].bwd_weight  # recompute does not change it
-    return _Block(
-        f=min(r.fwd for r in rows) + a2a_f,
-        b=min(r.bwd_input for r in rows) + a2a_b,
-        w=w,
-        f_hi=max(r.fwd for r in rows) + hi_f + gather,
-        b_hi=max(r.bwd_input for r in rows) + hi_b + gather,
-        w_hi=w + reduce,
-        gather=_min_a(t.gather_dense) * k.dense_weight + _min_a(t.gather_expert) * k.expert_weight,
-        reduce=_min_a(t.reduce_dense) * k.dense_grad + _min_a(t.reduce_expert) * k.expert_grad,
-        a2a=moe > 0 and min(t.forward_pair, default=0.0) > 0,
-    )
+def _chunk_counts(tasks: Counter[tuple[object, ...]], t: Tables) -> dict[int, dict[str, Any]]:
+    """Per chunk: how many ops of each category (``_CATEGORIES``) the rank runs of it, and
+    per paired category the extra share of work a pair's slowdown adds on average: over
+    the pairs that surely communicate (``slow_sure``: a pipeline send is part of them) or
+    over all (``slow_all``: for a block whose own all-to-alls make them communicate)."""
+    out: dict[int, dict[str, Any]] = {}
+    sure: Counter[tuple[int, str]] = Counter()
+
+    def row(s: object) -> dict[str, Any]:
+        assert isinstance(s, int)
+        return out.setdefault(s, dict.fromkeys(_CATEGORIES, 0.0))
+
+    for task, n in tasks.items():
+        if task[0] == "pair":
+            f, b, kind = task[1], task[2], task[3]
+            assert isinstance(f, int) and isinstance(b, int)
+            row(f)["pF"] += n
+            row(b)["p" + str(kind)] += n
+            if t.p2p[f] > 0 or t.p2p_back[b] > 0:
+                sure[f, "pF"] += n
+                sure[b, "p" + str(kind)] += n
+        else:
+            row(task[1])[str(task[0])] += n
+    for s, counts in out.items():
+        paired = ("pF", "pB", "pBW")
+        counts["slow_all"] = dict.fromkeys(paired, SLOW - 1)
+        counts["slow_sure"] = {
+            cat: (SLOW - 1) * sure[s, cat] / counts[cat] if counts[cat] else 0.0 for cat in paired
+        }
+    return out
 
 
-def _pieces(blocks: dict[str, _Block], dominant: str) -> tuple[float, float]:
-    """An op lasts max(its work, its ZeRO communication), at least any weighted mean of the
-    two: weight 1 on the work (0 on the communication) where the most common layer's work is
-    the larger. The forward's weight, and the backward's (B and W share one: a fused BW
-    lasts max(b + w, gather + reduce))."""
-    d = blocks[dominant]
-    return float(d.f >= d.gather), float(d.b + d.w >= d.gather + d.reduce)
+def _split_lo(x: _Block, op: str) -> float:
+    """x's part of an unpaired B (or W) op when no ZeRO communication runs: its work."""
+    return x.b + x.a2a_b if op == "b" else x.w
 
 
-def _weighted(block: _Block, lam_f: float, lam_b: float) -> _Block:
-    return dataclasses.replace(
-        block,
-        f=lam_f * block.f + (1 - lam_f) * block.gather,
-        b=lam_b * block.b + (1 - lam_b) * block.gather,
-        w=lam_b * block.w + (1 - lam_b) * block.reduce,
-    )
-
-
-def _min_a(affines: list) -> float:  # type: ignore[type-arg]
+def _min_a(affines: list[Affine]) -> float:
     return min((a.a for a in affines), default=0.0)
 
 
-def _max_a(affines: list) -> float:  # type: ignore[type-arg]
+def _max_a(affines: list[Affine]) -> float:
     return max((a.a for a in affines), default=0.0)
-
-
-def _term(
-    counts: dict[str, float],
-    lo: _Block | dict[str, float],
-    hi: _Block | dict[str, float],
-    lin: dict[str, float],
-    n_o: int,
-    *,
-    dual: bool,
-    zero: int,
-) -> float:
-    """What holding something with these op times (lowest ``lo``, highest ``hi``) in a chunk
-    run ``counts`` times adds to its rank's term: its ops' work, less what they take off
-    the rank's wait on the others."""
-    out = 0.0
-    for op in ("f", "b", "w"):
-        x_lo, x_hi = _get(lo, op), _get(hi, op + "_hi")
-        runs = counts[op.upper()] + counts["s" + op.upper()]
-        share = lin[op] / n_o  # what one op of its takes off the wait
-        # The wait counts the op the rank runs, unless a fused BW runs instead and ZeRO
-        # communication may make the split ops differ from it.
-        same = op == "f" or zero <= 1 or not counts["BW"]
-        if not dual and same and runs - share >= 0:
-            out += (runs - share) * x_lo  # one op time, net of the wait
-        else:
-            out += runs * x_lo - share * (x_hi if share > 0 else x_lo)
-    if lin["fb"]:
-        pair_hi = sum(_get(hi, a) for a in ("f_hi", "b_hi", "w_hi")) * SLOW
-        out -= lin["fb"] / n_o * pair_hi
-    return out
-
-
-def _get(values: _Block | dict[str, float], attr: str) -> float:
-    return float(getattr(values, attr)) if isinstance(values, _Block) else values.get(attr, 0.0)
-
-
-def _stage_lo(t: Tables, s: int, dual: bool, lam_f: float, lam_b: float) -> dict[str, float]:
-    """A stage's own constants in its ops, at the least: its sends, exposed unless DualPipe
-    pairs them (weighted as the ops' work, see ``_pieces``)."""
-    return {} if dual else {"f": lam_f * t.p2p[s], "b": lam_b * t.p2p_back[s]}
-
-
-def _stage_hi(t: Tables, s: int) -> dict[str, float]:
-    """... and at the most: sends and every collective's latency."""
-    gather = t.gather_dense[s].c + t.gather_expert[s].c
-    return {
-        "f_hi": t.p2p[s] + gather,
-        "b_hi": t.p2p_back[s] + gather,
-        "w_hi": t.reduce_dense[s].c + t.reduce_expert[s].c,
-    }
-
-
-def _chunk_coefficients(
-    tasks: Counter[tuple[object, ...]], t: Tables, dual: bool
-) -> dict[int, dict[str, float]]:
-    """Per chunk: how many times its F, B and W work runs on the rank, the extra share of
-    that work slowed in pairs that surely communicate (a pipeline send is part of them), and
-    in all its pairs (for blocks whose all-to-alls make every pair communicate)."""
-    out: dict[int, dict[str, float]] = {}
-
-    def row(s: object) -> dict[str, float]:
-        assert isinstance(s, int)
-        return out.setdefault(
-            s, dict.fromkeys(("F", "B", "W", "BW", "sF", "sB", "sW", "pF", "pB", "pW"), 0.0)
-        )
-
-    for task, n in tasks.items():
-        kind = task[0]
-        if kind == "pair":
-            f, b, bkind = task[1], task[2], task[3]
-            assert isinstance(f, int) and isinstance(b, int)
-            sure = t.p2p[f] > 0 or t.p2p_back[b] > 0
-            extra = (SLOW - 1) * n if sure else 0.0
-            slowed = (SLOW - 1) * n  # if the pair communicates at all
-            row(f)["F"] += n
-            row(f)["sF"] += extra
-            row(f)["pF"] += slowed
-            row(b)["B"] += n
-            row(b)["sB"] += extra
-            row(b)["pB"] += slowed
-            if bkind == "BW":
-                row(b)["W"] += n
-                row(b)["sW"] += extra
-                row(b)["pW"] += slowed
-            continue
-        s = task[1]
-        assert isinstance(s, int)
-        r = row(s)
-        if kind == "F":
-            r["F"] += n
-        if kind in ("B", "BW"):
-            r["B"] += n
-        if kind in ("W", "BW"):
-            r["W"] += n
-        if kind == "BW":
-            r["BW"] += n
-    return out
-
-
-def _surely_slowed(counts: dict[str, float]) -> dict[str, float]:
-    """``counts`` for a block whose own all-to-alls make each of its pairs communicate."""
-    return {**counts, "sF": counts["pF"], "sB": counts["pB"], "sW": counts["pW"]}
 
 
 def _least_threshold(tables: list[np.ndarray], need: list[int]) -> float:
     """The least T such that whole layers (``need``: of the first kind, of the second) can
-    be dealt to the ranks with every rank's term at most T (bisection to 1e-6); ``inf``
-    when no dealing fits."""
+    be dealt to the ranks with every rank's term at most T; ``inf`` when no dealing fits.
+    T is one of the table entries (the heaviest rank's term), so bisect over them."""
     lo = max(float(table[0, 0]) for table in tables)
-    finite = [table[np.isfinite(table)] for table in tables]
-    hi = max(float(f.max()) for f in finite if f.size) if any(f.size for f in finite) else lo
-    if not math.isfinite(lo) or not _deal(hi, tables, need):
+    if not math.isfinite(lo):
         return math.inf
-    for _ in range(60):
-        if hi - lo <= 1e-6 * hi:
-            break
-        mid = (lo + hi) / 2
-        if _deal(mid, tables, need):
-            hi = mid
+    values = np.unique(np.concatenate([table[np.isfinite(table)] for table in tables]))
+    values = values[values >= lo]
+    if not values.size or not _deal(float(values[-1]), tables, need):
+        return math.inf
+    first, last = 0, values.size - 1  # values[last] deals; find the first that does
+    while first < last:
+        mid = (first + last) // 2
+        if _deal(float(values[mid]), tables, need):
+            last = mid
         else:
-            lo = mid
-    return lo
+            first = mid + 1
+    return float(values[last])
 
 
 def _deal(T: float, tables: list[np.ndarray], need: list[int]) -> bool:
@@ -444,11 +486,9 @@ def _deal(T: float, tables: list[np.ndarray], need: list[int]) -> bool:
         # take[d]: most of the second kind the rank holds with d of the first (-1: none).
         take = (table <= T).sum(axis=1) - 1
         new = np.full(few + 1, -1, dtype=np.int64)
-        for j in np.nonzero(best >= 0)[0]:
-            room = few - j
-            cand = best[j] + take[: room + 1]
-            cand[take[: room + 1] < 0] = -1
-            new[j : j + room + 1] = np.maximum(new[j : j + room + 1], cand)
+        for d in np.nonzero(take >= 0)[0]:
+            shifted = np.where(best[: few + 1 - d] >= 0, best[: few + 1 - d] + take[d], -1)
+            new[d:] = np.maximum(new[d:], shifted)
         best = new
         if best[few] >= many:
             return True
