@@ -409,10 +409,13 @@ class StageModel:
         return sum(self.op("BW", j) for j in range(r))
 
     # -- solving -----------------------------------------------------------------------
-    def solve(self, *, time_limit_s: float, workers: int, seed: int) -> Solution:
+    def solve(
+        self, *, time_limit_s: float, workers: int, seed: int, wall_s: float | None = None
+    ) -> Solution:
         """Solve within ``time_limit_s`` of CP-SAT's deterministic time (about seconds on
-        this kind of machine), so the same inputs give the same answer anywhere."""
-        solver = _solver(time_limit_s, workers=workers, seed=seed)
+        this kind of machine), so the same inputs give the same answer anywhere; ``wall_s``
+        caps the wall-clock seconds too (the answer then depends on the machine's speed)."""
+        solver = _solver(time_limit_s, workers=workers, seed=seed, wall_s=wall_s)
         status = solver.solve(self.m)
         work = solver.deterministic_time
         if status == cp_model.INFEASIBLE:
@@ -489,11 +492,14 @@ class StageModel:
             self.m.add_hint(self.m.get_int_var_from_proto_index(index), value)
 
 
-def _solver(limit: float, *, workers: int, seed: int) -> cp_model.CpSolver:
+def _solver(
+    limit: float, *, workers: int, seed: int, wall_s: float | None = None
+) -> cp_model.CpSolver:
     solver = cp_model.CpSolver()
     p = solver.parameters
     p.max_deterministic_time = max(limit, 0.01)
-    p.max_time_in_seconds = 10 * max(limit, 0.01) + 1  # a wall-clock safety net only
+    safety = 10 * max(limit, 0.01) + 1  # a wall-clock safety net only
+    p.max_time_in_seconds = max(0.01, min(safety, wall_s)) if wall_s is not None else safety
     p.num_workers = max(1, workers)
     p.interleave_search = workers > 1  # subsolvers take turns in one thread: deterministic
     p.random_seed = seed

@@ -56,18 +56,22 @@ def rank_balanced_counts(
 ) -> list[int] | None:
     """Layers per stage that make the ranks' terms (see the module docstring) as even as
     whole layers allow: each layer goes to the rank it raises least, then each rank's
-    layers are split evenly over its chunks. A starting point for the solver (None for
-    DualPipe, whose two copies of a stage must hold the same layers)."""
+    layers are split evenly over its chunks. A starting point for the solver. DualPipe's
+    rank r holds the same two stages as rank pp-1-r, so only the first half are dealt."""
     terms = _rank_terms(model, cluster, job, config)
-    if terms is None or config.schedule == "dualpipe":
+    if terms is None:
         return None
-    tables, need, _ = terms
+    tables, _, _ = terms
     orders = rank_orders(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
+    if config.schedule == "dualpipe":
+        orders = orders[: config.pp // 2]
     S = config.stages
     # Every stage but the first and last holds a layer. Costs: the most common kind's.
     held = [sum(1 for c in o.chunks if 0 < c < S - 1) for o in orders]
     rows = [table[0] for table in tables]
-    if sum(held) > sum(need) or any(h >= len(row) for h, row in zip(held, rows, strict=True)):
+    if sum(held) > model.num_layers or any(
+        h >= len(row) for h, row in zip(held, rows, strict=False)
+    ):
         return None
 
     def next_cost(r: int) -> float:
@@ -76,7 +80,7 @@ def rank_balanced_counts(
 
     heap = [(next_cost(r), r) for r in range(len(orders))]
     heapq.heapify(heap)
-    for _ in range(sum(need) - sum(held)):
+    for _ in range(model.num_layers - sum(held)):
         _, r = heapq.heappop(heap)
         held[r] += 1
         heapq.heappush(heap, (next_cost(r), r))

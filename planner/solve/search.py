@@ -18,9 +18,11 @@ Dominance rules applied before solving (each says why it loses nothing):
   unless the average rank's share times the GPUs of a node exceeds the node's RAM (then the
   HBM variant is searched too; the model checks the heaviest rank's host RAM either way).
 
-The budget is CP-SAT's deterministic time (one worker, interleaved search), so the same inputs
-give the same plan on any machine and under any load; wall time is only a safety net (three
-times the budget). Python's own work (bounds, tables, model building) is not in the budget.
+``time_limit_s`` is wall-clock seconds for the whole search. Half of it is the solvers'
+budget of CP-SAT's deterministic time (one worker, interleaved search), so the same inputs
+give the same plan on any machine and under any load; the other half is left for Python's
+own work (bounds, tables, model building), which that budget does not count. Only when the
+wall clock runs out first (a slow or loaded machine) does the answer depend on the machine.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from planner.solve.warm import warm_start
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 
 log = logging.getLogger(__name__)
+
+DETERMINISTIC_SHARE = 0.5  # of time_limit_s, for CP-SAT (see the module docstring)
 
 
 def plan(
@@ -86,11 +90,14 @@ def plan(
         return found[0][0] if found else math.inf
 
     spent = [0.0]  # CP-SAT deterministic time: the budget, so answers do not depend on load
+    budget = DETERMINISTIC_SHARE * time_limit_s
+    deadline = started + time_limit_s
+
+    def wall_left() -> float:
+        return deadline - time.perf_counter()
 
     def left() -> float:
-        if time.perf_counter() - started > 3 * time_limit_s + 5:  # wall-clock safety net
-            return 0.0
-        return time_limit_s - spent[0]
+        return 0.0 if wall_left() <= 0 else budget - spent[0]
 
     def attempt(bound: float, config: Config, limit: float) -> None:
         t0 = time.perf_counter()
@@ -104,6 +111,7 @@ def plan(
             time_limit_s=limit,
             workers=workers,
             seed=seed,
+            wall_s=wall_left(),
         )
         spent[0] += out.work
         if out.layout is not None:
@@ -124,7 +132,7 @@ def plan(
     # First pass: every configuration whose bound beats the best so far, briefly. A
     # configuration's heaviest-rank bound is only worked out when its mean bound comes up
     # (it is dearer); it goes back in line with the larger of the two.
-    quick = max(0.3, min(2.0, time_limit_s / 20))
+    quick = max(0.3, min(2.0, budget / 10))
     queue = [(bound, _key(c), False, c) for bound, c in bounded]
     heapq.heapify(queue)
     while queue:
@@ -283,6 +291,7 @@ def solve_config(
     time_limit_s: float,
     workers: int,
     seed: int,
+    wall_s: float | None = None,
 ) -> Outcome:
     """Solve one configuration's CP-SAT model, warm-started (see the module docstring)."""
     choices = _choices(space)
@@ -301,7 +310,9 @@ def solve_config(
     sm = StageModel(tables, cluster, job)
     if values is not None:
         sm.hint_all(values)
-    sol = sm.solve(time_limit_s=max(0.01, time_limit_s - warm), workers=workers, seed=seed)
+    sol = sm.solve(
+        time_limit_s=max(0.01, time_limit_s - warm), workers=workers, seed=seed, wall_s=wall_s
+    )
     work = warm + sol.work
     if sol.status in ("infeasible", "unknown"):
         return Outcome(sol.status, work=work)

@@ -295,6 +295,7 @@ _SENDS: dict[tuple[Any, ...], tuple[list[float], list[float]]] = {}
 _STAGE_COMM: dict[tuple[Any, ...], tuple[float, float, _Pair, _Pair, _Pair]] = {}
 _FIXED: dict[tuple[Any, ...], Any] = {}
 _PROTO: dict[tuple[Any, ...], Layout] = {}
+_GROUPS: dict[tuple[Any, ...], Any] = {}
 _T = TypeVar("_T")
 
 
@@ -361,18 +362,35 @@ def _stage_comm(
     per MoE layer, and the affine gradient-sync, ZeRO gather and reduce-scatter costs."""
     a2a = moe_dispatch_bytes(model, shard) if model.num_experts else 0.0
     share = (1 + 4 / 128) / shard.act_bytes if job.compute_dtype == "fp8" else 1.0
-    ep_group = group(proto, "ep", rank)
+    groups = _memo(
+        _GROUPS,
+        (network, proto.tp, proto.pp, proto.dp, proto.ep, proto.schedule == "dualpipe", rank),
+        lambda: _groups(proto, network, rank),
+    )
+    ep_group, dense, expert = groups
     c = network.moe_all_to_all_time(a2a, ep_group, model)
     f = network.moe_all_to_all_time(a2a * share, ep_group, model) + c
-    dense_group, expert_group = dp_groups(proto, rank)
     rs, ag = network.reduce_scatter_time, network.all_gather_time
     sync = network.all_reduce_time if proto.zero == 0 else rs
     return (
         c,
         f,
-        _pair(sync, dense_group, expert_group, on=proto.zero <= 1),
-        _pair(ag, dense_group, expert_group, on=proto.zero >= 3),
-        _pair(rs, dense_group, expert_group, on=proto.zero >= 2),
+        _pair(sync, dense, expert, on=proto.zero <= 1),
+        _pair(ag, dense, expert, on=proto.zero >= 3),
+        _pair(rs, dense, expert, on=proto.zero >= 2),
+    )
+
+
+_Group = tuple[list[int], tuple[int, int]]  # a group's ranks and how it spreads over nodes
+
+
+def _groups(proto: Layout, network: Network, rank: int) -> tuple[list[int], _Group, _Group]:
+    """A pipeline position's expert-parallel group and its gradient-reduction groups."""
+    dense, expert = dp_groups(proto, rank)
+    return (
+        group(proto, "ep", rank),
+        (dense, network._spread(dense)),
+        (expert, network._spread(expert)),
     )
 
 
@@ -496,17 +514,15 @@ def _undominated(options: list[Option]) -> list[Option]:
     return keep
 
 
-def _pair(
-    collective: Any, dense_group: list[int], expert_group: list[int], *, on: bool
-) -> tuple[Affine, Affine]:
+def _pair(collective: Any, dense: _Group, expert: _Group, *, on: bool) -> tuple[Affine, Affine]:
     """The affine form of a collective over the dense and the expert group (it is affine
     in the bytes: ring steps times bytes over bandwidth, plus latencies)."""
     if not on:
         return Affine(0.0, 0.0), Affine(0.0, 0.0)
     out = []
-    for g in (dense_group, expert_group):
+    for g, spread in (dense, expert):
         network = collective.__self__
-        key = (collective.__name__, network, network._spread(g))
+        key = (collective.__name__, network, spread)
         if key not in _AFFINE:  # a collective's time depends only on how its group spreads
             one, two = collective(GiB, g), collective(2 * GiB, g)
             a = (two - one) / GiB
