@@ -86,14 +86,22 @@ def rank_balanced_counts(
         heapq.heappush(heap, (next_cost(r), r))
     counts = [0] * S
     for r, o in enumerate(orders):
+        # Over its chunks in the shares that keep its activation peak lowest, every inner
+        # chunk keeping a layer.
+        _, share = _in_flight_split(
+            config.schedule, config.pp, config.num_microbatches, config.virtual_stages, r
+        )
         chunks = sorted(o.chunks)
-        n = held[r]
-        inner = [c for c in chunks if 0 < c < S - 1]
-        for c in inner:  # one each, then the rest as evenly as possible over all chunks
-            counts[c] = 1
-        n -= len(inner)
-        for i in range(n):
-            counts[chunks[i % len(chunks)]] += 1
+        floor = {c: 1 if 0 < c < S - 1 else 0 for c in chunks}
+        want = {c: max(floor[c], round(share[c] * held[r])) for c in chunks}
+        while sum(want.values()) > held[r]:  # trim the largest above its floor
+            c = max((c for c in chunks if want[c] > floor[c]), key=lambda c: want[c])
+            want[c] -= 1
+        while sum(want.values()) < held[r]:  # grow the one furthest below its share
+            c = max(chunks, key=lambda c: share[c] * held[r] - want[c])
+            want[c] += 1
+        for c in chunks:
+            counts[c] = want[c]
     return counts if sum(counts) == model.num_layers else None
 
 
@@ -357,14 +365,25 @@ def _term(
     return out
 
 
-@functools.lru_cache(maxsize=4096)
 def _in_flight(schedule: str, pp: int, m: int, v: int, rank: int) -> float:
     """The least w such that, however a rank's saved bytes X split over its chunks, some
-    activation level of its op order holds at least w X: the value of the game min over
-    splits x of max over levels l of sum_c count[l][c] x[c] (a small LP)."""
-    levels = [counts for counts, _ in rank_orders(schedule, pp, m, v)[rank].levels]
+    activation level of its op order holds at least w X (see ``_in_flight_split``)."""
+    return _in_flight_split(schedule, pp, m, v, rank)[0]
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_flight_split(
+    schedule: str, pp: int, m: int, v: int, rank: int
+) -> tuple[float, dict[int, float]]:
+    """The value of the game min over splits x of max over levels l of
+    sum_c count[l][c] x[c] (a small LP), and the split that attains it (chunk -> share):
+    the split of a rank's activations over its chunks that keeps its peak lowest."""
+    order = rank_orders(schedule, pp, m, v)[rank]
+    levels = [counts for counts, _ in order.levels]
+    plain = float(max(min(c) for c in levels))
+    even = {c: 1 / len(order.chunks) for c in order.chunks}
     if len(levels[0]) == 1:
-        return float(max(c[0] for c in levels))
+        return float(max(c[0] for c in levels)), even
     solver = pywraplp.Solver.CreateSolver("GLOP")
     x = [solver.NumVar(0.0, 1.0, f"x{c}") for c in range(len(levels[0]))]
     z = solver.NumVar(0.0, solver.infinity(), "z")
@@ -373,9 +392,10 @@ def _in_flight(schedule: str, pp: int, m: int, v: int, rank: int) -> float:
         solver.Add(sum(n * xc for n, xc in zip(counts, x, strict=True)) <= z)
     solver.Minimize(z)
     if solver.Solve() != pywraplp.Solver.OPTIMAL:
-        return float(max(min(c) for c in levels))
+        return plain, even
+    split = {c: float(xc.solution_value()) for c, xc in zip(order.chunks, x, strict=True)}
     # Never above the exact answer: GLOP's tolerance taken off, and at least the plain bound.
-    return max(float(max(min(c) for c in levels)), float(z.solution_value()) * (1 - 1e-7))
+    return max(plain, float(z.solution_value()) * (1 - 1e-7)), split
 
 
 def _term_table(

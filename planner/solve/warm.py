@@ -20,7 +20,8 @@ def warm_start(
 ) -> tuple[list[int] | None, float]:
     """A balanced partition with one option for every layer: the fastest option that fits.
     ``ranks_even`` (layers per stage that even out the ranks rather than the stages; see
-    ``rankbound.rank_balanced_counts``) is tried first."""
+    ``rankbound.rank_balanced_counts``) is tried first, with each stage's recompute mix
+    chosen by the solver."""
     names: set[str] | None = None
     for kind in set(tables.layer_kinds):
         opts = {o.name for o in tables.kinds[kind].options}
@@ -41,6 +42,15 @@ def warm_start(
     if ordered and by_memory != by_time:
         candidates.append((by_memory, ordered[-1]))
     spent = 0.0
+    if ranks_even is not None:
+        # The rank-balanced partition with each stage's recompute mix left to the solver:
+        # memory often binds on some ranks only, and one option for every layer overpays.
+        pinned = StageModel(tables, cluster, job)
+        pinned.fix(ranks_even)
+        values, work = pinned.complete(time_limit_s=min(0.4, time_limit_s / 2))
+        spent += work
+        if values is not None:
+            return values, spent
     for counts, name in candidates:
         option = {k: name for k in set(tables.layer_kinds)}
         for fixed in tables.first_fixed + tables.last_fixed:
