@@ -4,11 +4,13 @@ The outer decisions (tp, pp, dp, ep, ZeRO stage, micro-batch, schedule and its v
 EMA placement) are enumerated within the ``SearchSpace``; each combination (a ``Config``) gets
 an admissible lower bound on its step time (every block's cheapest work, spread perfectly over
 the ranks, plus the all-to-alls no schedule but DualPipe hides) and a memory lower bound
-(every rank's share of the model state). Configurations are solved in order of their bound,
-each by its own CP-SAT model (``planner.solve.model``) warm-started from a balanced layout
-with one recompute option for every layer. The search stops when the next bound is no better
-than the best layout found: then the best is optimal, or else the gap is the distance to the
-smallest bound not yet closed.
+(every rank's share of the model state). Configurations are taken in order of their bound.
+When one's turn first comes, its heaviest-rank bound (``planner.solve.rankbound``: whole layers
+dealt to ranks, each rank's memory forcing its own recompute) is worked out and it goes back
+in line with the larger of the two; on its second turn it gets its own CP-SAT model
+(``planner.solve.model``), warm-started from a partition that evens out the ranks. The search
+stops when the next bound is no better than the best layout found: then the best is optimal,
+or else the gap is the distance to the smallest bound not yet closed.
 
 Dominance rules applied before solving (each says why it loses nothing):
 - ZeRO-0 is never better than ZeRO-1: same compute, the reduce-scatter is half the all-reduce
