@@ -48,6 +48,23 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--recompute", nargs="+", default=None, help="allowed recompute choices")
     pl.add_argument("--time-limit", type=float, default=10.0, help="solver budget (s)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    sw = sub.add_parser("sweep", help="plan many cluster sizes (and models, jobs), resumably")
+    sw.add_argument("--model", nargs="+", required=True, help="catalog names or config paths")
+    sw.add_argument("--cluster", nargs="+", default=["h100"], help="machine types")
+    sw.add_argument("--gpus", type=int, nargs="+", required=True, help="total GPU counts")
+    sw.add_argument("--seq-len", type=int, nargs="+", required=True, help="tokens/sequence")
+    sw.add_argument("--global-batch", type=int, nargs="+", required=True, help="sequences/step")
+    sw.add_argument("--compute-dtype", default="bf16", choices=["bf16", "fp8"], help="GEMMs")
+    sw.add_argument("--moment-dtype", default="fp32", help="optimizer moment dtype")
+    sw.add_argument("--grad-dtype", default="bf16", help="gradient dtype")
+    sw.add_argument("--ema", default=None, help="EMA dtype (omit for no EMA)")
+    sw.add_argument("--time-limit", type=float, default=10.0, help="per case (s)")
+    sw.add_argument("--db", default="sweep.sqlite", help="results database (resumes from it)")
+    sw.add_argument("--workers", type=int, default=None, help="local processes (default: CPUs)")
+    sw.add_argument("--ray", default=None, metavar="ADDRESS", help="run on Ray: auto | local")
+    sw.add_argument("--retry-failed", action="store_true", help="plan failed cases again")
+    sw.add_argument("--out", default=None, help="write rows to a .csv or .json file")
+    sw.add_argument("--json", action="store_true", help="print the rows as JSON")
     sim = sub.add_parser("simulate", help="run a stated layout's step event by event")
     _layout_args(sim)
     sim.add_argument("--trace", default=None, help="write a Perfetto/Chrome trace JSON here")
@@ -94,6 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _simulate(args)
         elif args.command == "plan":
             _plan(args)
+        elif args.command == "sweep":
+            _sweep(args)
     except PlannerError as exc:
         print(f"planner: {exc}", file=sys.stderr)
         return 2
@@ -230,6 +249,83 @@ def _plan(args: argparse.Namespace) -> None:
         + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
         + f", layers per stage {layers}."
     )
+
+
+def _sweep(args: argparse.Namespace) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from planner.sweep import sweep, write
+
+    if args.workers is not None and args.workers <= 0:
+        raise PlannerError(f"--workers={args.workers}: must be a positive process count")
+    jobs = [
+        TrainingJob(
+            seq_len=s,
+            global_batch=b,
+            moment_dtype=args.moment_dtype,
+            compute_dtype=args.compute_dtype,
+            grad_dtype=args.grad_dtype,
+            ema=args.ema,
+        )
+        for s in args.seq_len
+        for b in args.global_batch
+    ]
+    columns = (
+        TextColumn("sweep"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[state]}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=args.json) as bar:
+        task = bar.add_task("sweep", total=None, state="")
+
+        def progress(done: int, running: int, failed: int, total: int) -> None:
+            state = f"{running} running, {failed} failed"
+            bar.update(task, completed=done, total=total, state=state)
+
+        rows = sweep(
+            args.model,
+            args.gpus,
+            clusters=args.cluster,
+            jobs=jobs,
+            time_limit_s=args.time_limit,
+            db=args.db,
+            workers=args.workers,
+            ray_address=args.ray,
+            retry_failed=args.retry_failed,
+            progress=progress,
+        )
+    if args.out:
+        write(rows, args.out)
+    if args.json:
+        print(json.dumps([{k: v for k, v in r.items() if k != "plan"} for r in rows], indent=1))
+        return
+    table = Table(title=f"sweep: {len(rows)} cases (database {args.db})")
+    for col, justify in (
+        ("model", "left"),
+        ("GPUs", "right"),
+        ("status", "left"),
+        ("step (s)", "right"),
+        ("MFU", "right"),
+        ("tokens/s", "right"),
+        ("peak (GiB)", "right"),
+        ("layout / why not", "left"),
+    ):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for r in rows:
+        ok = r.get("step_time_s") is not None
+        table.add_row(
+            r["model"],
+            f"{r['gpus']} {r['gpu']}",
+            r["status"],
+            f"{r['step_time_s']:.3f}" if ok else "",
+            f"{r['mfu']:.1%}" if ok else "",
+            f"{r['tokens_per_s']:,.0f}" if ok else "",
+            f"{r['peak_gib']:.1f}" if ok else "",
+            r.get("layout") or (r.get("error") or "")[:80],
+        )
+    Console(width=max(Console().width, 132)).print(table)
 
 
 def _print_time(est: Estimate) -> None:

@@ -1,0 +1,337 @@
+"""Batch sweeps: plan many (model, machine type, GPU count, job) cases, resumably.
+
+Each case is planned by ``planner.plan`` in a worker (a local process pool by default, or
+Ray tasks with the optional ``ray`` extra). Its row goes into a SQLite database the moment it
+finishes, keyed by a hash of everything that determines its answer (the model, cluster and
+job specs, the search space and the time limit), so an interrupted sweep run again picks up
+where it stopped: finished cases are read back, not planned again. A case that raises
+records its error and the sweep goes on; an infeasible job is a finished case (its row says
+why). Rows hold the headline figures (step time, MFU, tokens/s, memory) and the whole plan as
+JSON.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import itertools
+import json
+import multiprocessing
+import sqlite3
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from planner.catalog import load_cluster, load_model
+from planner.errors import PlannerError
+from planner.specs import ModelSpec, SearchSpace, TrainingJob
+
+GiB = 2**30
+
+COLUMNS = (
+    "model",
+    "gpu",
+    "gpus",
+    "seq_len",
+    "global_batch",
+    "status",
+    "step_time_s",
+    "mfu",
+    "tokens_per_s",
+    "tflops_per_gpu",
+    "peak_gib",
+    "gap",
+    "layout",
+    "solve_time_s",
+    "error",
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One planning problem of a sweep (specs as JSON-ready dicts, so workers can rebuild
+    them anywhere)."""
+
+    model: dict[str, Any]
+    gpu: str
+    gpus: int
+    job: dict[str, Any]
+    space: dict[str, Any]
+    time_limit_s: float
+
+    @property
+    def key(self) -> str:
+        """Hash of everything that determines the case's answer."""
+        cluster = load_cluster(self.gpu, gpus=self.gpus).model_dump(mode="json")
+        blob = json.dumps(
+            [self.model, cluster, self.job, self.space, self.time_limit_s], sort_keys=True
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def cases(
+    models: Sequence[str | ModelSpec],
+    gpus: Sequence[int],
+    *,
+    clusters: Sequence[str] = ("h100",),
+    jobs: Sequence[TrainingJob],
+    space: SearchSpace | None = None,
+    time_limit_s: float = 10.0,
+) -> list[Case]:
+    """Every combination, in a stable order (model, machine type, job, GPU count)."""
+    if not models or not gpus or not clusters or not jobs:
+        raise PlannerError("sweep: models, gpus, clusters and jobs must each list one or more")
+    for n in gpus:
+        if n <= 0:
+            raise PlannerError(f"sweep.gpus: {n} must be a positive GPU count")
+    specs = [m if isinstance(m, ModelSpec) else load_model(m) for m in models]
+    for gpu in clusters:
+        load_cluster(gpu, gpus=1)  # an unknown machine type fails here, before any work
+    space_dict = (space or SearchSpace()).model_dump(mode="json")
+    return [
+        Case(
+            model=m.model_dump(mode="json"),
+            gpu=gpu,
+            gpus=n,
+            job=j.model_dump(mode="json"),
+            space=space_dict,
+            time_limit_s=time_limit_s,
+        )
+        for m, gpu, j, n in itertools.product(specs, clusters, jobs, sorted(gpus))
+    ]
+
+
+def run_case(case: Case) -> dict[str, Any]:
+    """Plan one case; a row for the database (never raises: errors become the row)."""
+    from planner.solve import plan  # workers import the solver lazily
+
+    started = time.perf_counter()
+    row: dict[str, Any] = {
+        "model": case.model["name"],
+        "gpu": case.gpu,
+        "gpus": case.gpus,
+        "seq_len": case.job["seq_len"],
+        "global_batch": case.job["global_batch"],
+    }
+    try:
+        model = ModelSpec(**case.model)
+        cluster = load_cluster(case.gpu, gpus=case.gpus)
+        job = TrainingJob(**case.job)
+        space = SearchSpace(**case.space)
+        result = plan(model, cluster, job, space, time_limit_s=case.time_limit_s)
+    except PlannerError as exc:
+        return {**row, "status": "failed", "error": str(exc), "plan": None}
+    except Exception as exc:  # a bug in one case must not stop the sweep
+        return {
+            **row,
+            "status": "failed",
+            "error": f"{type(exc).__name__}: " + " ".join(str(exc).split())[:300],
+            "plan": None,
+        }
+    row["status"] = result.status
+    row["solve_time_s"] = time.perf_counter() - started
+    row["plan"] = result.model_dump(mode="json")
+    if result.layout is None or result.estimate is None:
+        explanation = result.explanation.summary if result.explanation else "no layout fits"
+        return {**row, "error": explanation}
+    est, lay = result.estimate, result.layout
+    return {
+        **row,
+        "step_time_s": est.step_time_s,
+        "mfu": est.mfu,
+        "tokens_per_s": est.tokens_per_s,
+        "tflops_per_gpu": est.tflops_per_gpu,
+        "peak_gib": max(m.peak_bytes for m in est.memory) / GiB,
+        "gap": result.gap,
+        "layout": (
+            f"tp{lay.tp} pp{lay.pp} dp{lay.dp} ep{lay.ep} ZeRO-{lay.zero} mb{lay.micro_batch} "
+            f"{lay.schedule}" + (f" v{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
+        ),
+    }
+
+
+# -- the database ----------------------------------------------------------------------
+
+
+class Store:
+    """The sweep's SQLite file: one row per finished case, written as it finishes."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self.db = sqlite3.connect(self.path)
+            self.db.execute(
+                "CREATE TABLE IF NOT EXISTS cases (key TEXT PRIMARY KEY, row TEXT NOT NULL, "
+                "status TEXT NOT NULL, finished REAL NOT NULL)"
+            )
+            self.db.commit()
+        except sqlite3.DatabaseError as exc:
+            raise PlannerError(f"sweep.db={str(path)!r}: not a sweep database ({exc})") from None
+
+    def done(self) -> dict[str, dict[str, Any]]:
+        rows = self.db.execute("SELECT key, row FROM cases").fetchall()
+        return {key: json.loads(row) for key, row in rows}
+
+    def put(self, key: str, row: dict[str, Any]) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO cases VALUES (?, ?, ?, ?)",
+            (key, json.dumps(row), row["status"], time.time()),
+        )
+        self.db.commit()  # nothing finished is lost if the sweep is killed next
+
+    def close(self) -> None:
+        self.db.close()
+
+
+# -- running ---------------------------------------------------------------------------
+
+Progress = Callable[[int, int, int, int], None]  # done, running, failed, total
+
+
+def sweep(
+    models: Sequence[str | ModelSpec],
+    gpus: Sequence[int],
+    *,
+    clusters: Sequence[str] = ("h100",),
+    jobs: Sequence[TrainingJob],
+    space: SearchSpace | None = None,
+    time_limit_s: float = 10.0,
+    db: str | Path = "sweep.sqlite",
+    workers: int | None = None,
+    ray_address: str | None = None,
+    retry_failed: bool = False,
+    progress: Progress | None = None,
+) -> list[dict[str, Any]]:
+    """Plan every (model, machine type, job, GPU count) and return one row per case, in the
+    cases' order. Rows already in ``db`` are returned without planning again (failed ones
+    are retried when ``retry_failed``). ``workers``: local processes (default: the CPUs);
+    ``ray_address``: run on Ray instead ("auto" joins a running cluster, "local" starts one
+    here). ``progress(done, running, failed, total)`` is called as cases start and finish."""
+    todo = cases(models, gpus, clusters=clusters, jobs=jobs, space=space, time_limit_s=time_limit_s)
+    keys = [c.key for c in todo]
+    store = Store(db)
+    try:
+        finished = store.done()
+        if retry_failed:
+            finished = {k: r for k, r in finished.items() if r["status"] != "failed"}
+        pending = [(k, c) for k, c in zip(keys, todo, strict=True) if k not in finished]
+        pending = list(dict((k, c) for k, c in pending).items())  # a case listed twice once
+        counts = {"done": len(todo) - len(pending), "failed": 0}
+        counts["failed"] = sum(1 for k in keys if finished.get(k, {}).get("status") == "failed")
+
+        def report(running: int) -> None:
+            if progress is not None:
+                progress(counts["done"], running, counts["failed"], len(todo))
+
+        def finish(key: str, row: dict[str, Any]) -> None:
+            store.put(key, row)
+            finished[key] = row
+            counts["done"] += 1
+            counts["failed"] += row["status"] == "failed"
+
+        report(0)
+        runner = _ray if ray_address is not None else _local
+        runner(pending, finish, report, workers=workers, ray_address=ray_address)
+        return [finished[k] for k in keys]
+    finally:
+        store.close()
+
+
+def _local(
+    pending: list[tuple[str, Case]],
+    finish: Callable[[str, dict[str, Any]], None],
+    report: Callable[[int], None],
+    *,
+    workers: int | None,
+    ray_address: str | None,
+) -> None:
+    if not pending:
+        return
+    n = max(1, min(workers or multiprocessing.cpu_count(), len(pending)))
+    context = multiprocessing.get_context("spawn")  # no inherited threads or solver state
+    with ProcessPoolExecutor(max_workers=n, mp_context=context) as pool:
+        queue = iter(pending)
+        running: dict[Future[dict[str, Any]], str] = {}
+
+        def submit() -> None:
+            for key, case in itertools.islice(queue, n - len(running)):
+                running[pool.submit(run_case, case)] = key
+
+        submit()
+        report(len(running))
+        while running:
+            ready, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in ready:
+                key = running.pop(future)
+                finish(key, _result(future))
+            submit()
+            report(len(running))
+
+
+def _result(future: Future[dict[str, Any]]) -> dict[str, Any]:
+    try:
+        return future.result()
+    except Exception as exc:  # the worker died (killed, out of memory): record it
+        return {"status": "failed", "error": f"worker: {type(exc).__name__}: {exc}"}
+
+
+def _ray(
+    pending: list[tuple[str, Case]],
+    finish: Callable[[str, dict[str, Any]], None],
+    report: Callable[[int], None],
+    *,
+    workers: int | None,
+    ray_address: str | None,
+) -> None:
+    try:
+        import ray
+    except ImportError:
+        raise PlannerError(
+            "sweep.ray_address: Ray is not installed; pip install 'planner[ray]'"
+        ) from None
+    started_here = not ray.is_initialized()
+    if started_here:
+        if ray_address == "local":
+            ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(address=ray_address, log_to_driver=False)
+    try:
+        task = ray.remote(run_case)
+        refs = {task.remote(case): key for key, case in pending}
+        report(len(refs))
+        while refs:
+            ready, _ = ray.wait(list(refs), num_returns=1)
+            for ref in ready:
+                key = refs.pop(ref)
+                try:
+                    row = ray.get(ref)
+                except Exception as exc:  # a task that died
+                    row = {"status": "failed", "error": f"ray: {type(exc).__name__}: {exc}"}
+                finish(key, row)
+            report(len(refs))
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+# -- output ----------------------------------------------------------------------------
+
+
+def write(rows: Iterable[dict[str, Any]], path: str | Path) -> None:
+    """Write rows as CSV (the headline columns) or JSON (everything, plans included), by
+    the file's suffix."""
+    path = Path(path)
+    rows = list(rows)
+    if path.suffix == ".json":
+        path.write_text(json.dumps(rows, indent=2) + "\n")
+        return
+    if path.suffix != ".csv":
+        raise PlannerError(f"sweep --out={str(path)!r}: use a .csv or .json file name")
+    with path.open("w", newline="") as f:
+        out = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        out.writeheader()
+        for row in rows:
+            out.writerow({k: row.get(k, "") for k in COLUMNS})
