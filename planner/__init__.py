@@ -9,8 +9,12 @@ Public API (stable names)::
     est = planner.evaluate(model, cluster, job, layout)   # est.memory, est.step_time_s, ...
     sim = planner.simulate(model, cluster, job, layout)   # sim.step_time_s, sim.peak_bytes
     sim.to_chrome_trace("trace.json")                     # open in https://ui.perfetto.dev
+    plan = planner.plan(model, cluster, job)              # the fastest layout, with its proof
+    planner.export.megatron(plan)                         # or .torchtitan(plan), .deepspeed(plan)
+    planner.sweep(["llama3-70b"], [64, 128], jobs=[job])  # many cases, resumable (SQLite)
 """
 
+from planner import export
 from planner.catalog import cluster_names, load_cluster, load_model, model_names
 from planner.errors import PlannerError
 from planner.estimate import Estimate, evaluate
@@ -18,6 +22,7 @@ from planner.layout import BlockPlacement, Layout, Stage
 from planner.simulate import Simulation, simulate
 from planner.solve import Plan, plan
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
+from planner.sweep import sweep
 
 __all__ = [
     "BlockPlacement",
@@ -33,9 +38,11 @@ __all__ = [
     "TrainingJob",
     "cluster_names",
     "evaluate",
+    "export",
     "load_cluster",
     "load_model",
     "model_names",
     "plan",
     "simulate",
+    "sweep",
 ]

@@ -476,6 +476,23 @@ class StageModel:
                 if o.name != option.get(name):
                     self.m.add(var == 0)
 
+    def one_recompute_choice(self) -> None:
+        """Every transformer layer takes the same recompute choice (what a launcher that
+        states one choice for all layers can run): one of the names every layer kind has."""
+        names = None
+        for k in self.kinds:
+            own = [o.name for o in self.t.kinds[k].options]
+            names = own if names is None else [n for n in names if n in own]
+        pick = {n: self.m.new_bool_var(f"uniform[{n}]") for n in names or []}
+        self.m.add_exactly_one(pick.values())
+        for s in range(self.S):
+            for k in self.kinds:
+                for var, o in zip(self.r[s][k], self.t.kinds[k].options, strict=True):
+                    if o.name in pick:
+                        self.m.add(var <= self.L * pick[o.name])
+                    else:
+                        self.m.add(var == 0)
+
     def complete(self, *, time_limit_s: float) -> tuple[list[int] | None, float]:
         """Values of every variable of this (pinned) model, or None when it does not fit;
         and the deterministic time spent."""

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from planner.estimate import Estimate
 from planner.layout import Layout
+from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 
 
 class Alternative(BaseModel):
@@ -67,3 +68,7 @@ class Plan(BaseModel):
     )
     alternatives: list[Alternative] = Field(default_factory=list)
     explanation: Explanation | None = Field(default=None, description="Set when infeasible.")
+    model: ModelSpec | None = Field(default=None, description="What was planned (the input).")
+    cluster: ClusterSpec | None = Field(default=None, description="... on which cluster.")
+    job: TrainingJob | None = Field(default=None, description="... for which training job.")
+    space: SearchSpace | None = Field(default=None, description="... within which choices.")

@@ -45,8 +45,8 @@ from planner.solve.explain import Replan, explain
 from planner.solve.model import StageModel
 from planner.solve.rankbound import heaviest_rank_bound, rank_balanced_counts
 from planner.solve.result import Alternative, Plan
-from planner.solve.space import enumerate_configs
-from planner.solve.tables import Config, build, choice_name, rank_orders
+from planner.solve.space import TARGETS, enumerate_configs, for_target
+from planner.solve.tables import Config, build, choice_name, even_counts, rank_orders
 from planner.solve.warm import warm_start
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 
@@ -70,7 +70,8 @@ def plan(
     """The fastest layout of ``model`` on ``cluster`` for ``job`` within ``space``, with a
     proof of how close to optimal it is (see the module docstring)."""
     started = time.perf_counter()
-    space = space or SearchSpace()
+    asked = space or SearchSpace()
+    space = for_target(asked)
     network = Network.of(cluster)
     configs = list(enumerate_configs(model, cluster, job, space))
     if job.ema and space.ema is None:
@@ -181,6 +182,10 @@ def plan(
             solve_time_s=time.perf_counter() - started,
             configurations=len(configs),
             explanation=explanation,
+            model=model,
+            cluster=cluster,
+            job=job,
+            space=asked,
         )
     objective, config, layout = found[0]
     lower = min([objective, *open_bounds])
@@ -205,6 +210,10 @@ def plan(
         solve_time_s=time.perf_counter() - started,
         configurations=len(configs),
         alternatives=alternatives,
+        model=model,
+        cluster=cluster,
+        job=job,
+        space=asked,
     )
 
 
@@ -310,6 +319,11 @@ def solve_config(
     even = rank_balanced_counts(model, cluster, job, config) if choices is None else None
     values, warm = warm_start(tables, cluster, job, time_limit_s, even)
     sm = StageModel(tables, cluster, job)
+    rules = TARGETS.get(space.target)
+    if rules is not None:  # what the target launcher can state
+        sm.one_recompute_choice()
+        if rules.get("even_stages"):
+            sm.fix(even_counts(model, config))
     if values is not None:
         sm.hint_all(values)
     sol = sm.solve(

@@ -23,8 +23,48 @@ DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
 DEFAULT_VIRTUAL = (2, 4)
 
 
+# What each launcher can state (``SearchSpace.target``; see ``planner.export``): schedules,
+# ZeRO stages, recompute choices (one for every layer; ``uniform_recompute``), whether the
+# stages must be even, and whether ZeRO-2/3 may go with pipeline parallelism.
+TARGETS: dict[str, dict[str, object]] = {
+    "megatron": {"schedules": ("1f1b", "interleaved")},
+    "torchtitan": {
+        "schedules": ("1f1b", "interleaved", "gpipe", "dualpipev"),
+        "zero": (0, 2, 3),
+        "recompute": ("none", "full"),
+    },
+    "deepspeed": {
+        "schedules": ("1f1b",),
+        "recompute": ("none", "full"),
+        "even_stages": True,
+        "pipeline_zero": (0, 1),
+    },
+}
+
+
+def for_target(space: SearchSpace) -> SearchSpace:
+    """``space`` narrowed to what its target launcher can state (see ``TARGETS``)."""
+    rules = TARGETS.get(space.target)
+    if rules is None:
+        return space
+    update: dict[str, object] = {}
+    for key, field in (("schedules", "schedules"), ("zero", "zero"), ("recompute", "recompute")):
+        if key in rules:
+            allowed = list(rules[key])  # type: ignore[call-overload]
+            mine = getattr(space, field)
+            update[field] = [v for v in (mine or allowed) if v in allowed]
+            if not update[field]:
+                raise PlannerError(
+                    f"SearchSpace.{field}={mine}: target {space.target} can state none of "
+                    f"them (it can state {allowed})"
+                )
+    return space.model_copy(update=update)
+
+
 def enumerate_configs(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, space: SearchSpace):  # type: ignore[no-untyped-def]
     n = cluster.num_gpus
+    space = for_target(space)
+    pipeline_zero = TARGETS.get(space.target, {}).get("pipeline_zero")
     tps = space.tp or [t for t in _divisors(cluster.gpus_per_node) if n % t == 0]
     for tp in tps:
         if tp > cluster.gpus_per_node or n % tp or not _tp_fits(model, tp):
@@ -44,7 +84,10 @@ def enumerate_configs(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, 
             for ep in eps:
                 if (dp * tp) % ep or (model.num_experts and model.num_experts % ep):
                     continue
-                yield from _per_degrees(model, cluster, job, space, tp, pp, dp, ep)
+                for config in _per_degrees(model, cluster, job, space, tp, pp, dp, ep):
+                    if pp > 1 and pipeline_zero and config.zero not in pipeline_zero:  # type: ignore[operator]
+                        continue
+                    yield config
 
 
 def _per_degrees(

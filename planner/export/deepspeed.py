@@ -1,0 +1,124 @@
+"""A DeepSpeed config (``ds_config.json``), its launcher line and pipeline settings for a plan.
+
+Keys are those of DeepSpeed's config parser (``deepspeed/runtime/config.py``,
+``deepspeed/runtime/zero/config.py``; deepspeedai/DeepSpeed commit edaa7221, checked against
+release 0.19.8). DeepSpeed's rule is train_batch_size = micro-batch x gradient accumulation
+steps x data-parallel size, and with pipeline parallelism the micro-batches per step are the
+gradient accumulation steps.
+
+What maps exactly: ZeRO 0-3 without pipeline parallelism, ZeRO 0-1 with it, tensor
+parallelism (``tensor_parallel.autotp_size``), micro-batch and batch sizes, the 1F1B schedule
+with equal stages (``PipelineModule(partition_method="uniform")``), no or full recompute of
+every layer (``deepspeed.checkpointing``).
+
+What does not: ZeRO-2/3 with pipeline parallelism (DeepSpeed's pipeline engine refuses them;
+runs ZeRO-1), every schedule but 1F1B and stages of unequal size (DeepSpeed runs its own 1F1B
+on ``uniform`` stages), selective recompute (DeepSpeed checkpoints whole layers), an EMA.
+Expert parallelism is set in the model code (``deepspeed.moe.layer.MoE(ep_size=...)``).
+"""
+
+from __future__ import annotations
+
+import json
+
+from planner.export import Export, finish, inputs, settle, uniform_recompute, with_recompute
+from planner.layout import Layout
+from planner.solve.result import Plan
+
+COMMIT = "edaa7221267243c7be7fb49c5d5f5c4fb97b4641"
+
+
+def deepspeed(plan: Plan) -> Export:
+    """``ds_config.json``, the launcher line and the pipeline settings for ``plan``."""
+    model, cluster, job, planned = inputs(plan)
+    differences: list[str] = []
+    runs = planned
+    if runs.pp > 1 and (runs.schedule != "1f1b" or not _even(runs)):
+        counts = _layer_counts(runs)
+        differences.append(
+            f"pipeline {runs.schedule} with layers per stage {counts}: DeepSpeed runs 1F1B on "
+            "stages of equal layer counts (partition_method 'uniform')"
+        )
+        runs = Layout.uniform(
+            model,
+            pp=runs.pp,
+            tp=runs.tp,
+            dp=runs.dp,
+            ep=runs.ep,
+            zero=runs.zero,
+            micro_batch=runs.micro_batch,
+            schedule="1f1b",
+            recompute=uniform_recompute(runs) or "full",
+            ema=runs.ema,
+        )
+    if runs.pp > 1 and runs.zero >= 2:
+        differences.append(
+            f"ZeRO-{runs.zero} with pipeline parallelism: DeepSpeed allows ZeRO-0/1 only; runs "
+            "ZeRO-1"
+        )
+        runs = runs.model_copy(update={"zero": 1})
+    choice = uniform_recompute(runs)
+    if choice not in ("none", "full"):
+        differences.append(
+            f"recompute {choice or 'per layer'}: DeepSpeed checkpoints whole layers; runs full "
+            "recompute"
+        )
+        runs = with_recompute(runs, "full")
+        choice = "full"
+    if job.ema:
+        differences.append("EMA: DeepSpeed keeps none; the training script must")
+    runs = settle(plan, runs, differences)
+    m = job.global_batch // (runs.dp * runs.micro_batch)
+    config: dict[str, object] = {
+        "train_batch_size": job.global_batch,
+        "train_micro_batch_size_per_gpu": runs.micro_batch,
+        "gradient_accumulation_steps": m,
+        "bf16": {"enabled": True},
+        "zero_optimization": {
+            "stage": runs.zero,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_scatter": True,
+        },
+    }
+    if runs.tp > 1:
+        config["tensor_parallel"] = {"autotp_size": runs.tp}
+    if choice == "full":
+        config["activation_checkpointing"] = {
+            "partition_activations": runs.tp > 1,
+            "contiguous_memory_optimization": False,
+        }
+    world = runs.tp * runs.pp * runs.dp
+    per_node = min(cluster.gpus_per_node, world)
+    launch = (
+        f"# {model.name}: {world} GPUs (DeepSpeed config keys as of {COMMIT[:8]})\n"
+        f"deepspeed --num_nodes {max(1, world // per_node)} --num_gpus {per_node} train.py "
+        "--deepspeed --deepspeed_config ds_config.json\n"
+    )
+    pipeline = (
+        "# In train.py: the model as a PipelineModule (and the MoE layers' expert parallelism)\n"
+        f"model = deepspeed.pipe.PipelineModule(layers=layers, num_stages={runs.pp}, "
+        'partition_method="uniform", activation_checkpoint_interval='
+        f"{1 if choice == 'full' else 0})\n"
+        + (
+            f"# MoE layers: deepspeed.moe.layer.MoE(..., num_experts={model.num_experts}, "
+            f"ep_size={runs.ep}, k={model.experts_per_token})\n"
+            if model.num_experts
+            else ""
+        )
+    )
+    files = {
+        "ds_config.json": json.dumps(config, indent=2) + "\n",
+        "launch.sh": launch,
+        "pipeline.py": pipeline,
+    }
+    return finish("deepspeed", plan, runs, files, differences)
+
+
+def _layer_counts(layout: Layout) -> list[int]:
+    return [sum(b.block.startswith("layer.") for b in s.blocks) for s in layout.stages]
+
+
+def _even(layout: Layout) -> bool:
+    counts = _layer_counts(layout)
+    return max(counts) - min(counts) <= 1 and layout.virtual_stages == 1

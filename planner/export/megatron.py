@@ -1,0 +1,249 @@
+"""Megatron-LM command-line arguments for a plan.
+
+Flag names are those of NVIDIA/Megatron-LM's parser (``megatron/training/arguments.py``, many
+flags generated from ``TransformerConfig`` / ``ModelParallelConfig`` fields); the test suite
+holds the full list read at commit d98e8a64 (2026-08-22) and checks every exported flag
+against it.
+
+What maps exactly:
+- degrees: ``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``,
+  ``--expert-model-parallel-size`` (with ``--expert-tensor-parallel-size 1``: experts are not
+  tensor-split here); data parallelism is what the world size leaves;
+- stages, uneven ones included: ``--pipeline-model-parallel-layout``, one stage per ``|``
+  (``E`` embedding, ``t`` transformer layer, ``m`` MTP layer, ``L`` head and loss), virtual
+  stages in Megatron's order (stage i on rank i mod pp), so the interleaved schedule's
+  virtual pipeline size follows from it;
+- recompute: one choice for every layer (``--recompute-granularity``, ``--recompute-modules``),
+  or full recompute of the first k layers of every stage (``--recompute-method block``);
+- ZeRO-1: ``--use-distributed-optimizer``; ZeRO-2/3: Megatron-FSDP with
+  ``--data-parallel-sharding-strategy optim_grads`` / ``optim_grads_params``;
+- micro and global batch, sequence length, model shape, MoE routing, BF16 / FP8 (blockwise).
+
+What does not: Megatron-LM picks 1F1B or interleaved 1F1B from the degrees and has no ZB-H1 or
+DualPipe schedule (DualPipe runs as 1F1B on the same stages, DualPipeV as interleaved 1F1B
+with two chunks per rank); per-block recompute mixes become one choice that saves no more
+than any block did; an EMA is left to the training script.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from planner.export import (
+    Export,
+    finish,
+    heaviest_choice,
+    inputs,
+    settle,
+    uniform_recompute,
+    with_recompute,
+)
+from planner.layout import Layout
+from planner.solve.result import Plan
+
+COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
+
+# Megatron-LM's schedules: the nearest of ours it runs instead of each of the others.
+NEAREST = {"gpipe": "1f1b", "zb-h1": "1f1b", "dualpipe": "1f1b", "dualpipev": "interleaved"}
+
+
+def megatron(plan: Plan) -> Export:
+    """Megatron-LM arguments for ``plan`` (see the module docstring)."""
+    model, _, job, planned = inputs(plan)
+    differences: list[str] = []
+    runs = _schedule(planned, differences)
+    runs = settle(plan, _recompute_runs(runs, differences), differences)
+    args = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size)]
+    args += ["--num-attention-heads", str(model.num_attention_heads)]
+    args += ["--ffn-hidden-size", str(model.ffn_hidden_size)]
+    if model.attention == "gqa":
+        args += ["--group-query-attention", "--num-query-groups", str(model.num_kv_heads)]
+    if model.attention == "mla":
+        args += ["--multi-latent-attention", "--kv-lora-rank", str(model.kv_lora_rank)]
+        if model.q_lora_rank:
+            args += ["--q-lora-rank", str(model.q_lora_rank)]
+    if not model.tie_word_embeddings:
+        args.append("--untie-embeddings-and-output-weights")
+    if model.num_experts:
+        args += ["--num-experts", str(model.num_experts)]
+        args += ["--moe-router-topk", str(model.experts_per_token)]
+        args += ["--moe-ffn-hidden-size", str(model.moe_ffn_hidden_size)]
+        args += ["--moe-layer-freq", _layer_freq(model.num_layers, model)]
+        args += ["--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"]
+    if model.num_mtp_layers:
+        args += ["--mtp-num-layers", str(model.num_mtp_layers)]
+    args += ["--seq-length", str(job.seq_len), "--max-position-embeddings", str(job.seq_len)]
+    args += ["--micro-batch-size", str(runs.micro_batch)]
+    args += ["--global-batch-size", str(job.global_batch)]
+    args += ["--tensor-model-parallel-size", str(runs.tp)]
+    args += ["--pipeline-model-parallel-size", str(runs.pp)]
+    if model.num_experts:
+        args += ["--expert-model-parallel-size", str(runs.ep)]
+        args += ["--expert-tensor-parallel-size", "1"]
+    if runs.tp > 1 and job.sequence_parallel:
+        args.append("--sequence-parallel")
+    if runs.pp > 1 or runs.virtual_stages > 1:
+        args += ["--pipeline-model-parallel-layout", pipeline_layout(runs)]
+    args += _recompute_args(runs)
+    args += _zero_args(runs.zero)
+    args.append("--bf16")
+    if job.compute_dtype == "fp8":
+        args += ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
+    if job.ema:
+        differences.append(
+            f"EMA ({job.ema}, {planned.ema}): Megatron-LM keeps none; the training script must"
+        )
+    world = runs.tp * runs.pp * runs.dp
+    command = (
+        f"# {model.name}: {world} GPUs, tp {runs.tp} x pp {runs.pp} x dp {runs.dp}"
+        f" (Megatron-LM arguments, flag names as of commit {COMMIT[:8]})\n"
+        f"torchrun --nproc-per-node <gpus per node> --nnodes <nodes> pretrain_gpt.py \\\n  "
+        + " \\\n  ".join(_pairs(args))
+        + "\n"
+    )
+    return finish("megatron", plan, runs, {"megatron.sh": command}, differences, args)
+
+
+def pipeline_layout(layout: Layout) -> str:
+    """``--pipeline-model-parallel-layout``: each stage's blocks as letters, stages joined by
+    ``|``, repeated runs folded into Megatron's ``(...)*n`` and ``x*n`` forms."""
+    stages = [_stage_letters([b.block for b in s.blocks]) for s in layout.stages]
+    runs: list[tuple[str, int]] = []
+    for s in stages:
+        if runs and runs[-1][0] == s:
+            runs[-1] = (s, runs[-1][1] + 1)
+        else:
+            runs.append((s, 1))
+    pieces = []
+    for i, (s, n) in enumerate(runs):
+        last = i == len(runs) - 1
+        if n == 1:
+            pieces.append(s if last else s + "|")
+        elif last:  # a folded group ends with "|": keep the final stage out of it
+            pieces.append((f"({s}|)*{n - 1}," if n > 2 else f"{s}|") + s)
+        else:
+            pieces.append(f"({s}|)*{n},")
+    return "".join(pieces)
+
+
+def _stage_letters(blocks: list[str]) -> str:
+    letters = ""
+    for b in blocks:
+        letters += {"embedding": "E", "head": "L"}.get(b, "m" if b.startswith("mtp.") else "t")
+    out, i = "", 0
+    while i < len(letters):  # fold runs of three or more: "ttt" -> "t*3"
+        j = i
+        while j < len(letters) and letters[j] == letters[i]:
+            j += 1
+        out += f"{letters[i]}*{j - i}" if j - i >= 3 else letters[i:j]
+        i = j
+    return out
+
+
+def _schedule(layout: Layout, differences: list[str]) -> Layout:
+    if layout.schedule in ("1f1b", "interleaved"):
+        return layout
+    nearest = NEAREST[layout.schedule]
+    differences.append(
+        f"schedule {layout.schedule}: Megatron-LM has no such schedule; runs {nearest} on the "
+        "same stages"
+        + (" (chunk c on rank c mod pp instead of the V shape)" if nearest == "interleaved" else "")
+    )
+    return layout.model_copy(update={"schedule": nearest})
+
+
+def _recompute_runs(layout: Layout, differences: list[str]) -> Layout:
+    if uniform_recompute(layout) is not None or _block_full(layout) is not None:
+        return layout
+    choice = heaviest_choice(layout)
+    differences.append(
+        f"recompute differs per layer: Megatron-LM states one choice (or full recompute of the "
+        f"first k layers of every stage); runs {choice} on every layer"
+    )
+    return with_recompute(layout, choice)
+
+
+def _block_full(layout: Layout) -> int | None:
+    """k when every stage recomputes fully exactly its first k layers (all of them when it
+    has k or fewer) and no other layer recomputes: Megatron's ``block`` method. Only without
+    virtual stages, where a Megatron stage is one of ours."""
+    if layout.virtual_stages > 1:
+        return None
+    partial: set[int] = set()
+    whole: list[int] = []
+    for s in layout.stages:
+        choices = [b.recompute for b in s.blocks if b.block.startswith("layer.")]
+        lead = next((i for i, c in enumerate(choices) if c != "full"), len(choices))
+        if any(c != "none" for c in choices[lead:]):
+            return None
+        if lead < len(choices):
+            partial.add(lead)
+        else:
+            whole.append(len(choices))
+    if len(partial) != 1:
+        return None
+    k = partial.pop()
+    return k if k > 0 and all(n <= k for n in whole) else None
+
+
+def _recompute_args(layout: Layout) -> list[str]:
+    choice = uniform_recompute(layout)
+    if choice is None:
+        k = _block_full(layout)
+        assert k is not None
+        return [
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "block",
+            "--recompute-num-layers",
+            str(k),
+        ]
+    if choice == "none":
+        return []
+    if choice == "full":
+        return [
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ]
+    modules = ["core_attn"] if choice == "selective" else choice.split("+")
+    return ["--recompute-granularity", "selective", "--recompute-modules", *modules]
+
+
+def _zero_args(zero: int) -> list[str]:
+    if zero == 0:
+        return ["--overlap-grad-reduce"]
+    if zero == 1:
+        return ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    strategy = "optim_grads" if zero == 2 else "optim_grads_params"
+    return ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
+
+
+def _layer_freq(num_layers: int, model: object) -> str:
+    """Megatron's list form of which layers are MoE, e.g. ([0]*3+[1]*58)."""
+    from planner.specs import ModelSpec
+
+    assert isinstance(model, ModelSpec)
+    flags = [1 if model.is_moe_layer(i) else 0 for i in range(num_layers)]
+    runs: list[tuple[int, int]] = []
+    for f in flags:
+        if runs and runs[-1][0] == f:
+            runs[-1] = (f, runs[-1][1] + 1)
+        else:
+            runs.append((f, 1))
+    return "(" + "+".join(f"[{f}]*{n}" for f, n in runs) + ")"
+
+
+def _pairs(args: list[str]) -> list[str]:
+    """Each flag with its values on one line, shell-quoted."""
+    lines: list[str] = []
+    for a in args:
+        if a.startswith("--") or not lines:
+            lines.append(shlex.quote(a))
+        else:
+            lines[-1] += " " + shlex.quote(a)
+    return lines

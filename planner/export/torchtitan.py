@@ -1,0 +1,158 @@
+"""A torchtitan job config (TOML) for a plan.
+
+Keys are those of torchtitan's ``JobConfig`` (``torchtitan/config/job_config.py``) at tag
+v0.2.2 (commit 73a0e697, 2026-02-20), the last release that reads TOML job configs; the
+test suite holds the key list and checks every exported key against it.
+
+What maps exactly: tp, pp, ep (``expert_tensor_parallel_degree = 1``), ZeRO-3 (FSDP2,
+resharding after forward), ZeRO-2 (FSDP2 without resharding), ZeRO-0 (replicated data
+parallelism), stages of any size (``module_fqns_per_model_part``, in torchtitan's module
+names: ``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``), 1F1B, interleaved 1F1B,
+GPipe and DualPipeV schedules, micro-batch (``pipeline_parallel_microbatch_size``) and the
+batch sizes, no or full recompute of every layer.
+
+What does not: ZeRO-1 (FSDP2 shards gradients too; runs as ZeRO-2), ZB-H1 and DualPipe
+(run as 1F1B on the same stages), per-block recompute mixes and Megatron-style module sets
+(torchtitan's selective mode saves by op, not by module; the layers are costed with the
+nearest single choice), MTP modules (torchtitan's DeepSeek-V3 has none), an EMA, and FP8
+with 128x128 block scales (torchtitan's Float8 recipes are tensor- or row-wise).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from planner.export import Export, finish, heaviest_choice, inputs, settle, uniform_recompute
+from planner.export import with_recompute as _with_recompute
+from planner.layout import Layout
+from planner.solve.result import Plan
+
+COMMIT = "73a0e6979dd10b6b1904098eb3c8f62c18ab87ce"
+
+SCHEDULES = {
+    "1f1b": "1F1B",
+    "interleaved": "Interleaved1F1B",
+    "gpipe": "GPipe",
+    "dualpipev": "DualPipeV",
+}
+FLAVORS = {  # catalog name -> torchtitan (model name, flavor) at v0.2.2
+    "llama3-8b": ("llama3", "8B"),
+    "llama3-70b": ("llama3", "70B"),
+    "llama3-405b": ("llama3", "405B"),
+    "deepseek-v3": ("deepseek_v3", "671B"),
+}
+
+
+def torchtitan(plan: Plan) -> Export:
+    """A torchtitan TOML job config for ``plan`` (see the module docstring)."""
+    model, _, job, planned = inputs(plan)
+    differences: list[str] = []
+    runs = planned
+    if runs.schedule not in SCHEDULES:
+        differences.append(
+            f"schedule {runs.schedule}: torchtitan has no such schedule; runs 1F1B on the same "
+            "stages"
+        )
+        runs = runs.model_copy(update={"schedule": "1f1b"})
+    if runs.zero == 1:
+        differences.append("ZeRO-1: torchtitan's FSDP2 shards gradients too; runs ZeRO-2")
+        runs = runs.model_copy(update={"zero": 2})
+    choice = uniform_recompute(runs)
+    if choice is None or choice not in ("none", "full"):
+        nearest = heaviest_choice(runs) if choice is None else choice
+        differences.append(
+            f"recompute {choice or 'per layer'}: torchtitan states none, full or op-level "
+            f"selective; costed as {nearest} on every layer"
+        )
+        runs = _with_recompute(runs, nearest)
+        choice = nearest
+    if model.num_mtp_layers:
+        differences.append(
+            f"MTP ({model.num_mtp_layers} module(s)): torchtitan's model has none; its part "
+            "lists leave them out"
+        )
+    if job.ema:
+        differences.append("EMA: torchtitan keeps none; the training script must")
+    if job.compute_dtype == "fp8":
+        differences.append("FP8: torchtitan's Float8 recipes are row-wise, not 128x128 blocks")
+    runs = settle(plan, runs, differences)
+    name, flavor = FLAVORS.get(model.name, (model.name, "<flavor>"))
+    if model.name not in FLAVORS:
+        differences.append(f"model {model.name}: no torchtitan flavor known; set [model]")
+    m = job.global_batch // (runs.dp * runs.micro_batch)
+    local = runs.micro_batch * m if runs.pp > 1 else runs.micro_batch
+    sections: dict[str, dict[str, Any]] = {
+        "model": {"name": name, "flavor": flavor},
+        "training": {
+            "local_batch_size": local,
+            "global_batch_size": job.global_batch,
+            "seq_len": job.seq_len,
+            "mixed_precision_param": "bfloat16",
+        },
+        "parallelism": _parallelism(runs),
+        "activation_checkpoint": {
+            "mode": "none" if choice == "none" else "full" if choice == "full" else "selective"
+        },
+    }
+    if sections["activation_checkpoint"]["mode"] == "selective":
+        sections["activation_checkpoint"]["selective_ac_option"] = "op"
+    if job.compute_dtype == "fp8":
+        sections["model"]["converters"] = ["quantize.linear.float8"]
+    text = (
+        f"# {model.name}: {runs.tp * runs.pp * runs.dp} GPUs (torchtitan job config, keys as "
+        f"of {COMMIT[:8]}, v0.2.2)\n" + dumps(sections)
+    )
+    return finish("torchtitan", plan, runs, {"torchtitan.toml": text}, differences)
+
+
+def _parallelism(layout: Layout) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "data_parallel_replicate_degree": layout.dp if layout.zero == 0 else 1,
+        "data_parallel_shard_degree": 1 if layout.zero == 0 else layout.dp,
+        "fsdp_reshard_after_forward": "never" if layout.zero == 2 else "default",
+        "tensor_parallel_degree": layout.tp,
+        "pipeline_parallel_degree": layout.pp,
+        "expert_parallel_degree": layout.ep,
+        "expert_tensor_parallel_degree": 1,
+        "context_parallel_degree": 1,
+    }
+    if layout.pp > 1:
+        out["pipeline_parallel_schedule"] = SCHEDULES[layout.schedule]
+        out["pipeline_parallel_microbatch_size"] = layout.micro_batch
+        out["module_fqns_per_model_part"] = [_part(s.blocks) for s in layout.stages]
+    return out
+
+
+def _part(blocks: list[Any]) -> list[str]:
+    """torchtitan's module names of one stage (the final norm goes with the head)."""
+    names: list[str] = []
+    for b in blocks:
+        if b.block == "embedding":
+            names.append("tok_embeddings")
+        elif b.block == "head":
+            names += ["norm", "output"]
+        elif b.block.startswith("layer."):
+            names.append(b.block.replace("layer.", "layers."))
+    return names
+
+
+def dumps(sections: dict[str, dict[str, Any]]) -> str:
+    """TOML for flat tables of strings, numbers, booleans and (nested) lists of them."""
+    lines: list[str] = []
+    for name, table in sections.items():
+        lines.append(f"\n[{name}]")
+        for key, value in table.items():
+            lines.append(f"{key} = {_value(value)}")
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    raise TypeError(f"no TOML form for {type(v).__name__}")
