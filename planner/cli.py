@@ -36,8 +36,9 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="planner", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    sub.add_parser("models", help="list the model catalog")
-    sub.add_parser("clusters", help="list the machine types")
+    for name, what in (("models", "the model catalog"), ("clusters", "the machine types")):
+        listing = sub.add_parser(name, help=f"list {what}")
+        listing.add_argument("--json", action="store_true", help="print JSON for machines")
     _layout_args(sub.add_parser("memory", help="per-rank memory of a stated layout"))
     _layout_args(sub.add_parser("evaluate", help="memory and step time of a stated layout"))
     pl = sub.add_parser("plan", help="find the fastest layout that fits, with its proof")
@@ -46,8 +47,20 @@ def _parser() -> argparse.ArgumentParser:
         pl.add_argument(f"--{degree}", type=int, nargs="+", default=None, help=f"allowed {degree}")
     pl.add_argument("--schedule", nargs="+", choices=SCHEDULES, default=None, help="allowed")
     pl.add_argument("--recompute", nargs="+", default=None, help="allowed recompute choices")
-    pl.add_argument("--time-limit", type=float, default=10.0, help="solver budget (s)")
+    pl.add_argument(
+        "--target",
+        default="any",
+        choices=["any", "megatron", "torchtitan", "deepspeed"],
+        help="only plans this launcher can state",
+    )
+    pl.add_argument("--time-limit", type=float, default=10.0, help="wall-clock seconds")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.add_argument("--plot", default=None, metavar="PREFIX", help="write PREFIX-memory.svg ...")
+    ex = sub.add_parser("export", help="launch config of a plan (from planner plan --json)")
+    ex.add_argument("--plan", required=True, help="a plan JSON file ('-' reads stdin)")
+    ex.add_argument("--target", required=True, choices=["megatron", "torchtitan", "deepspeed"])
+    ex.add_argument("--out", default=None, help="directory to write the config files into")
+    ex.add_argument("--json", action="store_true", help="print the export as JSON")
     sw = sub.add_parser("sweep", help="plan many cluster sizes (and models, jobs), resumably")
     sw.add_argument("--model", nargs="+", required=True, help="catalog names or config paths")
     sw.add_argument("--cluster", nargs="+", default=["h100"], help="machine types")
@@ -65,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--retry-failed", action="store_true", help="plan failed cases again")
     sw.add_argument("--out", default=None, help="write rows to a .csv or .json file")
     sw.add_argument("--json", action="store_true", help="print the rows as JSON")
+    sw.add_argument("--plot", default=None, metavar="FILE", help="write the sweep curves (SVG)")
     sim = sub.add_parser("simulate", help="run a stated layout's step event by event")
     _layout_args(sim)
     sim.add_argument("--trace", default=None, help="write a Perfetto/Chrome trace JSON here")
@@ -96,15 +110,14 @@ def _layout_args(cmd: argparse.ArgumentParser) -> None:
     )
     cmd.add_argument("--ema-on-host", action="store_true", help="keep the EMA in host RAM")
     cmd.add_argument("--json", action="store_true", help="print JSON for machines")
+    cmd.add_argument("--plot", default=None, metavar="PREFIX", help="write PREFIX-memory.svg ...")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.command == "models":
-            print("\n".join(model_names()))
-        elif args.command == "clusters":
-            print("\n".join(cluster_names()))
+        if args.command in ("models", "clusters"):
+            _catalog(args)
         elif args.command in ("memory", "evaluate"):
             _evaluate(args)
         elif args.command == "simulate":
@@ -113,10 +126,62 @@ def main(argv: Sequence[str] | None = None) -> int:
             _plan(args)
         elif args.command == "sweep":
             _sweep(args)
+        elif args.command == "export":
+            _export(args)
     except PlannerError as exc:
         print(f"planner: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _catalog(args: argparse.Namespace) -> None:
+    if args.command == "models":
+        rows = [
+            {
+                "name": n,
+                "params": (m := load_model(n)).num_params(),
+                "active_params": m.num_params(active=True),
+                "layers": m.num_layers,
+                "experts": m.num_experts,
+            }
+            for n in model_names()
+        ]
+        heads = {"name": "model", "params": "params (B)", "active_params": "active (B)"}
+    else:
+        rows = []
+        for n in cluster_names():
+            c = load_cluster(n, gpus=1)
+            rows.append(
+                {
+                    "name": n,
+                    "hbm_gib": c.hbm_bytes / GiB,
+                    "gpus_per_node": c.gpus_per_node,
+                    "nvlink_GBps": c.nvlink_Bps / 1e9,
+                    "nic_GBps": c.nic_Bps / 1e9,
+                }
+            )
+        heads = {
+            "name": "machine type",
+            "hbm_gib": "HBM (GiB)",
+            "gpus_per_node": "GPUs/node",
+            "nvlink_GBps": "NVLink (GB/s/dir)",
+            "nic_GBps": "NIC (GB/s/dir)",
+        }
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    table = Table()
+    for key in rows[0]:
+        table.add_column(heads.get(key, key), justify="left" if key == "name" else "right")
+    for r in rows:
+        table.add_row(*(_cell(k, v) for k, v in r.items()))
+    Console(width=max(Console().width, 100)).print(table)
+
+
+def _cell(key: str, value: object) -> str:
+    if key in ("params", "active_params") and isinstance(value, int):
+        return f"{value / 1e9:,.1f}"
+    return f"{value:.0f}" if isinstance(value, float) else str(value)
 
 
 def _job(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJob]:
@@ -157,6 +222,8 @@ def _build(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJo
 def _evaluate(args: argparse.Namespace) -> None:
     model, cluster, job, layout = _build(args)
     est = evaluate(model, cluster, job, layout)
+    if args.plot:
+        _plot(args.plot, est, model.name)
     if args.json:
         print(json.dumps({"layout": layout.model_dump(), "estimate": est.model_dump()}, indent=1))
         return
@@ -169,6 +236,8 @@ def _simulate(args: argparse.Namespace) -> None:
     model, cluster, job, layout = _build(args)
     sim = simulate(model, cluster, job, layout)
     est = evaluate(model, cluster, job, layout)
+    if args.plot:
+        _plot(args.plot, est, model.name)
     path = sim.to_chrome_trace(args.trace) if args.trace else None
     if args.json:
         out = {
@@ -214,10 +283,13 @@ def _plan(args: argparse.Namespace) -> None:
         zero=args.zero,
         schedules=args.schedule,
         recompute=args.recompute,
+        target=args.target,
     )
     console = Console(width=max(Console().width, 132), stderr=True)
     with console.status(f"planning {model.name} on {cluster.num_gpus} x {cluster.name} ..."):
         result = plan(model, cluster, job, space, time_limit_s=args.time_limit)
+    if args.plot and result.estimate is not None:
+        _plot(args.plot, result.estimate, model.name)
     if args.json:
         print(result.model_dump_json(indent=1))
         return
@@ -298,6 +370,10 @@ def _sweep(args: argparse.Namespace) -> None:
         )
     if args.out:
         write(rows, args.out)
+    if args.plot:
+        from planner.plots import sweep_svg
+
+        print(f"sweep curves: {_writable(args.plot, sweep_svg, rows)}", file=sys.stderr)
     if args.json:
         print(json.dumps([{k: v for k, v in r.items() if k != "plan"} for r in rows], indent=1))
         return
@@ -326,6 +402,53 @@ def _sweep(args: argparse.Namespace) -> None:
             r.get("layout") or (r.get("error") or "")[:80],
         )
     Console(width=max(Console().width, 132)).print(table)
+
+
+def _plot(prefix: str, est: Estimate, name: str) -> None:
+    from planner.plots import memory_svg, time_svg
+
+    memory = _writable(f"{prefix}-memory.svg", memory_svg, est, title=f"{name}: memory per rank")
+    step = _writable(f"{prefix}-time.svg", time_svg, est)
+    print(f"pictures: {memory}, {step}", file=sys.stderr)
+
+
+def _writable(path: str, draw: Any, *args: Any, **kwargs: Any) -> str:
+    try:
+        return str(draw(*args, path, **kwargs))
+    except OSError as exc:
+        raise PlannerError(f"--plot={path!r}: cannot write ({exc.strerror})") from None
+
+
+def _export(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from planner import export
+    from planner.solve.result import Plan
+
+    try:
+        text = sys.stdin.read() if args.plan == "-" else Path(args.plan).read_text()
+    except OSError as exc:
+        raise PlannerError(f"--plan={args.plan!r}: cannot read ({exc.strerror})") from None
+    try:
+        result = Plan.model_validate_json(text)
+    except ValueError as exc:
+        first = str(exc).splitlines()[0]
+        raise PlannerError(f"--plan={args.plan!r}: not a plan JSON ({first})") from None
+    out = getattr(export, args.target)(result)
+    if args.out:
+        folder = Path(args.out)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for name, content in out.files.items():
+                (folder / name).write_text(content)
+        except OSError as exc:
+            raise PlannerError(f"--out={args.out!r}: cannot write ({exc.strerror})") from None
+    if args.json:
+        print(out.model_dump_json(indent=1))
+        return
+    for name, content in out.files.items():
+        print(f"==> {name} <==\n{content}")
+    print(out.summary(), file=sys.stderr)
 
 
 def _print_time(est: Estimate) -> None:
