@@ -326,7 +326,7 @@ def _plan(args: argparse.Namespace) -> None:
 def _sweep(args: argparse.Namespace) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from planner.sweep import sweep, write
+    from planner.sweep import cases, run, write
 
     if args.workers is not None and args.workers <= 0:
         raise PlannerError(f"--workers={args.workers}: must be a positive process count")
@@ -342,6 +342,10 @@ def _sweep(args: argparse.Namespace) -> None:
         for s in args.seq_len
         for b in args.global_batch
     ]
+    # Bad input fails here, in one line, before any progress bar is drawn.
+    todo = cases(
+        args.model, args.gpus, clusters=args.cluster, jobs=jobs, time_limit_s=args.time_limit
+    )
     columns = (
         TextColumn("sweep"),
         BarColumn(),
@@ -356,12 +360,8 @@ def _sweep(args: argparse.Namespace) -> None:
             state = f"{running} running, {failed} failed"
             bar.update(task, completed=done, total=total, state=state)
 
-        rows = sweep(
-            args.model,
-            args.gpus,
-            clusters=args.cluster,
-            jobs=jobs,
-            time_limit_s=args.time_limit,
+        rows = run(
+            todo,
             db=args.db,
             workers=args.workers,
             ray_address=args.ray,

@@ -211,6 +211,26 @@ def sweep(
     ``ray_address``: run on Ray instead ("auto" joins a running cluster, "local" starts one
     here). ``progress(done, running, failed, total)`` is called as cases start and finish."""
     todo = cases(models, gpus, clusters=clusters, jobs=jobs, space=space, time_limit_s=time_limit_s)
+    return run(
+        todo,
+        db=db,
+        workers=workers,
+        ray_address=ray_address,
+        retry_failed=retry_failed,
+        progress=progress,
+    )
+
+
+def run(
+    todo: Sequence[Case],
+    *,
+    db: str | Path = "sweep.sqlite",
+    workers: int | None = None,
+    ray_address: str | None = None,
+    retry_failed: bool = False,
+    progress: Progress | None = None,
+) -> list[dict[str, Any]]:
+    """Plan the cases not yet in ``db`` (see ``sweep``); one row per case, in order."""
     keys = [c.key for c in todo]
     store = Store(db)
     try:

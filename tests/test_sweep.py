@@ -1,0 +1,163 @@
+"""``planner.sweep``: every case planned once, rows in SQLite as they finish, resumed after
+a kill with nothing recomputed and nothing lost, failures recorded, the Ray backend."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import planner
+from planner.plots import sweep_svg
+from planner.sweep import cases, run, write
+
+PLANNER = str(Path(sys.executable).parent / "planner")
+SMALL = planner.load_model("llama3-8b").model_copy(update={"num_layers": 4, "name": "llama4l"})
+JOB = planner.TrainingJob(seq_len=1024, global_batch=32)
+
+
+def rows_in(db: Path) -> dict[str, tuple[str, float]]:
+    with sqlite3.connect(db) as con:
+        return {k: (s, f) for k, s, f in con.execute("SELECT key, status, finished FROM cases")}
+
+
+def test_every_case_is_planned_and_kept(tmp_path: Path) -> None:
+    db = tmp_path / "s.sqlite"
+    seen: list[tuple[int, int, int, int]] = []
+    rows = planner.sweep(
+        [SMALL],
+        [8, 16, 32],
+        jobs=[JOB],
+        time_limit_s=5,
+        db=db,
+        workers=2,
+        progress=lambda *a: seen.append(a),
+    )
+    assert [r["gpus"] for r in rows] == [8, 16, 32]
+    assert all(r["status"] == "optimal" for r in rows)
+    direct = planner.plan(SMALL, planner.load_cluster("h100", gpus=16), JOB, time_limit_s=5)
+    assert rows[1]["step_time_s"] == pytest.approx(direct.estimate.step_time_s)  # type: ignore[union-attr]
+    assert seen[-1] == (3, 0, 0, 3)  # done, running, failed, total
+    assert len(rows_in(db)) == 3
+    # A second run reads the database: no case planned again.
+    again = planner.sweep([SMALL], [8, 16, 32], jobs=[JOB], time_limit_s=5, db=db, workers=2)
+    assert again == rows
+    write(rows, tmp_path / "out.csv")
+    write(rows, tmp_path / "out.json")
+    with (tmp_path / "out.csv").open() as f:
+        assert [int(r["gpus"]) for r in csv.DictReader(f)] == [8, 16, 32]
+    assert json.loads((tmp_path / "out.json").read_text())[0]["plan"]["status"] == "optimal"
+    picture = sweep_svg(rows, tmp_path / "sweep.svg").read_text()
+    assert picture.count("<polyline") == 3 and "llama4l on h100" in picture
+
+
+def test_a_failing_case_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
+    good = cases([SMALL], [8], jobs=[JOB], time_limit_s=5)[0]
+    broken = dataclasses.replace(good, model={**good.model, "hidden_size": -1})
+    rows = run([broken, good], db=tmp_path / "f.db", workers=1)
+    assert rows[0]["status"] == "failed" and "hidden_size" in rows[0]["error"]
+    assert rows[1]["status"] == "optimal"
+    assert [s for s, _ in rows_in(tmp_path / "f.db").values()].count("failed") == 1
+    # Failed cases are kept as they are on a rerun, planned again only when asked to.
+    assert run([broken, good], db=tmp_path / "f.db", workers=1) == rows
+    again = run([broken, good], db=tmp_path / "f.db", retry_failed=True, workers=1)
+    assert again[0]["status"] == "failed"
+
+
+def test_an_interrupted_sweep_resumes_without_recomputing(tmp_path: Path) -> None:
+    db = tmp_path / "resume.sqlite"
+    gpus = ["8", "16", "24", "32", "48", "64"]
+    cmd = [
+        PLANNER,
+        "sweep",
+        "--model",
+        "llama3-8b",
+        "--gpus",
+        *gpus,
+        "--seq-len",
+        "2048",
+        "--global-batch",
+        "96",
+        "--time-limit",
+        "4",
+        "--workers",
+        "1",
+        "--db",
+        str(db),
+        "--json",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    deadline = time.time() + 240
+    while time.time() < deadline and (not db.exists() or len(rows_in(db)) < 2):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the sweep and its workers, mid-way
+    proc.wait()
+    before = rows_in(db)
+    assert 2 <= len(before) < len(gpus), before
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    after = rows_in(db)
+    assert len(after) == len(gpus)
+    for key, (status, finished) in before.items():  # kept as they were: not planned again
+        assert after[key] == (status, finished)
+    printed = json.loads(done.stdout)
+    assert [r["gpus"] for r in printed] == [int(g) for g in gpus]
+
+
+def test_bad_sweep_input_is_one_line(tmp_path: Path) -> None:
+    for args, field in (
+        (["--model", "nope", "--gpus", "8"], "nope"),
+        (["--model", "llama3-8b", "--gpus", "0"], "gpus"),
+        (["--model", "llama3-8b", "--gpus", "8", "--cluster", "tpu9"], "tpu9"),
+    ):
+        out = subprocess.run(
+            [
+                PLANNER,
+                "sweep",
+                *args,
+                "--seq-len",
+                "1024",
+                "--global-batch",
+                "8",
+                "--db",
+                str(tmp_path / "x.db"),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and field in out.stderr
+    not_db = tmp_path / "not.db"
+    not_db.write_text("hello")
+    with pytest.raises(planner.PlannerError, match="not a sweep database"):
+        planner.sweep([SMALL], [8], jobs=[JOB], db=not_db)
+
+
+def test_ray_backend_on_a_local_instance(tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    local = planner.sweep([SMALL], [8, 16], jobs=[JOB], time_limit_s=5, db=tmp_path / "a.db")
+    on_ray = planner.sweep(
+        [SMALL],
+        [8, 16],
+        jobs=[JOB],
+        time_limit_s=5,
+        db=tmp_path / "b.db",
+        workers=2,
+        ray_address="local",
+    )
+    for a, b in zip(local, on_ray, strict=True):
+        assert (a["status"], a["layout"], a["step_time_s"]) == (
+            b["status"],
+            b["layout"],
+            b["step_time_s"],
+        )
