@@ -383,7 +383,7 @@ def _sweep(args: argparse.Namespace) -> None:
         ("GPUs", "right"),
         ("status", "left"),
         ("step (s)", "right"),
-        ("MFU", "right"),
+        ("MFU (of BF16 peak)", "right"),
         ("tokens/s", "right"),
         ("peak (GiB)", "right"),
         ("layout / why not", "left"),

@@ -216,3 +216,26 @@ def test_pinned_degree_that_cannot_divide_is_explained_with_the_pin_to_free() ->
     assert out.returncode == 0, out.stderr
     assert "binds: degrees" in out.stdout
     assert "fix: any tensor-parallel degree (free SearchSpace.tp): fits" in out.stdout
+
+
+def test_pictures_are_written_and_hold_the_figures(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "ds")
+    out = run(*DEMO[:1], *DEMO[1:], "--plot", prefix)
+    assert out.returncode == 0, out.stderr
+    memory = Path(f"{prefix}-memory.svg").read_text()
+    assert memory.startswith("<svg") and memory.count("<rect") > 16 * 5  # 16 ranks of buckets
+    assert "HBM 80 GiB" in memory
+    evaluated = run("evaluate", *DEMO[1:], "--plot", prefix)
+    assert evaluated.returncode == 0, evaluated.stderr
+    step = Path(f"{prefix}-time.svg").read_text()
+    assert "compute" in step and "bubble" in step and " s" in step
+    refused = run("evaluate", *DEMO[1:], "--plot", str(tmp_path / "missing" / "x"))
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+
+
+def test_catalog_json() -> None:
+    models = json.loads(run("models", "--json").stdout)
+    v3 = next(m for m in models if m["name"] == "deepseek-v3")
+    assert v3["layers"] == 61 and v3["experts"] == 256
+    clusters = json.loads(run("clusters", "--json").stdout)
+    assert {c["name"] for c in clusters} >= {"h100", "h800", "a100"}

@@ -102,8 +102,12 @@ def plan(
     def left() -> float:
         return 0.0 if wall_left() <= 0 else budget - spent[0]
 
-    def attempt(bound: float, config: Config, limit: float) -> None:
+    def attempt(bound: float, config: Config, limit: float) -> bool:
+        """Solve ``config``; False when there is no time left to build its model."""
         t0 = time.perf_counter()
+        if _order_size(config) * SECONDS_PER_OP > wall_left():
+            pending.append((bound, config))
+            return False
         out = solve_config(
             model,
             cluster,
@@ -131,6 +135,7 @@ def plan(
             out.bound,
             time.perf_counter() - t0,
         )
+        return True
 
     # First pass: every configuration whose bound beats the best so far, briefly. A
     # configuration's heaviest-rank bound is only worked out when its mean bound comes up
@@ -146,7 +151,10 @@ def plan(
             break
         heapq.heappop(queue)
         if not refined:
-            heavy = heaviest_rank_bound(model, cluster, job, config)
+            heavy = None
+            size = _order_size(config)
+            if size <= HEAVY_BOUND_OPS and size * SECONDS_PER_OP < wall_left():
+                heavy = heaviest_rank_bound(model, cluster, job, config)
             heapq.heappush(queue, (max(bound, heavy or bound), key, True, config))
             continue
         attempt(bound, config, min(quick, left()))
@@ -158,7 +166,8 @@ def plan(
         if bound >= best() * (1 - 1e-9):
             pending = []
             break
-        attempt(bound, config, left())
+        if not attempt(bound, config, left()):
+            break
     open_bounds = [b for b, _ in pending if b < best()]
     if not found:
         if open_bounds or any(b < math.inf for b, _ in pending):
@@ -215,6 +224,19 @@ def plan(
         job=job,
         space=asked,
     )
+
+
+# The heaviest-rank bound walks every rank's op order: beyond this many ops per step (many
+# micro-batches on a deep pipeline) the walk costs more than the bound saves.
+HEAVY_BOUND_OPS = 250_000
+
+
+SECONDS_PER_OP = 1e-5  # building a model walks each op of the orders (about 7 us here)
+
+
+def _order_size(c: Config) -> int:
+    """Ops in all the ranks' orders of one step (a forward and a backward per chunk)."""
+    return 3 * c.num_microbatches * c.stages * (2 if c.schedule == "dualpipe" else 1)
 
 
 def _replan(workers: int, seed: int) -> Replan:
