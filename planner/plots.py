@@ -148,7 +148,7 @@ def time_svg(est: Estimate, path: str | Path, *, title: str = "") -> Path:
 
 METRICS = (
     ("step_time_s", "step time (s)"),
-    ("mfu", "MFU (%)"),
+    ("mfu", "MFU (% of BF16 peak)"),
     ("tokens_per_s", "tokens/s (millions)"),
 )
 
@@ -173,8 +173,11 @@ def sweep_svg(rows: Iterable[dict[str, Any]], path: str | Path) -> Path:
         for tick in _ticks(lo, hi):
             svg.line(ox, y(tick), ox + panel_w, y(tick), stroke="#eee")
             svg.text(ox - 6, y(tick) + 4, f"{tick:g}", anchor="end")
-        for g in gpus:
-            svg.text(ox + x(g), top + panel_h + 16, f"{g}", anchor="middle", font_size="9")
+        shown = -1e9
+        for g in gpus:  # labels at least 34 px apart
+            if x(g) - shown >= 34:
+                svg.text(ox + x(g), top + panel_h + 16, f"{g}", anchor="middle", font_size="9")
+                shown = x(g)
         svg.text(ox + panel_w / 2, top + panel_h + 34, "GPUs (log scale)", anchor="middle")
         for colour, (_, rs) in zip(COLOURS, sorted(series.items()), strict=False):
             pts = sorted((r["gpus"], _metric(r, metric)) for r in rs)
