@@ -21,7 +21,15 @@ from __future__ import annotations
 
 import json
 
-from planner.export import Export, finish, inputs, settle, uniform_recompute, with_recompute
+from planner.export import (
+    Export,
+    finish,
+    inputs,
+    settle,
+    uniform_1f1b,
+    uniform_recompute,
+    with_recompute,
+)
 from planner.layout import Layout
 from planner.solve.result import Plan
 
@@ -39,18 +47,7 @@ def deepspeed(plan: Plan) -> Export:
             f"pipeline {runs.schedule} with layers per stage {counts}: DeepSpeed runs 1F1B on "
             "stages of equal layer counts (partition_method 'uniform')"
         )
-        runs = Layout.uniform(
-            model,
-            pp=runs.pp,
-            tp=runs.tp,
-            dp=runs.dp,
-            ep=runs.ep,
-            zero=runs.zero,
-            micro_batch=runs.micro_batch,
-            schedule="1f1b",
-            recompute=uniform_recompute(runs) or "full",
-            ema=runs.ema,
-        )
+        runs = uniform_1f1b(model, runs)
     if runs.pp > 1 and runs.zero >= 2:
         differences.append(
             f"ZeRO-{runs.zero} with pipeline parallelism: DeepSpeed allows ZeRO-0/1 only; runs "
