@@ -360,3 +360,17 @@ def test_cli_exports_a_saved_plan(tmp_path: Path) -> None:
     refused = run("export", "--plan", str(bad), "--target", "megatron")
     assert refused.returncode == 2
     assert refused.stderr.count("\n") == 1 and "--plan" in refused.stderr
+
+
+def test_torchtitan_loads_the_toml_with_its_own_loader(tmp_path: Path) -> None:
+    """Runs where torchtitan 0.2.2 (the last release that reads TOML) is installed."""
+    manager = pytest.importorskip("torchtitan.config").ConfigManager
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    layout = Layout.uniform(LLAMA405, tp=8, pp=16, dp=128, schedule="interleaved", virtual_stages=4)
+    out = planner.export.torchtitan(plan_of(LLAMA405, H100_16K, LLAMA_JOB, layout))
+    path = tmp_path / "job.toml"
+    path.write_text(out.files["torchtitan.toml"])
+    config = manager().parse_args(["--job.config_file", str(path)])
+    assert config.parallelism.pipeline_parallel_degree == 16
+    assert len(config.parallelism.module_fqns_per_model_part) == 64
+    schedules.get_schedule_class(config.parallelism.pipeline_parallel_schedule)
