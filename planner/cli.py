@@ -464,7 +464,7 @@ def _print_time(est: Estimate) -> None:
         f"Parts of the critical pipeline rank {est.critical_rank}. "
         f"{est.tokens_per_s:,.0f} tokens/s, {est.tflops_per_gpu:.0f} model TFLOP/s per GPU, MFU "
         f"{est.mfu:.1%} (6 x active matmul parameters + causal attention per token, against "
-        f"the dense BF16 peak). Includes compute at calibrated efficiencies, recompute, "
+        f"the dense BF16 peak). Includes compute at the machine catalog's efficiencies, recompute, "
         f"tensor-parallel and expert all-to-all communication, pipeline sends and bubble, "
         f"exposed gradient reduction and the optimizer step; ignores stragglers, failures, "
         f"data loading and checkpointing."
