@@ -109,6 +109,9 @@ def _layout_args(cmd: argparse.ArgumentParser) -> None:
         "--recompute", default="none", help="none | selective | full | modules joined by '+'"
     )
     cmd.add_argument("--ema-on-host", action="store_true", help="keep the EMA in host RAM")
+    cmd.add_argument(
+        "--layout", default=None, help="a layout or plan JSON file (instead of the layout flags)"
+    )
     cmd.add_argument("--json", action="store_true", help="print JSON for machines")
     cmd.add_argument("--plot", default=None, metavar="PREFIX", help="write PREFIX-memory.svg ...")
 
@@ -200,6 +203,14 @@ def _job(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJob]
 
 def _build(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJob, Layout]:
     model, cluster, job = _job(args)
+    if args.layout:
+        layout = _layout_file(args.layout)
+        if layout.world_size != cluster.num_gpus:
+            raise PlannerError(
+                f"--layout={args.layout!r}: its tp*pp*dp={layout.world_size} must equal "
+                f"--gpus={cluster.num_gpus}"
+            )
+        return model, cluster, job, layout
     world = args.tp * args.pp
     if args.gpus % world:
         raise PlannerError(f"--gpus={args.gpus}: must be a multiple of tp*pp={world}")
@@ -217,6 +228,25 @@ def _build(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJo
         ema="host" if args.ema_on_host else "hbm",
     )
     return model, cluster, job, layout
+
+
+def _layout_file(path: str) -> Layout:
+    """A layout from a JSON file: a ``Layout``, or a plan (``planner plan --json``)."""
+    from pathlib import Path
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise PlannerError(f"--layout={path!r}: cannot read ({exc.strerror})") from None
+    except ValueError as exc:
+        raise PlannerError(f"--layout={path!r}: not JSON ({exc})") from None
+    if isinstance(data, dict) and "status" in data and "layout" in data:
+        if data["layout"] is None:
+            raise PlannerError(f"--layout={path!r}: the plan is infeasible; it has no layout")
+        data = data["layout"]
+    if not isinstance(data, dict):
+        raise PlannerError(f"--layout={path!r}: expected a JSON object (a layout or a plan)")
+    return Layout(**data)
 
 
 def _evaluate(args: argparse.Namespace) -> None:

@@ -239,3 +239,24 @@ def test_catalog_json() -> None:
     assert v3["layers"] == 61 and v3["experts"] == 256
     clusters = json.loads(run("clusters", "--json").stdout)
     assert {c["name"] for c in clusters} >= {"h100", "h800", "a100"}
+
+
+def test_evaluate_costs_a_saved_plan_or_layout_file(tmp_path: Path) -> None:
+    job = ["--model", "llama3-8b", "--cluster", "h100", "--gpus", "16"]
+    job += ["--seq-len", "2048", "--global-batch", "64"]
+    planned = run("plan", *job, "--time-limit", "5", "--json")
+    assert planned.returncode == 0, planned.stderr
+    plan = json.loads(planned.stdout)
+    (tmp_path / "plan.json").write_text(planned.stdout)
+    (tmp_path / "layout.json").write_text(json.dumps(plan["layout"]))
+    for name in ("plan.json", "layout.json"):
+        out = run("evaluate", *job, "--layout", str(tmp_path / name), "--json")
+        assert out.returncode == 0, out.stderr
+        step = json.loads(out.stdout)["estimate"]["step_time_s"]
+        assert step == pytest.approx(plan["estimate"]["step_time_s"])
+    wrong = run(
+        "evaluate", *job[:-6], "--gpus", "32", *job[6:], "--layout", str(tmp_path / "plan.json")
+    )
+    assert wrong.returncode == 2 and "must equal --gpus=32" in wrong.stderr
+    missing = run("evaluate", *job, "--layout", str(tmp_path / "none.json"))
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1
