@@ -7,7 +7,9 @@ Engine), which is what ``planner.costs.blocks`` counts:
 - rotary embeddings keep nothing (their cos/sin tables are constants);
 - attention is ``scaled_dot_product_attention`` (flash attention on CPU), laid out
   [batch, seq, heads, dim] so its output is the output projection's input without a copy;
-- SwiGLU keeps the gate and up projections and recomputes the SiLU in backward.
+- SwiGLU keeps the gate and up projections and recomputes the SiLU in backward;
+- an MoE router keeps its FP32 scores and a boolean routing map, token permutation an int32
+  row map, and the weighted combine the experts' outputs.
 """
 
 from __future__ import annotations
@@ -22,21 +24,26 @@ from planner.errors import PlannerError
 from planner.specs import ModelSpec
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """FP32 for 16-bit tensors (the kernels compute in FP32); wider dtypes as they are."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.float()
+        xf = _wide(x)
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
-        return (xf * rstd * weight.float()).to(x.dtype)
+        return (xf * rstd * _wide(weight)).to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         x, weight, rstd = ctx.saved_tensors
-        xf, g = x.float(), grad.float()
+        xf, g = _wide(x), _wide(grad)
         normed = xf * rstd
         grad_w = (g * normed).sum(dim=tuple(range(g.dim() - 1)))
-        gw = g * weight.float()
+        gw = g * _wide(weight)
         grad_x = rstd * (gw - normed * (gw * normed).mean(-1, keepdim=True))
         return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
 
@@ -82,18 +89,143 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         gate, up = ctx.saved_tensors
-        g = gate.float()
+        g = _wide(gate)
         s = torch.sigmoid(g)
         silu = g * s
-        grad_up = (grad.float() * silu).to(up.dtype)
-        grad_gate = (grad.float() * up.float() * (s * (1 + g * (1 - s)))).to(gate.dtype)
+        grad_up = (_wide(grad) * silu).to(up.dtype)
+        grad_gate = (_wide(grad) * _wide(up) * (s * (1 + g * (1 - s)))).to(gate.dtype)
         return grad_gate, grad_up
 
 
-class DenseLayer(nn.Module):
-    """One transformer layer of a dense GQA/MHA model with a SwiGLU MLP."""
+class _Router(torch.autograd.Function):
+    """Top-k routing: FP32 scores (softmax, or sigmoid with DeepSeek's bias for the choice
+    only), the k best experts of each token in expert order, their scores renormalised.
+    Keeps the scores and the boolean routing map (Megatron-LM keeps the same two)."""
 
-    def __init__(self, model: ModelSpec, dtype: torch.dtype = torch.bfloat16) -> None:
+    @staticmethod
+    def forward(
+        ctx: Any, logits: torch.Tensor, k: int, sigmoid: bool, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        wide = _wide(logits)
+        scores = torch.sigmoid(wide) if sigmoid else torch.softmax(wide, -1)
+        choice = scores + bias if bias is not None else scores
+        experts = choice.topk(k, dim=-1).indices.sort(dim=-1).values
+        routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, experts, True)
+        picked = scores.gather(-1, experts)
+        probs = picked / picked.sum(-1, keepdim=True)
+        ctx.save_for_backward(scores, routing_map)
+        ctx.sigmoid = sigmoid
+        ctx.mark_non_differentiable(experts)
+        return probs.to(logits.dtype), experts
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple[torch.Tensor, None, None, None]:
+        scores, routing_map = ctx.saved_tensors
+        picked = scores[routing_map].view(grad.shape)
+        total = picked.sum(-1, keepdim=True)
+        g = _wide(grad)
+        grad_picked = (g - (g * picked).sum(-1, keepdim=True) / total) / total
+        grad_scores = torch.zeros_like(scores)
+        grad_scores[routing_map] = grad_picked.flatten()
+        if ctx.sigmoid:
+            grad_logits = grad_scores * scores * (1 - scores)
+        else:
+            grad_logits = scores * (grad_scores - (grad_scores * scores).sum(-1, keepdim=True))
+        return grad_logits.to(grad.dtype), None, None, None
+
+
+class _Permute(torch.autograd.Function):
+    """Rows of x in expert order (each token once per expert it visits); keeps only the
+    int32 row map (the rows themselves are kept by the experts' first GEMMs)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows)
+        ctx.tokens = x.shape[0]
+        return x.index_select(0, rows.long())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (rows,) = ctx.saved_tensors
+        out = grad.new_zeros(ctx.tokens, grad.shape[-1])
+        return out.index_add_(0, rows.long(), grad), None
+
+
+class _Unpermute(torch.autograd.Function):
+    """Sum each token's expert rows back into token order; keeps only the int32 row map."""
+
+    @staticmethod
+    def forward(ctx: Any, rows_out: torch.Tensor, rows: torch.Tensor, tokens: int) -> torch.Tensor:
+        ctx.save_for_backward(rows)
+        out = rows_out.new_zeros(tokens, rows_out.shape[-1])
+        return out.index_add_(0, rows.long(), rows_out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (rows,) = ctx.saved_tensors
+        return grad.index_select(0, rows.long()), None, None
+
+
+class SwiGLUMLP(nn.Module):
+    def __init__(self, h: int, width: int, dtype: torch.dtype, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(h, width, bias=bias, dtype=dtype)
+        self.up_proj = nn.Linear(h, width, bias=bias, dtype=dtype)
+        self.down_proj = nn.Linear(width, h, bias=bias, dtype=dtype)
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(_SwiGLU.apply(self.gate_proj(y), self.up_proj(y)))
+        return out
+
+
+class MoE(nn.Module):
+    """Router, routed experts (each token to its k experts, outputs weighted by the routing
+    probabilities) and shared experts, on one rank (all experts local)."""
+
+    def __init__(self, model: ModelSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, e = model.hidden_size, model.num_experts
+        self.k = model.experts_per_token
+        self.sigmoid = model.router_expert_bias  # DeepSeek-V3: sigmoid scores, bias to pick
+        self.router = nn.Linear(h, e, bias=False, dtype=dtype)
+        self.register_buffer("bias", torch.zeros(e) if model.router_expert_bias else None)
+        self.experts = nn.ModuleList(
+            SwiGLUMLP(h, model.moe_ffn_hidden_size, dtype) for _ in range(e)
+        )
+        shared = model.num_shared_experts * (
+            model.shared_expert_ffn_hidden_size or model.moe_ffn_hidden_size
+        )
+        self.shared = SwiGLUMLP(h, shared, dtype) if model.num_shared_experts else None
+        if model.shared_expert_gate:
+            raise PlannerError(f"model {model.name}: shared-expert gates are not covered yet")
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        b, s, h = y.shape
+        flat = y.reshape(b * s, h)
+        probs, experts = _Router.apply(self.router(flat), self.k, self.sigmoid, self.bias)
+        order = experts.flatten().argsort(stable=True)  # copies in expert order
+        rows = (order // self.k).to(torch.int32)
+        dispatched = _Permute.apply(flat, rows)
+        counts = torch.bincount(experts.flatten(), minlength=len(self.experts)).tolist()
+        outs = [
+            expert(part)
+            for expert, part in zip(self.experts, dispatched.split(counts), strict=True)
+            if part.shape[0]
+        ]
+        expert_out = torch.cat(outs)  # kept by the weighted combine below
+        weighted = expert_out * probs.flatten()[order, None]
+        out = _Unpermute.apply(weighted, rows, b * s).view(b, s, h)
+        if self.shared is not None:
+            out = out + self.shared(y)
+        return out
+
+
+class DenseLayer(nn.Module):
+    """One transformer layer of a GQA/MHA model with a SwiGLU MLP (or, ``moe``, an MoE)."""
+
+    def __init__(
+        self, model: ModelSpec, dtype: torch.dtype = torch.bfloat16, *, moe: bool = False
+    ) -> None:
         super().__init__()
         if model.attention == "mla" or model.mlp != "swiglu" or model.norm != "rmsnorm":
             raise PlannerError(
@@ -112,9 +244,11 @@ class DenseLayer(nn.Module):
         self.v_proj = linear(h, self.nkv * d, model.qkv_bias)
         self.o_proj = linear(self.nq * d, h, model.linear_bias)
         self.pre_mlp_norm = RMSNorm(h, dtype)
-        self.gate_proj = linear(h, model.ffn_hidden_size, model.linear_bias)
-        self.up_proj = linear(h, model.ffn_hidden_size, model.linear_bias)
-        self.down_proj = linear(model.ffn_hidden_size, h, model.linear_bias)
+        self.ffn: nn.Module = (
+            MoE(model, dtype)
+            if moe
+            else SwiGLUMLP(h, model.ffn_hidden_size, dtype, model.linear_bias)
+        )
         self.rope = not model.learned_positions
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,8 +271,9 @@ class DenseLayer(nn.Module):
         return out
 
     def mlp(self, y: torch.Tensor) -> torch.Tensor:
-        """The MLP after its norm (Megatron's ``mlp`` module: its recompute keeps the input)."""
-        out: torch.Tensor = self.down_proj(_SwiGLU.apply(self.gate_proj(y), self.up_proj(y)))
+        """The MLP (or MoE) after its norm: Megatron's ``mlp`` / ``moe`` module, whose
+        recompute keeps its input."""
+        out: torch.Tensor = self.ffn(y)
         return out
 
     def forward(self, x: torch.Tensor, recompute: str = "none") -> torch.Tensor:
@@ -149,10 +284,12 @@ class DenseLayer(nn.Module):
             return out
         x = x + self.attention(x)
         y = self.pre_mlp_norm(x)
-        if recompute == "mlp":
+        if recompute in ("mlp", "moe"):
             return x + checkpoint(self.mlp, y, use_reentrant=False)
         if recompute != "none":
-            raise PlannerError(f"recompute={recompute!r}: real runs cover none, mlp and full")
+            raise PlannerError(
+                f"recompute={recompute!r}: real runs cover none, mlp (or moe) and full"
+            )
         return x + self.mlp(y)
 
     def _plain(self, x: torch.Tensor) -> torch.Tensor:
