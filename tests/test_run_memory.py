@@ -1,4 +1,5 @@
-"""What a real PyTorch layer keeps for backward against what the cost model says it keeps.
+"""What real PyTorch layers keep for backward against what the cost model says they keep:
+dense GQA/MHA, MoE (softmax and sigmoid routers, shared experts) and MLA layers.
 
 The layer (``planner.run.model.DenseLayer``) is written the way fused training kernels save
 tensors; the measurement counts every tensor autograd saves, once per storage. The cost
@@ -84,6 +85,44 @@ def test_moe_layers_keep_what_the_cost_model_says(name: str, recompute: str) -> 
     assert expected <= measured <= expected * 1.01
 
 
+DEEPSEEK_SMALL = planner.load_model("deepseek-v3").model_copy(
+    update={
+        "hidden_size": 1024,
+        "num_attention_heads": 8,
+        "q_lora_rank": 256,
+        "kv_lora_rank": 128,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 32,
+        "v_head_dim": 64,
+        "num_layers": 2,
+        "first_dense_layers": 1,
+        "ffn_hidden_size": 2048,
+        "num_experts": 16,
+        "experts_per_token": 4,
+        "moe_ffn_hidden_size": 256,
+        "shared_expert_ffn_hidden_size": 256,
+        "num_mtp_layers": 0,
+        "expert_groups": 1,
+        "groups_per_token": 1,
+    }
+)
+
+
+@pytest.mark.parametrize("recompute", ["none", "ffn", "full"])
+@pytest.mark.parametrize("block", ["layer.0", "layer.1"])  # dense, then MoE (sigmoid router)
+def test_mla_layers_keep_what_the_cost_model_says(block: str, recompute: str) -> None:
+    moe = block == "layer.1"
+    torch.manual_seed(0)
+    layer = DenseLayer(DEEPSEEK_SMALL, moe=moe)
+    x = torch.randn(1, 512, 1024, dtype=torch.bfloat16, requires_grad=True)
+    module = "moe" if moe else "mlp"
+    name = module if recompute == "ffn" else recompute
+    measured = saved_bytes(layer, lambda: layer(x, name))
+    choice = {"none": frozenset(), "ffn": frozenset({module}), "full": "full"}[recompute]
+    expected = block_cost(DEEPSEEK_SMALL, block, Shard(seq_len=512)).saved_bytes(choice)
+    assert expected <= measured <= expected * 1.01
+
+
 def test_custom_backward_passes_are_exact() -> None:
     """The kernels written to keep what fused kernels keep still differentiate correctly."""
     from planner.run import model as m
@@ -100,6 +139,8 @@ def test_custom_backward_passes_are_exact() -> None:
     rows = torch.tensor([2, 0, 1, 2, 0], dtype=torch.int32)
     assert torch.autograd.gradcheck(lambda a: m._Permute.apply(a, rows), (double(3, 4),))
     assert torch.autograd.gradcheck(lambda a: m._Unpermute.apply(a, rows, 3), (double(5, 4),))
+    q, k, v = double(1, 2, 5, 6), double(1, 2, 5, 6), double(1, 2, 5, 4)
+    assert torch.autograd.gradcheck(m._Attention.apply, (q, k, v))
     logits = double(6, 5)
     for sigmoid in (False, True):
         assert torch.autograd.gradcheck(

@@ -97,6 +97,43 @@ class _SwiGLU(torch.autograd.Function):
         return grad_gate, grad_up
 
 
+class _Attention(torch.autograd.Function):
+    """Causal softmax(q k^T / sqrt(d)) v, as flash attention keeps it: q, k, v, the output and
+    the FP32 log-sum-exp per query and head (the probabilities are rebuilt in backward). For
+    value widths PyTorch's own flash kernel does not take (MLA: v narrower than q and k).
+    Layout [batch, heads, seq, dim]."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        scale = q.shape[-1] ** -0.5
+        scores = _wide(q) @ _wide(k).transpose(-1, -2) * scale
+        s = scores.shape[-1]
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(causal, float("-inf"))
+        lse = scores.logsumexp(-1)
+        out = (torch.exp(scores - lse[..., None]) @ _wide(v)).to(v.dtype)
+        # Laid out [batch, seq, heads, dim]: the output projection reads it without a copy.
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v, out, lse = ctx.saved_tensors
+        qw, kw, vw, g = _wide(q), _wide(k), _wide(v), _wide(grad)
+        s = q.shape[-2]
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        scores = (qw @ kw.transpose(-1, -2) * ctx.scale).masked_fill(causal, float("-inf"))
+        p = torch.exp(scores - lse[..., None])
+        grad_v = p.transpose(-1, -2) @ g
+        grad_p = g @ vw.transpose(-1, -2)
+        grad_s = p * (grad_p - (g * _wide(out)).sum(-1, keepdim=True))
+        grad_q = grad_s @ kw * ctx.scale
+        grad_k = grad_s.transpose(-1, -2) @ qw * ctx.scale
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
+
+
 class _Router(torch.autograd.Function):
     """Top-k routing: FP32 scores (softmax, or sigmoid with DeepSeek's bias for the choice
     only), the k best experts of each token in expert order, their scores renormalised.
@@ -220,17 +257,57 @@ class MoE(nn.Module):
         return out
 
 
+class MLA(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3): low-rank q and kv projections with
+    their norms, a rotary part per head for q and one shared by all heads for k."""
+
+    def __init__(self, model: ModelSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, n = model.hidden_size, model.num_attention_heads
+        self.n, self.dn, self.dr = n, model.qk_nope_head_dim, model.qk_rope_head_dim
+        self.dv, self.dc = model.v_head_dim, model.kv_lora_rank
+        dq = self.dn + self.dr
+        if model.q_lora_rank:
+            self.q_down = nn.Linear(h, model.q_lora_rank, bias=False, dtype=dtype)
+            self.q_norm: nn.Module | None = RMSNorm(model.q_lora_rank, dtype)
+            self.q_up = nn.Linear(model.q_lora_rank, n * dq, bias=False, dtype=dtype)
+        else:
+            self.q_norm = None
+            self.q_up = nn.Linear(h, n * dq, bias=False, dtype=dtype)
+        self.kv_down = nn.Linear(h, self.dc + self.dr, bias=False, dtype=dtype)
+        self.kv_norm = RMSNorm(self.dc, dtype)
+        self.kv_up = nn.Linear(self.dc, n * (self.dn + self.dv), bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(n * self.dv, h, bias=False, dtype=dtype)
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        b, s, _ = y.shape
+        n, dn, dr = self.n, self.dn, self.dr
+        q_in = self.q_norm(self.q_down(y)) if self.q_norm is not None else y
+        q = self.q_up(q_in).view(b, s, n, dn + dr)
+        latent = self.kv_down(y)
+        kv = self.kv_up(self.kv_norm(latent[..., : self.dc])).view(b, s, n, dn + self.dv)
+        cos, sin = _tables(s, dr, y.dtype)
+        q_rope = _Rotary.apply(q[..., dn:], cos, sin)
+        k_rope = _Rotary.apply(latent[..., None, self.dc :], cos, sin).expand(b, s, n, dr)
+        q = torch.cat((q[..., :dn], q_rope), dim=-1).transpose(1, 2)
+        k = torch.cat((kv[..., :dn], k_rope), dim=-1).transpose(1, 2)
+        v = kv[..., dn:].contiguous().transpose(1, 2)  # its own tensor, as fused kernels take
+        o = _Attention.apply(q, k, v)  # [b, n, s, dv]
+        out: torch.Tensor = self.o_proj(o.transpose(1, 2).reshape(b, s, n * self.dv))
+        return out
+
+
 class DenseLayer(nn.Module):
-    """One transformer layer of a GQA/MHA model with a SwiGLU MLP (or, ``moe``, an MoE)."""
+    """One transformer layer: GQA/MHA or MLA attention, then a SwiGLU MLP (or, ``moe``, an
+    MoE)."""
 
     def __init__(
         self, model: ModelSpec, dtype: torch.dtype = torch.bfloat16, *, moe: bool = False
     ) -> None:
         super().__init__()
-        if model.attention == "mla" or model.mlp != "swiglu" or model.norm != "rmsnorm":
+        if model.mlp != "swiglu" or model.norm != "rmsnorm":
             raise PlannerError(
-                f"model {model.name}: real runs cover GQA/MHA attention with a SwiGLU MLP and "
-                "RMSNorm so far"
+                f"model {model.name}: real runs cover SwiGLU MLPs and RMSNorm so far"
             )
         h, d = model.hidden_size, model.head_dim
         self.nq, self.nkv, self.d = model.num_attention_heads, model.num_kv_heads, d
@@ -239,10 +316,12 @@ class DenseLayer(nn.Module):
             return nn.Linear(i, o, bias=bias, dtype=dtype)
 
         self.input_norm = RMSNorm(h, dtype)
-        self.q_proj = linear(h, self.nq * d, model.qkv_bias)
-        self.k_proj = linear(h, self.nkv * d, model.qkv_bias)
-        self.v_proj = linear(h, self.nkv * d, model.qkv_bias)
-        self.o_proj = linear(self.nq * d, h, model.linear_bias)
+        self.mla = MLA(model, dtype) if model.attention == "mla" else None
+        if self.mla is None:
+            self.q_proj = linear(h, self.nq * d, model.qkv_bias)
+            self.k_proj = linear(h, self.nkv * d, model.qkv_bias)
+            self.v_proj = linear(h, self.nkv * d, model.qkv_bias)
+            self.o_proj = linear(self.nq * d, h, model.linear_bias)
         self.pre_mlp_norm = RMSNorm(h, dtype)
         self.ffn: nn.Module = (
             MoE(model, dtype)
@@ -254,6 +333,9 @@ class DenseLayer(nn.Module):
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         y = self.input_norm(x)
+        if self.mla is not None:
+            out: torch.Tensor = self.mla(y)
+            return out
         q = self.q_proj(y).view(b, s, self.nq, self.d)
         k = self.k_proj(y).view(b, s, self.nkv, self.d)
         v = self.v_proj(y).view(b, s, self.nkv, self.d)
@@ -267,8 +349,7 @@ class DenseLayer(nn.Module):
             is_causal=True,
             enable_gqa=self.nkv != self.nq,
         )  # [b, heads, s, d] laid out as [b, s, heads, d]
-        out: torch.Tensor = self.o_proj(o.transpose(1, 2).reshape(b, s, self.nq * self.d))
-        return out
+        return self.o_proj(o.transpose(1, 2).reshape(b, s, self.nq * self.d))
 
     def mlp(self, y: torch.Tensor) -> torch.Tensor:
         """The MLP (or MoE) after its norm: Megatron's ``mlp`` / ``moe`` module, whose
