@@ -166,3 +166,44 @@ def test_the_measurement_sees_a_tensor_kept_twice_once() -> None:
     one = 8 * 64 * 4
     assert saved_bytes(module, view_twice) == one
     assert saved_bytes(module, copy_twice) == 2 * one
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_state_per_rank_under_zero_matches_pytorchs_sharding(zero: int) -> None:
+    """Two gloo processes train a small Mixtral-shaped model one step: DDP-style (ZeRO-0),
+    ZeroRedundancyOptimizer (ZeRO-1) or FSDP2 (ZeRO-3). Each rank's weights, gradients and
+    AdamW state, read from the tensors PyTorch holds, against ``costs.memory.state_bytes``
+    (FP32 weights, gradients and moments, no master copy: plain PyTorch training)."""
+    from planner.costs.memory import state_bytes
+    from planner.run.state import measure_state
+
+    model = planner.load_model("mixtral-8x7b").model_copy(
+        update={
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 64,
+            "num_layers": 2,
+            "ffn_hidden_size": 512,
+            "moe_ffn_hidden_size": 256,
+        }
+    )
+    job = planner.TrainingJob(
+        seq_len=64,
+        global_batch=8,
+        weight_dtype="fp32",
+        grad_dtype="fp32",
+        master_dtype=None,
+        moment_dtype="fp32",
+    )
+    ranks = measure_state(model, dp=2, zero=zero)
+    layout = planner.Layout.uniform(model, dp=2, zero=zero)
+    params = [
+        p
+        for i in range(model.num_layers)
+        for p in block_cost(model, f"layer.{i}", Shard(seq_len=64)).params
+    ]
+    predicted = state_bytes(params, job=job, layout=layout, ema_on_gpu=True)
+    for measured in ranks:
+        for bucket in ("weights", "grads", "optimizer"):
+            assert measured[bucket] == pytest.approx(predicted[bucket], rel=0.05), bucket
