@@ -187,17 +187,22 @@ def _cell(key: str, value: object) -> str:
     return f"{value:.0f}" if isinstance(value, float) else str(value)
 
 
-def _job(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJob]:
-    model = load_model(args.model)
-    cluster = load_cluster(args.cluster, gpus=args.gpus)
-    job = TrainingJob(
-        seq_len=args.seq_len,
-        global_batch=args.global_batch,
+def _training_job(args: argparse.Namespace, seq_len: int, global_batch: int) -> TrainingJob:
+    """The job the dtype flags describe, at this sequence length and global batch."""
+    return TrainingJob(
+        seq_len=seq_len,
+        global_batch=global_batch,
         moment_dtype=args.moment_dtype,
         compute_dtype=args.compute_dtype,
         grad_dtype=args.grad_dtype,
         ema=args.ema,
     )
+
+
+def _job(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJob]:
+    model = load_model(args.model)
+    cluster = load_cluster(args.cluster, gpus=args.gpus)
+    job = _training_job(args, args.seq_len, args.global_batch)
     return model, cluster, job
 
 
@@ -360,18 +365,7 @@ def _sweep(args: argparse.Namespace) -> None:
 
     if args.workers is not None and args.workers <= 0:
         raise PlannerError(f"--workers={args.workers}: must be a positive process count")
-    jobs = [
-        TrainingJob(
-            seq_len=s,
-            global_batch=b,
-            moment_dtype=args.moment_dtype,
-            compute_dtype=args.compute_dtype,
-            grad_dtype=args.grad_dtype,
-            ema=args.ema,
-        )
-        for s in args.seq_len
-        for b in args.global_batch
-    ]
+    jobs = [_training_job(args, s, b) for s in args.seq_len for b in args.global_batch]
     # Bad input fails here, in one line, before any progress bar is drawn.
     todo = cases(
         args.model, args.gpus, clusters=args.cluster, jobs=jobs, time_limit_s=args.time_limit

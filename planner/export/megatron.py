@@ -27,6 +27,7 @@ than any block did; an EMA is left to the training script.
 
 from __future__ import annotations
 
+import itertools
 import shlex
 
 from planner.export import (
@@ -40,6 +41,7 @@ from planner.export import (
 )
 from planner.layout import Layout
 from planner.solve.result import Plan
+from planner.specs import ModelSpec
 
 COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
 
@@ -68,7 +70,7 @@ def megatron(plan: Plan) -> Export:
         args += ["--num-experts", str(model.num_experts)]
         args += ["--moe-router-topk", str(model.experts_per_token)]
         args += ["--moe-ffn-hidden-size", str(model.moe_ffn_hidden_size)]
-        args += ["--moe-layer-freq", _layer_freq(model.num_layers, model)]
+        args += ["--moe-layer-freq", _layer_freq(model)]
         args += ["--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"]
     if model.num_mtp_layers:
         args += ["--mtp-num-layers", str(model.num_mtp_layers)]
@@ -108,12 +110,7 @@ def pipeline_layout(layout: Layout) -> str:
     """``--pipeline-model-parallel-layout``: each stage's blocks as letters, stages joined by
     ``|``, repeated runs folded into Megatron's ``(...)*n`` and ``x*n`` forms."""
     stages = [_stage_letters([b.block for b in s.blocks]) for s in layout.stages]
-    runs: list[tuple[str, int]] = []
-    for s in stages:
-        if runs and runs[-1][0] == s:
-            runs[-1] = (s, runs[-1][1] + 1)
-        else:
-            runs.append((s, 1))
+    runs = [(s, len(list(g))) for s, g in itertools.groupby(stages)]
     pieces = []
     for i, (s, n) in enumerate(runs):
         last = i == len(runs) - 1
@@ -130,14 +127,10 @@ def _stage_letters(blocks: list[str]) -> str:
     letters = ""
     for b in blocks:
         letters += {"embedding": "E", "head": "L"}.get(b, "m" if b.startswith("mtp.") else "t")
-    out, i = "", 0
-    while i < len(letters):  # fold runs of three or more: "ttt" -> "t*3"
-        j = i
-        while j < len(letters) and letters[j] == letters[i]:
-            j += 1
-        out += f"{letters[i]}*{j - i}" if j - i >= 3 else letters[i:j]
-        i = j
-    return out
+    # Fold runs of three or more: "ttt" -> "t*3".
+    return "".join(
+        f"{ch}*{n}" if (n := len(list(g))) >= 3 else ch * n for ch, g in itertools.groupby(letters)
+    )
 
 
 def _schedule(layout: Layout, differences: list[str]) -> Layout:
@@ -223,19 +216,10 @@ def _zero_args(zero: int) -> list[str]:
     return ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
 
 
-def _layer_freq(num_layers: int, model: object) -> str:
+def _layer_freq(model: ModelSpec) -> str:
     """Megatron's list form of which layers are MoE, e.g. ([0]*3+[1]*58)."""
-    from planner.specs import ModelSpec
-
-    assert isinstance(model, ModelSpec)
-    flags = [1 if model.is_moe_layer(i) else 0 for i in range(num_layers)]
-    runs: list[tuple[int, int]] = []
-    for f in flags:
-        if runs and runs[-1][0] == f:
-            runs[-1] = (f, runs[-1][1] + 1)
-        else:
-            runs.append((f, 1))
-    return "(" + "+".join(f"[{f}]*{n}" for f, n in runs) + ")"
+    flags = (int(model.is_moe_layer(i)) for i in range(model.num_layers))
+    return "(" + "+".join(f"[{f}]*{len(list(g))}" for f, g in itertools.groupby(flags)) + ")"
 
 
 def _pairs(args: list[str]) -> list[str]:

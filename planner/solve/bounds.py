@@ -169,9 +169,6 @@ def _optimizer_floor(t: Tables, config: Config) -> float:
     return total / config.pp / t.opt_Bps
 
 
-SLOW_PAIR = 132 / 112  # a DualPipe pair's compute slowdown (``costs.timing.OVERLAP_SM_SHARE``)
-
-
 def _collective(t: Tables, kind: str, *, low: bool) -> float:
     """ZeRO reduce-scatters ("reduce") or all-gathers ("gather") summed over stages, at the
     cheapest (``low``) or costliest stage's rate: all the bytes, plus every stage's latency
