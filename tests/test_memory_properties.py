@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import planner
-from planner.costs.memory import BUCKETS
+from planner.costs.memory import BUCKETS, reduce_bucket_bytes
 
 MODELS = {n: planner.load_model(n) for n in ("llama3-8b", "mixtral-8x7b", "deepseek-v2")}
 RECOMPUTE_ORDER = ["none", "selective", "full"]
@@ -75,13 +75,18 @@ def test_more_recompute_never_keeps_more(case) -> None:  # type: ignore[no-untyp
 @settings(max_examples=30, deadline=None)
 @given(cases())
 def test_higher_zero_stage_never_uses_more(case) -> None:  # type: ignore[no-untyped-def]
+    """ZeRO-1 never uses more than ZeRO-0; ZeRO-2 never more than ZeRO-1 beyond its reduce
+    bucket (the whole gradients of one block before they are reduce-scattered), which it
+    repays once the sharded gradients save more than a block's."""
     model, layout, job = case
     peaks = []
     for zero in (0, 1, 2):  # ZeRO-3 trades state for gather buffers; compared separately
         relaid = layout.model_copy(update={"zero": zero})
         peaks.append([r.peak_bytes for r in evaluate(model, relaid, job).memory])
-    for lower, higher in itertools.pairwise(peaks):
-        assert all(h <= lo for lo, h in zip(lower, higher, strict=True))
+    bucket = reduce_bucket_bytes(model, job, layout.model_copy(update={"zero": 2}))
+    allowance = (1 + job.fragmentation) * bucket + 1
+    assert all(h <= lo for lo, h in zip(peaks[0], peaks[1], strict=True))
+    assert all(h <= lo + allowance for lo, h in zip(peaks[1], peaks[2], strict=True))
 
 
 @settings(max_examples=30, deadline=None)

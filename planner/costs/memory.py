@@ -12,8 +12,9 @@ the same):
 - ``activations``: saved activations of the micro-batches in flight at the rank's peak (the
   schedule's op order says how many of each chunk), with what one block rebuilds while a
   backward recomputes it.
-- ``buffers``: NCCL communication buffers, pipeline send/receive tensors, and ZeRO-3's
-  gathered copy of the largest block (twice: the one in use and the one prefetched).
+- ``buffers``: NCCL communication buffers, pipeline send/receive tensors, ZeRO-3's
+  gathered copy of the largest block (twice: the one in use and the one prefetched), and
+  under ZeRO-2/3 one reduce bucket (the largest block's unsharded gradients).
 - ``context``: CUDA context and kernels.
 - ``fragmentation``: the job's fraction of all allocated bytes above.
 
@@ -137,6 +138,23 @@ def shard_of(job: TrainingJob, layout: Layout) -> Shard:
     )
 
 
+def reduce_bucket_bytes(model: ModelSpec, job: TrainingJob, layout: Layout) -> float:
+    """ZeRO-2 and -3 shard the gradients, but a block's gradients exist whole on the rank
+    until they are reduce-scattered: one reduce bucket, here the largest block's gradients
+    (the same on every rank; measured with ZeRO-2 and FSDP2 in ``planner.run``)."""
+    if layout.zero < 2:
+        return 0.0
+    shard = shard_of(job, layout)
+    names = ["embedding", "head"]
+    names += list({model.is_moe_layer(i): f"layer.{i}" for i in range(model.num_layers)}.values())
+    names += [f"mtp.{j}" for j in range(min(model.num_mtp_layers, 1))]
+    biggest = max(
+        sum(p.numel / shards(p, layout) for p in block_cost(model, n, shard).params if p.trainable)
+        for n in names
+    )
+    return biggest * DTYPE_BYTES[job.grad_dtype]
+
+
 def block_costs(model: ModelSpec, layout: Layout, shard: Shard) -> dict[str, BlockCost]:
     """Cost of every block the layout places, by block name."""
     costs: dict[str, BlockCost] = {}
@@ -152,12 +170,17 @@ def stage_memory(
     layout: Layout,
     *,
     num_microbatches: int,
+    held_outputs: bool = False,
 ) -> list[StageMemory]:
-    """Memory of every pipeline rank of ``layout`` (one entry per pipeline position)."""
+    """Memory of every pipeline rank of ``layout`` (one entry per pipeline position).
+
+    ``held_outputs``: the pipeline runtime keeps each in-flight micro-batch's stage output
+    (one hidden-state tensor) until its backward, as ``torch.distributed.pipelining`` does;
+    Megatron-LM frees the output's data once it is sent (the default, False)."""
     shard = shard_of(job, layout)
     costs = block_costs(model, layout, shard)
     return [
-        _rank_memory(rank, model, job, layout, shard, costs, num_microbatches)
+        _rank_memory(rank, model, job, layout, shard, costs, num_microbatches, held_outputs)
         for rank in range(layout.pp)
     ]
 
@@ -170,6 +193,7 @@ def _rank_memory(
     shard: Shard,
     costs: dict[str, BlockCost],
     num_microbatches: int,
+    held_outputs: bool = False,
 ) -> StageMemory:
     chunks = layout.chunks_of_rank(rank)
     params: dict[str, Param] = {}
@@ -186,6 +210,8 @@ def _rank_memory(
                 params.setdefault(p.key, p)
             per_chunk[c] += cost.saved_bytes(choice)
             rebuild[c] = max(rebuild[c], cost.rebuilt_bytes(choice))
+        if held_outputs and layout.pp > 1 and c < len(layout.stages) - 1:
+            per_chunk[c] += shard.sp_tokens * model.hidden_size * shard.act_bytes
     activations = activation_peak(layout, rank, num_microbatches, per_chunk, rebuild)
     plist = list(params.values())
     ema_on_gpu = layout.ema == "hbm"
@@ -199,6 +225,7 @@ def _rank_memory(
     buffers = float(job.comm_buffer_bytes)
     if layout.pp > 1:  # one send and one receive buffer of a micro-batch's hidden states
         buffers += 2 * shard.sp_tokens * model.hidden_size * shard.act_bytes
+    buffers += reduce_bucket_bytes(model, job, layout)
     if layout.zero >= 3:  # the gathered working copy of the largest block, and the prefetched
         biggest = max(sum(p.numel / shards(p, layout) for p in costs[n].params) for n in names)
         buffers += 2 * biggest * DTYPE_BYTES[job.weight_dtype]

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from planner.costs.blocks import BlockCost, Param, block_cost, block_names
 from planner.costs.comm import Network, group, moe_dispatch_bytes
 from planner.costs.compute import Rates
-from planner.costs.memory import shard_of, shards, state_bytes
+from planner.costs.memory import reduce_bucket_bytes, shard_of, shards, state_bytes
 from planner.costs.timing import (
     BlockRow,
     block_row,
@@ -257,6 +257,7 @@ def build(
         lambda: _fixed(model, shard, job, proto, first_fixed, last_fixed, stages),
     )
     buffers = float(job.comm_buffer_bytes) + (2 * act if config.pp > 1 else 0.0)
+    buffers += reduce_bucket_bytes(model, job, proto)
     return Tables(
         config=config,
         layer_kinds=layer_kinds,
