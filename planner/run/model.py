@@ -235,6 +235,18 @@ class MoE(nn.Module):
         self.shared = SwiGLUMLP(h, shared, dtype) if model.num_shared_experts else None
         if model.shared_expert_gate:
             raise PlannerError(f"model {model.name}: shared-expert gates are not covered yet")
+        self.group: Any = None  # expert-parallel process group (None: every expert here)
+        self.ep, self.ep_rank = 1, 0
+
+    def shard_experts(self, group: Any, ep: int, ep_rank: int) -> None:
+        """Keep experts ``ep_rank * E/ep ..`` of ``E`` only; tokens reach them, and come back,
+        by all-to-all over ``group`` (the ``ep`` ranks that split the experts)."""
+        total = len(self.experts)
+        if total % ep:
+            raise PlannerError(f"Layout.ep={ep}: must divide the {total} routed experts")
+        width = total // ep
+        self.experts = nn.ModuleList(list(self.experts)[ep_rank * width : (ep_rank + 1) * width])
+        self.group, self.ep, self.ep_rank, self.num_experts = group, ep, ep_rank, total
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
         b, s, h = y.shape
@@ -243,18 +255,56 @@ class MoE(nn.Module):
         order = experts.flatten().argsort(stable=True)  # copies in expert order
         rows = (order // self.k).to(torch.int32)
         dispatched = _Permute.apply(flat, rows)
-        counts = torch.bincount(experts.flatten(), minlength=len(self.experts)).tolist()
-        outs = [
-            expert(part)
-            for expert, part in zip(self.experts, dispatched.split(counts), strict=True)
-            if part.shape[0]
-        ]
-        expert_out = torch.cat(outs)  # kept by the weighted combine below
+        if self.group is None:
+            counts = torch.bincount(experts.flatten(), minlength=len(self.experts)).tolist()
+            # An expert no token reached still runs (on no rows): its gradient is zero,
+            # not missing, so sharded data parallelism reduces the same tensors everywhere.
+            outs = [
+                expert(part)
+                for expert, part in zip(self.experts, dispatched.split(counts), strict=True)
+            ]
+            expert_out = torch.cat(outs)  # kept by the weighted combine below
+        else:
+            expert_out = self._expert_parallel(dispatched, experts)
         weighted = expert_out * probs.flatten()[order, None]
         out = _Unpermute.apply(weighted, rows, b * s).view(b, s, h)
         if self.shared is not None:
             out = out + self.shared(y)
         return out
+
+    def _expert_parallel(self, dispatched: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Rows in global expert order go to the ranks holding their experts (all-to-all),
+        through the local experts, and back in the same order."""
+        import torch.distributed as dist
+        from torch.distributed.nn.functional import all_to_all_single
+
+        width = len(self.experts)
+        counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
+        every = [torch.empty_like(counts) for _ in range(self.ep)]
+        dist.all_gather(every, counts, group=self.group)  # rows each rank sends each expert
+        mine = [c[self.ep_rank * width : (self.ep_rank + 1) * width].tolist() for c in every]
+        send = counts.view(self.ep, width).sum(1).tolist()
+        recv = [sum(c) for c in mine]
+        received = all_to_all_single(
+            dispatched.new_empty(sum(recv), dispatched.shape[-1]),
+            dispatched,
+            output_split_sizes=recv,
+            input_split_sizes=send,
+            group=self.group,
+        )
+        outs = []
+        for source, part in zip(mine, received.split(recv), strict=True):
+            for expert, rows in zip(self.experts, part.split(source), strict=True):
+                outs.append(expert(rows))
+        local = torch.cat(outs)
+        back: torch.Tensor = all_to_all_single(
+            dispatched.new_empty(dispatched.shape),
+            local,
+            output_split_sizes=send,
+            input_split_sizes=recv,
+            group=self.group,
+        )
+        return back
 
 
 class MLA(nn.Module):
@@ -363,14 +413,13 @@ class DenseLayer(nn.Module):
         if recompute == "full":
             out: torch.Tensor = checkpoint(self._plain, x, use_reentrant=False)
             return out
+        if recompute not in ("none", "mlp", "moe"):
+            raise PlannerError(f"recompute={recompute!r}: real runs cover none, mlp, moe and full")
         x = x + self.attention(x)
         y = self.pre_mlp_norm(x)
-        if recompute in ("mlp", "moe"):
+        # Megatron-LM's modules: ``mlp`` is a dense layer's MLP, ``moe`` an MoE layer's.
+        if recompute == ("moe" if isinstance(self.ffn, MoE) else "mlp"):
             return x + checkpoint(self.mlp, y, use_reentrant=False)
-        if recompute != "none":
-            raise PlannerError(
-                f"recompute={recompute!r}: real runs cover none, mlp (or moe) and full"
-            )
         return x + self.mlp(y)
 
     def _plain(self, x: torch.Tensor) -> torch.Tensor:
@@ -390,3 +439,68 @@ def _tables(s: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Ten
         full = torch.cat((angles, angles), dim=-1)[:, None, :]
         _TABLES[key] = (full.cos().to(dtype), full.sin().to(dtype))
     return _TABLES[key]
+
+
+class Embedding(nn.Module):
+    """Token embedding: keeps the int64 token ids for its backward."""
+
+    def __init__(self, model: ModelSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.randn(model.vocab_size, model.hidden_size, dtype=dtype) * 0.02
+        )
+
+    def forward(self, ids: torch.Tensor, recompute: str = "none") -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class Head(nn.Module):
+    """Final norm and the output projection to FP32 logits (the loss is applied after it);
+    ``weight``: the embedding's, when the model ties them."""
+
+    def __init__(
+        self, model: ModelSpec, dtype: torch.dtype, weight: nn.Parameter | None = None
+    ) -> None:
+        super().__init__()
+        self.norm = RMSNorm(model.hidden_size, dtype)
+        self.weight = (
+            weight
+            if weight is not None
+            else nn.Parameter(torch.randn(model.vocab_size, model.hidden_size, dtype=dtype) * 0.02)
+        )
+
+    def forward(self, x: torch.Tensor, recompute: str = "none") -> torch.Tensor:
+        return F.linear(self.norm(x), self.weight).float()
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy over tokens as fused kernels do it (Megatron-LM's vocab-parallel
+    cross-entropy): the softmax is taken in place over the FP32 logits, which are kept as
+    the probabilities and turned into the logits' gradient in place in backward; no second
+    vocabulary-sized tensor is ever allocated."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # The softmax overwrites the FP32 logits (nothing else keeps them): no second copy.
+        probs = _wide(logits.detach()).reshape(-1, logits.shape[-1])
+        probs.sub_(probs.max(-1, keepdim=True).values).exp_()
+        probs.div_(probs.sum(-1, keepdim=True))
+        rows = torch.arange(probs.shape[0], device=probs.device)
+        picked = probs[rows, target.reshape(-1)]
+        ctx.save_for_backward(probs, target)
+        ctx.shape, ctx.dtype = logits.shape, logits.dtype
+        return -picked.log().mean()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        probs, target = ctx.saved_tensors
+        rows = torch.arange(probs.shape[0], device=probs.device)
+        probs[rows, target.reshape(-1)] -= 1  # the saved buffer becomes the gradient
+        probs.mul_(grad / probs.shape[0])
+        return probs.view(ctx.shape).to(ctx.dtype), None
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over tokens (see ``_CrossEntropy``)."""
+    out: torch.Tensor = _CrossEntropy.apply(logits, target)
+    return out

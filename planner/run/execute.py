@@ -1,0 +1,486 @@
+"""Run a layout for real: one process per rank (gloo on CPU), PyTorch's own machinery.
+
+- Pipeline stages and schedules: ``torch.distributed.pipelining`` (``PipelineStage`` per
+  chunk; 1F1B, GPipe, interleaved 1F1B, interleaved zero bubble for ``zb-h1``, DualPipeV).
+  With ``pp = 1`` the micro-batches run one after another on the single stage.
+- Recompute: ``torch.utils.checkpoint`` per block, as each block's placement says.
+- Expert parallelism: each rank of an ``ep`` group keeps ``E/ep`` experts; tokens travel by
+  all-to-all (``torch.distributed.nn.functional.all_to_all_single``).
+- ZeRO: 0, gradients all-reduced and AdamW everywhere; 1, ``ZeroRedundancyOptimizer`` (each
+  rank keeps the AdamW state of its share of the parameters); 2, the same optimizer, and each
+  micro-batch's gradient of a parameter is reduced straight to the rank that owns it, which
+  alone accumulates it (the others drop it); 3, FSDP2 ``fully_shard`` on every block.
+  Dense parameters are shared over the ``dp`` ranks of a pipeline position, routed experts
+  over the ``dp/ep`` ranks holding the same experts.
+
+Rank order: data parallel innermost, then pipeline (rank = pp_rank * dp + dp_rank).
+
+Measured per rank, from the runtime (``planner.run.track``): the peak of live tensor bytes
+during one step after the others, split into buckets; the wall time of each step between
+two barriers (the median after warm-up is the step time); the loss of every step.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, Field
+from torch import nn
+from torch.multiprocessing.spawn import ProcessExitedException, spawn
+
+from planner.errors import PlannerError
+from planner.layout import Layout
+from planner.run.model import DenseLayer, Embedding, Head, MoE, loss_fn
+from planner.run.state import _free_port
+from planner.run.track import Tracker
+from planner.specs import ModelSpec, TrainingJob
+
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zb-h1": "ScheduleInterleavedZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class RankRun(BaseModel):
+    """What one rank measured."""
+
+    rank: int = Field(description="Global rank (pp_rank * dp + dp_rank).")
+    pp_rank: int = Field(description="Pipeline position.")
+    dp_rank: int = Field(description="Index among the data-parallel ranks of the position.")
+    peak_bytes: int = Field(description="Peak of live tensor bytes in the measured step.")
+    buckets: dict[str, int] = Field(description="Bytes per bucket at that peak.")
+    bucket_peaks: dict[str, int] = Field(
+        description="Each bucket's own highest level in the step (bytes)."
+    )
+    step_s: list[float] = Field(description="Wall time of each timed step (s).")
+    losses: list[float] = Field(description="Mean loss of every step (last stage; else empty).")
+
+    @property
+    def median_step_s(self) -> float:
+        """Median wall time of the timed steps (s)."""
+        return statistics.median(self.step_s)
+
+
+def check_runnable(model: ModelSpec, job: TrainingJob, layout: Layout) -> int:
+    """Refuse what the real runs do not cover, in one line each; return micro-batches per
+    step per pipeline."""
+    if layout.tp != 1:
+        raise PlannerError(f"Layout.tp={layout.tp}: real runs cover tp=1 only")
+    if layout.schedule not in SCHEDULES:
+        raise PlannerError(
+            f"Layout.schedule={layout.schedule!r}: real runs cover {', '.join(SCHEDULES)}"
+        )
+    for dtype in ("weight_dtype", "grad_dtype", "moment_dtype", "activation_dtype"):
+        if getattr(job, dtype) != job.weight_dtype or job.weight_dtype not in DTYPES:
+            raise PlannerError(
+                f"TrainingJob.{dtype}={getattr(job, dtype)!r}: real runs keep weights, "
+                "gradients, moments and activations in one dtype, fp32 or bf16"
+            )
+    if job.master_dtype is not None or job.optimizer != "adamw" or job.ema:
+        raise PlannerError("TrainingJob: real runs are plain AdamW (master_dtype=None, no EMA)")
+    if model.num_mtp_layers:
+        raise PlannerError(f"model {model.name}: real runs do not cover MTP modules")
+    if model.tie_word_embeddings:
+        ends = {0, len(layout.stages) - 1}
+        ranks = {r for r in range(layout.pp) if ends & set(layout.chunks_of_rank(r))}
+        if len(ranks) > 1 or layout.zero == 3:
+            raise PlannerError(
+                f"model {model.name}: a tied embedding and head must sit on one rank, "
+                "without ZeRO-3, in real runs"
+            )
+    if model.num_experts and layout.ep > 1 and layout.zero >= 2 and layout.dp > layout.ep:
+        raise PlannerError(
+            f"Layout.zero={layout.zero}: real runs shard experts' gradients only when "
+            "ep = dp (every expert on one rank of its position)"
+        )
+    per_step = layout.micro_batch * layout.dp
+    if layout.num_microbatches is None and job.global_batch % per_step:
+        raise PlannerError(
+            f"TrainingJob.global_batch={job.global_batch}: must be a multiple of "
+            f"micro_batch*dp={per_step}"
+        )
+    return layout.num_microbatches or job.global_batch // per_step
+
+
+def run_layout(
+    model: ModelSpec,
+    job: TrainingJob,
+    layout: Layout,
+    *,
+    steps: int = 3,
+    warmup: int = 1,
+) -> list[RankRun]:
+    """Train ``warmup + steps`` timed steps and one measured step of ``layout``; one entry
+    per rank, in rank order."""
+    check_runnable(model, job, layout)
+    world = layout.world_size
+    with tempfile.TemporaryDirectory() as folder:
+        for attempt in range(3):  # a port taken between choosing and binding it: try again
+            try:
+                args = (model, job, layout, steps, warmup, _free_port(), folder)
+                spawn(_worker, args=args, nprocs=world, join=True)
+                break
+            except ProcessExitedException:
+                if attempt == 2:
+                    raise
+        return [
+            RankRun.model_validate(torch.load(os.path.join(folder, f"{r}.pt")))
+            for r in range(world)
+        ]
+
+
+def _worker(
+    rank: int,
+    model: ModelSpec,
+    job: TrainingJob,
+    layout: Layout,
+    steps: int,
+    warmup: int,
+    port: int,
+    folder: str,
+) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=layout.world_size)
+    try:
+        run = _Rank(rank, model, job, layout)
+        times, losses = [], []
+        for i in range(warmup + steps):
+            dist.barrier()
+            start = time.perf_counter()
+            losses.append(run.step())
+            dist.barrier()
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+        peak, buckets, bucket_peaks = run.measured_step()
+        out = RankRun(
+            rank=rank,
+            pp_rank=run.pp_rank,
+            dp_rank=run.dp_rank,
+            peak_bytes=peak,
+            buckets=buckets,
+            bucket_peaks=bucket_peaks,
+            step_s=times,
+            losses=[x for x in losses if x == x],
+        )
+        torch.save(out.model_dump(), os.path.join(folder, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+class _Chunk(nn.Module):
+    """One stage's blocks in order, each with its recompute choice."""
+
+    def __init__(self, blocks: list[tuple[nn.Module, str]]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(b for b, _ in blocks)
+        self.choices = [c for _, c in blocks]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block, choice in zip(self.blocks, self.choices, strict=True):
+            x = block(x, choice)
+        return x
+
+
+class _Rank:
+    """One rank's share of the layout, its optimizer and its step."""
+
+    def __init__(self, rank: int, model: ModelSpec, job: TrainingJob, layout: Layout) -> None:
+        self.rank, self.layout, self.job = rank, layout, job
+        self.m = check_runnable(model, job, layout)
+        dp, pp, ep = layout.dp, layout.pp, layout.ep
+        self.pp_rank, self.dp_rank = divmod(rank, dp)
+        groups = _Groups(rank, pp, dp, ep)
+        self.groups = groups
+        dtype = DTYPES[job.weight_dtype]
+        self.tracker: Tracker | None = None
+
+        from planner.costs.blocks import block_names
+
+        names = block_names(model)
+        built: dict[str, nn.Module] = {}
+        self.chunks: list[tuple[int, _Chunk]] = []
+        for c in dict.fromkeys(layout.chunks_of_rank(self.pp_rank)):
+            blocks = []
+            for placed in layout.stages[c].blocks:
+                torch.manual_seed(1000 + names.index(placed.block))  # same weights any layout
+                block = self._block(model, placed.block, dtype, built)
+                built[placed.block] = block
+                blocks.append((block, placed.recompute))
+            self.chunks.append((c, _Chunk(blocks)))
+        self.params = list(dict.fromkeys(p for _, chunk in self.chunks for p in chunk.parameters()))
+        self.expert = {
+            p
+            for _, chunk in self.chunks
+            for mod in chunk.modules()
+            if isinstance(mod, MoE)
+            for p in mod.experts.parameters()
+        }
+        if layout.zero == 3:
+            self._fully_shard(model)
+            self.params = list(
+                dict.fromkeys(p for _, chunk in self.chunks for p in chunk.parameters())
+            )
+        self.optimizers = self._optimizers()
+        self.acc: dict[nn.Parameter, torch.Tensor] = {}
+        if layout.zero < 2:  # ZeRO-2's fresh gradients are its reduce bucket: not claimed
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(self._claim_grad)
+        if layout.zero == 2:
+            self._bucket_by_block()
+        self._data(model)
+        self.schedule = self._schedule(model) if pp > 1 else None
+
+    # -- building -----------------------------------------------------------------------
+    def _block(
+        self, model: ModelSpec, name: str, dtype: torch.dtype, built: dict[str, nn.Module]
+    ) -> nn.Module:
+        if name == "embedding":
+            return Embedding(model, dtype)
+        if name == "head":
+            tied = built["embedding"].weight if model.tie_word_embeddings else None
+            assert tied is None or isinstance(tied, nn.Parameter)
+            return Head(model, dtype, tied)
+        if not name.startswith("layer."):
+            raise PlannerError(f"block {name!r}: real runs cover embedding, layers and head")
+        index = int(name.split(".")[1])
+        layer = DenseLayer(model, dtype, moe=model.is_moe_layer(index))
+        if isinstance(layer.ffn, MoE) and self.layout.ep > 1:
+            layer.ffn.shard_experts(self.groups.ep, self.layout.ep, self.groups.ep_rank)
+        return layer
+
+    def _fully_shard(self, model: ModelSpec) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        if self.layout.ep > 1:
+            raise PlannerError("Layout.zero=3: real runs cover ZeRO-3 with ep=1 only")
+        mesh = None if self.layout.pp == 1 else DeviceMesh.from_group(self.groups.dp, "cpu")
+        for _, chunk in self.chunks:
+            for block in chunk.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(chunk, mesh=mesh)
+
+    def _optimizers(self) -> list[Any]:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        dense = [p for p in self.params if p not in self.expert]
+        experts = [p for p in self.params if p in self.expert]
+        out: list[Any] = []
+        self.owner: dict[nn.Parameter, int] = {}
+        for params, group in ((dense, self.groups.dp), (experts, self.groups.edp)):
+            if not params:
+                continue
+            size = dist.get_world_size(group)
+            if self.layout.zero in (1, 2) and size > 1:
+                opt = ZeroRedundancyOptimizer(
+                    params,
+                    optimizer_class=torch.optim.AdamW,
+                    process_group=group,
+                    lr=1e-3,
+                    foreach=False,
+                )
+                for p, local in opt._param_to_rank.items():  # type: ignore[attr-defined]
+                    self.owner[p] = dist.get_global_rank(group, local)
+                out.append(opt)
+            else:
+                out.append(torch.optim.AdamW(params, lr=1e-3, foreach=False))
+                self.owner.update(dict.fromkeys(params, self.rank))
+        return out
+
+    def _data(self, model: ModelSpec) -> None:
+        """The global batch, the same for every layout; this rank's share of it."""
+        gen = torch.Generator().manual_seed(0)
+        total = self.m * self.layout.micro_batch * self.layout.dp
+        tokens = torch.randint(model.vocab_size, (total, self.job.seq_len + 1), generator=gen)
+        share = self.m * self.layout.micro_batch
+        mine = tokens[self.dp_rank * share : (self.dp_rank + 1) * share]
+        self.x, self.y = mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+
+    def _schedule(self, model: ModelSpec) -> Any:
+        import torch.distributed.pipelining as pipelining
+
+        stages = [
+            pipelining.PipelineStage(
+                chunk, c, len(self.layout.stages), torch.device("cpu"), group=self.groups.pp
+            )
+            for c, chunk in self.chunks
+        ]
+        cls = getattr(pipelining, SCHEDULES[self.layout.schedule])
+        single = self.layout.schedule in ("gpipe", "1f1b")
+        return cls(stages[0] if single else stages, self.m, loss_fn=loss_fn)
+
+    # -- the step -----------------------------------------------------------------------
+    @property
+    def first(self) -> bool:
+        return any(c == 0 for c, _ in self.chunks)
+
+    @property
+    def last(self) -> bool:
+        return any(c == len(self.layout.stages) - 1 for c, _ in self.chunks)
+
+    def step(self) -> float:
+        """One optimizer step over this rank's micro-batches; the mean loss on the rank that
+        computes it (NaN elsewhere)."""
+        loss = float("nan")
+        if self.schedule is None:
+            total = 0.0
+            mb = self.layout.micro_batch
+            for i in range(self.m):
+                out = self.x[i * mb : (i + 1) * mb]
+                for _, chunk in self.chunks:
+                    out = chunk(out)
+                part = loss_fn(out, self.y[i * mb : (i + 1) * mb]) / self.m
+                del out
+                part.backward()
+                total += float(part.detach())
+            loss = total
+        else:
+            losses: list[torch.Tensor] = []
+            args = (self.x,) if self.first else ()
+            target = self.y if self.last else None
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            if losses:
+                loss = float(torch.stack([t.detach() for t in losses]).mean())
+        self._sync_grads()
+        for opt in self.optimizers:
+            opt.step()
+        if self.tracker is not None:
+            self._claim_state()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        self.acc.clear()
+        return loss
+
+    def _group_of(self, p: nn.Parameter) -> Any:
+        return self.groups.edp if p in self.expert else self.groups.dp
+
+    def _sync_grads(self) -> None:
+        if self.layout.zero == 3:
+            return  # FSDP2 reduce-scattered every micro-batch
+        if self.layout.zero == 2:
+            for p, acc in self.acc.items():
+                p.grad = acc.div_(dist.get_world_size(self._group_of(p)))
+            return
+        for p in self.params:
+            group = self._group_of(p)
+            size = dist.get_world_size(group)
+            if size == 1:
+                continue
+            if p.grad is None:  # an expert no token reached here this step
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(size)
+
+    def _bucket_by_block(self) -> None:
+        """ZeRO-2 reduces gradients block by block (a block is a bucket): once every
+        parameter of a block has its gradient for the micro-batch, they go to their owners.
+        Blocks finish in the same order on every rank, so the reductions match."""
+        seen: set[nn.Parameter] = set()
+        for _, chunk in self.chunks:
+            for block in chunk.blocks:
+                params = [p for p in block.parameters() if p not in seen]
+                seen.update(params)
+                ready: list[int] = [0]
+
+                def hook(
+                    _: nn.Parameter, params: list[nn.Parameter] = params, ready: list[int] = ready
+                ) -> None:
+                    ready[0] += 1
+                    if ready[0] == len(params):
+                        ready[0] = 0
+                        self._reduce_to_owners(params)
+
+                for p in params:
+                    p.register_post_accumulate_grad_hook(hook)
+
+    def _reduce_to_owners(self, params: list[nn.Parameter]) -> None:
+        """ZeRO-2: each gradient of ``params`` goes to the rank owning its parameter, which
+        alone accumulates it; the others drop it. In parameter order, so every rank of a
+        group issues the same reductions."""
+        for p in params:
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            p.grad = None
+            group = self._group_of(p)
+            owner = self.owner[p]
+            if dist.get_world_size(group) > 1:
+                dist.reduce(grad, dst=owner, group=group)
+            if owner != self.rank:
+                continue
+            if p in self.acc:
+                self.acc[p].add_(grad)
+            else:
+                self.acc[p] = grad
+                self._claim("grads", grad)
+
+    def _claim_grad(self, p: nn.Parameter) -> None:
+        self._claim("grads", p.grad)
+
+    def _claim(self, bucket: str, *tensors: Any) -> None:
+        if self.tracker is not None:
+            self.tracker.claim(bucket, *tensors)
+
+    def _claim_state(self) -> None:
+        assert self.tracker is not None
+        for p in self.params:
+            self.tracker.claim("weights", p)
+            if p.grad is not None:
+                self.tracker.claim("grads", p.grad)
+        for opt in self.optimizers:
+            inner = getattr(opt, "optim", opt)
+            for state in inner.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and key != "step":
+                        self.tracker.claim("optimizer", value)
+
+    def measured_step(self) -> tuple[int, dict[str, int], dict[str, int]]:
+        """One more step, followed tensor by tensor: its peak and the buckets at the peak."""
+        tracker = Tracker()
+        self.tracker = tracker
+        self._claim_state()
+        params = {
+            (p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+            for p in self.params
+        }
+        with tracker, tracker.saving(params):
+            tracker.reset_peak()
+            self.step()
+        self.tracker = None
+        return tracker.peak, tracker.peak_buckets(), dict(tracker.bucket_peaks)
+
+
+class _Groups:
+    """Process groups of a (pp, dp) grid with ep-sized expert groups inside each dp group.
+    Every rank creates every group, in the same order (``new_group`` is collective)."""
+
+    def __init__(self, rank: int, pp: int, dp: int, ep: int) -> None:
+        self.ep_rank = rank % dp % ep
+        mine: dict[str, Any] = {}
+
+        def make(kind: str, ranks: list[int]) -> None:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[kind] = group
+
+        for j in range(dp):
+            make("pp", [q * dp + j for q in range(pp)])
+        for q in range(pp):
+            make("dp", [q * dp + j for j in range(dp)])
+            for start in range(0, dp, ep):
+                make("ep", [q * dp + j for j in range(start, start + ep)])
+            for offset in range(ep):
+                make("edp", [q * dp + j for j in range(offset, dp, ep)])
+        self.pp: Any = mine["pp"]
+        self.dp: Any = mine["dp"]
+        self.ep: Any = mine["ep"]
+        self.edp: Any = mine["edp"]
