@@ -227,7 +227,7 @@ class _Rank:
             for p in mod.experts.parameters()
         }
         if layout.zero == 3:
-            self._fully_shard(model)
+            self._fully_shard()
             self.params = list(
                 dict.fromkeys(p for _, chunk in self.chunks for p in chunk.parameters())
             )
@@ -259,7 +259,7 @@ class _Rank:
             layer.ffn.shard_experts(self.groups.ep, self.layout.ep, self.groups.ep_rank)
         return layer
 
-    def _fully_shard(self, model: ModelSpec) -> None:
+    def _fully_shard(self) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
