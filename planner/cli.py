@@ -604,6 +604,6 @@ def _validate(args: argparse.Namespace) -> None:
     console.print(
         "Measured: live tensor bytes in one step, each bucket at its own highest level; red: "
         "off by more than 5% and 1 MiB. other: pipeline buffers, gathered weights, reduce "
-        "buckets (predicted as buffers) and activation gradients (not predicted). s: median "
+        "buckets and gradients in flight in backward (predicted as buffers). s: median "
         "step wall time; predicted step times need a calibrated profile (not built yet)."
     )

@@ -18,7 +18,8 @@ Memory: each forward allocates its stage's saved activations for one micro-batch
 backward that consumes them frees them (the weight-gradient op, when the schedule splits it
 off); the rest of each rank's memory is the memory model's static buckets. The simulated peak
 is those buckets plus the highest activation level reached; while a backward runs, the block
-it recomputes holds its rebuilt tensors too (its chunk's largest).
+it recomputes holds its rebuilt tensors too, less what the chunk's later blocks have freed by
+then (``costs.memory.rebuild_peak``).
 
 The task graph is a networkx DiGraph; with a fixed op order its longest path is the step's
 compute critical path. The simulation covers one representative rank per pipeline position:
@@ -35,7 +36,7 @@ from pathlib import Path
 import networkx as nx
 
 from planner.costs.comm import Network
-from planner.costs.memory import StageMemory, block_costs, shard_of, stage_memory
+from planner.costs.memory import StageMemory, block_costs, rebuild_peak, shard_of, stage_memory
 from planner.costs.timing import StageTime, op_time, optimizer_time, paired_time, stage_times
 from planner.estimate import check_layout
 from planner.layout import Layout, parse_recompute
@@ -251,7 +252,7 @@ def _memory(
     for stage in layout.stages:
         choices = [(costs[b.block], parse_recompute(b.recompute)) for b in stage.blocks]
         saved.append(sum(c.saved_bytes(ch) for c, ch in choices))
-        rebuild.append(max((c.rebuilt_bytes(ch) for c, ch in choices), default=0))
+        rebuild.append(round(rebuild_peak(choices)))
     timelines, peaks = [], []
     for rank, mine in enumerate(tasks):
         b = memory[rank].buckets

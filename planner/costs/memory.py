@@ -11,10 +11,11 @@ the same):
   optimizer state.
 - ``activations``: saved activations of the micro-batches in flight at the rank's peak (the
   schedule's op order says how many of each chunk), with what one block rebuilds while a
-  backward recomputes it.
+  backward recomputes it (less what the chunk's later blocks have freed by then).
 - ``buffers``: NCCL communication buffers, pipeline send/receive tensors, ZeRO-3's
-  gathered copy of the largest block (twice: the one in use and the one prefetched), and
-  under ZeRO-2/3 one reduce bucket (the largest block's unsharded gradients).
+  gathered copy of the largest block (twice: the one in use and the one prefetched),
+  under ZeRO-2/3 one reduce bucket (the largest block's unsharded gradients), and for an
+  eager PyTorch runtime the gradients a backward holds in flight.
 - ``context``: CUDA context and kernels.
 - ``fragmentation``: the job's fraction of all allocated bytes above.
 
@@ -25,10 +26,14 @@ count once; on different ranks each rank holds its own copy, as Megatron-LM does
 
 Ignored: the optimizer's temporary buffers during the step, NCCL's own memory beyond the
 stated buffer, activation-gradient tensors in flight during backward (bounded by one block's
-activations), and the CPU side of the EMA (reported as ``host_bytes``).
+activations; counted in buffers for an eager PyTorch runtime, ``runtime="torch"``), and the
+CPU side of the EMA (reported as ``host_bytes``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -47,6 +52,7 @@ BUCKETS = (
     "context",
     "fragmentation",
 )
+Runtime = Literal["megatron", "torch"]
 EMBEDDING_HEAD_KEYS = frozenset({"word_embeddings", "output", "position_embeddings"})
 
 
@@ -77,7 +83,7 @@ def activation_peak(
     """Highest activation level on ``rank`` as its op order runs: each forward adds its
     chunk's saved bytes for one micro-batch and the backward that consumes them (the
     weight-gradient op when the schedule splits it off) removes them; while a backward runs,
-    the block it recomputes holds its rebuilt tensors too (``rebuild``: the chunk's largest).
+    the block it recomputes holds its rebuilt tensors too (``rebuild``: see ``rebuild_peak``).
     ``schedules.in_flight`` gives the same counts in closed form where chunks save equal
     bytes."""
     order = layout_order(layout, rank, num_microbatches)
@@ -91,6 +97,39 @@ def activation_peak(
         if op.kind in ("BW", "W"):
             level -= per_chunk[op.stage]
     return peak
+
+
+def rebuild_peak(
+    blocks: Sequence[tuple[BlockCost, frozenset[str] | str]], kept: float = 0.0
+) -> float:
+    """Most bytes a chunk's backward holds above its saved level for one micro-batch, from
+    recomputation: backward runs the chunk's blocks last to first, each freeing its saved
+    tensors when done, so when block k rebuilds, the blocks after it have already freed
+    theirs: max over k of (rebuilt(k) - saved by the blocks after k), and never below 0.
+    (Measured with real runs: a head's saved logits, freed before the last layer rebuilds,
+    hide that layer's rebuild entirely.) ``kept``: bytes of the last block's saved tensors
+    that stay until the chunk's whole backward is done (a stage output the runtime holds)."""
+    peak, after = 0.0, 0.0
+    for cost, choice in reversed(blocks):
+        peak = max(peak, cost.rebuilt_bytes(choice) - after)
+        after += cost.saved_bytes(choice) - kept
+        kept = 0.0
+    return peak
+
+
+def _backward_temporaries(
+    cost: BlockCost, job: TrainingJob, layout: Layout, shard: Shard, model: ModelSpec
+) -> float:
+    """What an eager PyTorch backward of the block holds besides saved tensors: the gradient
+    flowing back (one micro-batch's hidden states) and, below ZeRO-2, one parameter's fresh
+    gradient before it is added into the accumulated one (its largest); ZeRO-2/3 count fresh
+    gradients as their reduce bucket. Megatron-LM's fused weight-gradient accumulation and
+    in-place gradient buffers avoid most of both, so the default runtime leaves them out."""
+    flowing = shard.sp_tokens * model.hidden_size * shard.act_bytes
+    if layout.zero >= 2:
+        return flowing
+    fresh = max((p.numel / shards(p, layout) for p in cost.params if p.trainable), default=0.0)
+    return flowing + fresh * DTYPE_BYTES[job.grad_dtype]
 
 
 def shards(p: Param, layout: Layout) -> int:
@@ -170,17 +209,25 @@ def stage_memory(
     layout: Layout,
     *,
     num_microbatches: int,
-    held_outputs: bool = False,
+    runtime: Runtime = "megatron",
 ) -> list[StageMemory]:
     """Memory of every pipeline rank of ``layout`` (one entry per pipeline position).
 
-    ``held_outputs``: the pipeline runtime keeps each in-flight micro-batch's stage output
-    (one hidden-state tensor) until its backward, as ``torch.distributed.pipelining`` does;
-    Megatron-LM frees the output's data once it is sent (the default, False)."""
+    ``runtime`` says how the pipeline runtime holds its tensors (they differ only for
+    pp > 1). ``"megatron"`` (Megatron-LM, the default): a stage output's data is freed once
+    sent; one send and one receive buffer of a micro-batch's hidden states.
+    ``"torch"`` (``torch.distributed.pipelining``, as measured by ``planner validate``):
+    - each in-flight micro-batch's stage output is held until its backward is done (the
+      last stage's output is its logits, so they outlive the head's backward);
+    - every micro-batch has its own receive buffers, made once and kept: hidden states
+      into a chunk that is not the first, their gradients into one that is not the last;
+    - an eager backward holds the gradient flowing back and a parameter's fresh gradient
+      before accumulation (``_backward_temporaries``; in ``buffers``, like the reduce
+      bucket)."""
     shard = shard_of(job, layout)
     costs = block_costs(model, layout, shard)
     return [
-        _rank_memory(rank, model, job, layout, shard, costs, num_microbatches, held_outputs)
+        _rank_memory(rank, model, job, layout, shard, costs, num_microbatches, runtime)
         for rank in range(layout.pp)
     ]
 
@@ -193,25 +240,30 @@ def _rank_memory(
     shard: Shard,
     costs: dict[str, BlockCost],
     num_microbatches: int,
-    held_outputs: bool = False,
+    runtime: Runtime = "megatron",
 ) -> StageMemory:
     chunks = layout.chunks_of_rank(rank)
     params: dict[str, Param] = {}
     names: list[str] = []
     per_chunk: dict[int, float] = {}
     rebuild: dict[int, float] = {}
+    hidden = shard.sp_tokens * model.hidden_size * shard.act_bytes  # one micro-batch's
+    torch_pp = runtime == "torch" and layout.pp > 1
+    last = len(layout.stages) - 1
     for c in dict.fromkeys(chunks):  # a chunk listed twice is held once
-        per_chunk[c] = rebuild[c] = 0.0
-        for placed in layout.stages[c].blocks:
-            cost = costs[placed.block]
-            choice = parse_recompute(placed.recompute)
+        blocks = [(costs[b.block], parse_recompute(b.recompute)) for b in layout.stages[c].blocks]
+        for placed, (cost, _) in zip(layout.stages[c].blocks, blocks, strict=True):
             names.append(placed.block)
             for p in cost.params:
                 params.setdefault(p.key, p)
-            per_chunk[c] += cost.saved_bytes(choice)
-            rebuild[c] = max(rebuild[c], cost.rebuilt_bytes(choice))
-        if held_outputs and layout.pp > 1 and c < len(layout.stages) - 1:
-            per_chunk[c] += shard.sp_tokens * model.hidden_size * shard.act_bytes
+        per_chunk[c] = float(sum(cost.saved_bytes(choice) for cost, choice in blocks))
+        kept = 0.0
+        if torch_pp:
+            if c < last:
+                per_chunk[c] += hidden
+            else:  # the last stage's output is the logits: held through its backward
+                kept = sum(g.bytes for g in blocks[-1][0].saved if g.name == "logits")
+        rebuild[c] = rebuild_peak(blocks, kept)
     activations = activation_peak(layout, rank, num_microbatches, per_chunk, rebuild)
     plist = list(params.values())
     ema_on_gpu = layout.ema == "hbm"
@@ -223,9 +275,14 @@ def _rank_memory(
         ema_on_gpu=ema_on_gpu,
     )
     buffers = float(job.comm_buffer_bytes)
-    if layout.pp > 1:  # one send and one receive buffer of a micro-batch's hidden states
-        buffers += 2 * shard.sp_tokens * model.hidden_size * shard.act_bytes
+    if torch_pp:  # receive buffers per chunk and micro-batch
+        ends = sum((c > 0) + (c < last) for c in dict.fromkeys(chunks))
+        buffers += ends * num_microbatches * hidden
+    elif layout.pp > 1:  # one send and one receive buffer of a micro-batch's hidden states
+        buffers += 2 * hidden
     buffers += reduce_bucket_bytes(model, job, layout)
+    if runtime == "torch":
+        buffers += max(_backward_temporaries(costs[n], job, layout, shard, model) for n in names)
     if layout.zero >= 3:  # the gathered working copy of the largest block, and the prefetched
         biggest = max(sum(p.numel / shards(p, layout) for p in costs[n].params) for n in names)
         buffers += 2 * biggest * DTYPE_BYTES[job.weight_dtype]

@@ -239,6 +239,7 @@ class _Rank:
         if layout.zero == 2:
             self._bucket_by_block()
         self._data(model)
+        self.stages: list[Any] = []
         self.schedule = self._schedule(model) if pp > 1 else None
 
     # -- building -----------------------------------------------------------------------
@@ -316,6 +317,7 @@ class _Rank:
             )
             for c, chunk in self.chunks
         ]
+        self.stages = stages
         cls = getattr(pipelining, SCHEDULES[self.layout.schedule])
         single = self.layout.schedule in ("gpipe", "1f1b")
         return cls(stages[0] if single else stages, self.m, loss_fn=loss_fn)
@@ -432,6 +434,14 @@ class _Rank:
 
     def _claim_state(self) -> None:
         assert self.tracker is not None
+        # The pipeline's receive buffers (activations in, gradients back), one per chunk
+        # and micro-batch, made in the first step and kept for the next ones.
+        for stage in self.stages:
+            for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
+                for info in infos:
+                    buffer = getattr(info, "buffer", None)
+                    if isinstance(buffer, torch.Tensor) and not getattr(info, "is_root_arg", 0):
+                        self.tracker.claim("other", buffer)
         for p in self.params:
             self.tracker.claim("weights", p)
             if p.grad is not None:

@@ -11,11 +11,11 @@ What is compared, per rank:
 - weights, gradients, optimizer state and activations: each bucket's own highest level in
   the step (``planner.run.track``) against the predicted bucket;
 - ``other`` (everything else live: pipeline buffers, ZeRO-3's gathered weights, the reduce
-  bucket, gradients of activations in flight) against the predicted ``buffers``, which
-  leaves out the gradients of activations (see ``planner.costs.memory``).
+  bucket, gradients in flight in backward) against the predicted ``buffers``.
 
-The prediction is ``costs.memory.stage_memory`` with ``held_outputs=True``: PyTorch's
-pipelining keeps each in-flight micro-batch's stage output until its backward.
+The prediction is ``costs.memory.stage_memory`` with ``runtime="torch"``: it holds tensors
+as PyTorch's pipelining does (stage outputs until their backward, receive buffers per
+micro-batch, input gradients until the step ends).
 Step times are measured (median of the timed steps); a predicted step time needs a
 calibrated profile of this machine, which is not built yet, so it is reported as null.
 """
@@ -144,7 +144,7 @@ def compare(model: ModelSpec, job: TrainingJob, layout: Layout, *, steps: int = 
     from planner.run.execute import check_runnable, run_layout
 
     m = check_runnable(model, job, layout)
-    predicted = stage_memory(model, job, layout, num_microbatches=m, held_outputs=True)
+    predicted = stage_memory(model, job, layout, num_microbatches=m, runtime="torch")
     out = []
     for run in run_layout(model, job, layout, steps=steps):
         p = predicted[run.pp_rank]

@@ -312,17 +312,25 @@ class StageModel:
                 _ceil(t.fixed_state[r]["host"]),
             )
             saved = {c: self._sum(c, lambda o: _ceil(o.saved)) for c in chunks}
+            # What a backward rebuilds above the chunk's level: a block's rebuilt bytes less
+            # those the blocks after it have freed (costs.memory.rebuild_peak). Only the fixed
+            # blocks that close the last stage (MTP, head) are counted as after a layer: exact
+            # when a chunk's most-rebuilding layer is its last (every layer of a chunk taking
+            # one choice), and never below the exact term otherwise.
             rebuild = {}
             for c in chunks:
                 v = m.new_int_var(0, 2**40, f"rebuild[{c}]")
+                fixed = self._fixed_of(c)
+                tail = [n for n in fixed if n in t.last_fixed]
                 for k in self.kinds:
                     for b, o in zip(self.present[c][k], t.kinds[k].options, strict=True):
                         if o.rebuilt:
-                            m.add(v >= _ceil(o.rebuilt) * b)
-                for name in self._fixed_of(c):
+                            m.add(v >= _ceil(o.rebuilt) * b - self._saved_by(tail))
+                for name in fixed:
+                    later = tail[tail.index(name) + 1 :] if name in tail else tail
                     for b, o in zip(self.x[name], t.kinds[name].options, strict=True):
                         if o.rebuilt:
-                            m.add(v >= _ceil(o.rebuilt) * b)
+                            m.add(v >= _ceil(o.rebuilt) * b - self._saved_by(later))
                 rebuild[c] = v
             act = m.new_int_var(0, 2**40, f"activations[{r}]")
             for counts, rb in rank.levels:
@@ -341,6 +349,16 @@ class StageModel:
             if t.config.ema == "host":
                 per_node = min(self.cluster.gpus_per_node, self.cluster.num_gpus)
                 m.add(host * per_node <= self.cluster.host_ram_bytes // KIB)
+
+    def _saved_by(self, names: list[str]) -> Expr:
+        """Saved KiB (rounded down) of fixed blocks, by their chosen options."""
+        terms = [
+            _floor(o.saved) * b
+            for n in names
+            for b, o in zip(self.x[n], self.t.kinds[n].options, strict=True)
+            if o.saved
+        ]
+        return sum(terms) if terms else 0
 
     # -- objective ---------------------------------------------------------------------
     def _objective(self) -> None:
@@ -529,6 +547,11 @@ def _solver(
 def _ceil(x: float) -> int:
     """Bytes as whole KiB, rounded up (memory is never under-counted)."""
     return math.ceil(x / KIB - 1e-9)
+
+
+def _floor(x: float) -> int:
+    """Bytes as whole KiB, rounded down (for bytes subtracted from a peak)."""
+    return math.floor(x / KIB + 1e-9)
 
 
 def _int(x: float) -> int:
