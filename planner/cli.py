@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -85,6 +87,20 @@ def _parser() -> argparse.ArgumentParser:
     va.add_argument("--steps", type=int, default=3, help="timed steps per layout after warm-up")
     va.add_argument("--only", type=int, nargs="+", default=None, help="case numbers (1-based)")
     va.add_argument("--json", action="store_true", help="one JSON entry per layout and rank")
+    va.add_argument(
+        "--cluster", default=None, help="a calibrated profile YAML (default: calibrate now)"
+    )
+    va.add_argument(
+        "--cap",
+        type=float,
+        default=None,
+        metavar="MIB",
+        help="instead: plan 2 ranks under this memory cap and run the plans for real",
+    )
+    ca = sub.add_parser("calibrate", help="measure this machine into a cluster profile YAML")
+    ca.add_argument("--processes", type=int, default=2, help="worker processes ('GPUs')")
+    ca.add_argument("--out", default=None, help="YAML to write (default: cpu-<processes>.yaml)")
+    ca.add_argument("--name", default=None, help="machine name in the profile")
     sim = sub.add_parser("simulate", help="run a stated layout's step event by event")
     _layout_args(sim)
     sim.add_argument("--trace", default=None, help="write a Perfetto/Chrome trace JSON here")
@@ -139,6 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _export(args)
         elif args.command == "validate":
             _validate(args)
+        elif args.command == "calibrate":
+            _calibrate(args)
     except PlannerError as exc:
         print(f"planner: {exc}", file=sys.stderr)
         return 2
@@ -245,7 +263,6 @@ def _build(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJo
 
 def _layout_file(path: str) -> Layout:
     """A layout from a JSON file: a ``Layout``, or a plan (``planner plan --json``)."""
-    from pathlib import Path
 
     try:
         data = json.loads(Path(path).read_text())
@@ -452,7 +469,6 @@ def _writable(path: str, draw: Any, *args: Any, **kwargs: Any) -> str:
 
 
 def _export(args: argparse.Namespace) -> None:
-    from pathlib import Path
 
     from planner import export
     from planner.solve.result import Plan
@@ -555,12 +571,11 @@ if __name__ == "__main__":
 
 def _validate(args: argparse.Namespace) -> None:
     try:
-        from planner.run.validate import validate, validation_set
+        from planner.run.calibrate import calibrated_cluster
+        from planner.run.validate import cap_demo, label, ranking, validate, validation_set
     except ImportError as exc:  # torch is the optional extra ``run``
         raise PlannerError(f"validate needs PyTorch: pip install -e '.[run]' ({exc.msg})") from None
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-    from rich.table import Table
 
     cases = validation_set()
     if args.only:
@@ -570,40 +585,150 @@ def _validate(args: argparse.Namespace) -> None:
         cases = [cases[i - 1] for i in args.only]
     if args.steps < 1:
         raise PlannerError(f"--steps={args.steps}: needs at least 1 timed step")
+    if args.cap is not None:
+        if args.cap <= 0:
+            raise PlannerError(f"--cap={args.cap}: must be a positive number of MiB")
+        err = Console(stderr=True)
+        with tempfile.TemporaryDirectory() as folder:
+            if args.cluster is not None:
+                cluster = load_cluster(args.cluster, gpus=2)
+            else:
+                with err.status("calibrating this machine with 2 workers"):
+                    cluster = calibrated_cluster(2, Path(folder))
+        with err.status("planning with and without the cap, and running both plans"):
+            demo = cap_demo(cluster, round(args.cap * 2**20))
+        if args.json:
+            print(json.dumps({**demo.model_dump(), "shown": demo.shown}, indent=2))
+            return
+        console = Console()
+        console.print(
+            f"Memory cap {args.cap:g} MiB per rank (the planner keeps {demo.margin:.0%} of its "
+            "allocations free for what its model leaves out):"
+        )
+        for what, run in (("rejected", demo.rejected), ("accepted", demo.accepted)):
+            lay = run.layout
+            name = f"pp{lay['pp']} dp{lay['dp']} z{lay['zero']} recompute {lay['recompute']}"
+            measured = ", ".join(f"{b / 2**20:.1f}" for b in run.measured_peak_bytes)
+            console.print(
+                f"  {what}: {name}: predicted {run.predicted_peak_bytes / 2**20:.1f} MiB, "
+                f"measured {measured} MiB per rank, predicted step {run.predicted_step_s:.3f} s"
+            )
+        verdict = "shown" if demo.shown else "[red]not shown[/red]"
+        console.print(f"Rejected layout peaks above the cap and accepted below: {verdict}")
+        return
+    profiles: dict[int, ClusterSpec] = {}
+    if args.cluster is not None:
+        for ranks in sorted({layout.world_size for _, layout in cases}):
+            profiles[ranks] = load_cluster(args.cluster, gpus=ranks)
+    # One rank runs alone on a core as each of two does: it takes the 2-worker profile.
+    worlds = sorted({max(layout.world_size, 2) for _, layout in cases} - set(profiles))
+    err = Console(stderr=True)
+    with tempfile.TemporaryDirectory() as folder:
+        for ranks in worlds:
+            with err.status(f"calibrating this machine with {ranks} workers"):
+                profiles[ranks] = calibrated_cluster(ranks, Path(folder))
+    if 1 in {layout.world_size for _, layout in cases} and 1 not in profiles:
+        profiles[1] = profiles[2].model_copy(update={"num_gpus": 1})
     columns = (TextColumn("running layouts"), BarColumn(), MofNCompleteColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+    with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task("validate", total=len(cases))
         entries = validate(
-            cases, steps=args.steps, progress=lambda done, _: bar.update(task, completed=done)
+            cases,
+            steps=args.steps,
+            clusters=profiles.__getitem__,
+            progress=lambda done, _: bar.update(task, completed=done),
         )
     if args.json:
         print(json.dumps([e.model_dump() for e in entries], indent=2))
         return
     table = Table(title="cost model vs real run, per rank: error = predicted / measured - 1")
-    for col in ("layout", "rank", "peak MiB", "peak", "wts", "grads", "opt", "act", "other", "s"):
-        table.add_column(col, justify="left" if col == "layout" else "right")
+    heads = ("layout", "rank", "peak MiB", "peak", "wts", "grads", "opt", "act", "other")
+    for col in (*heads, "step s", "time"):
+        table.add_column(col, justify="left" if col == "layout" else "right", no_wrap=True)
 
     def cell(err: float, ok: bool) -> str:
         return f"{err:+.1%}" if ok else f"[red]{err:+.1%}[/red]"
 
     for e in entries:
-        lay = e.layout
-        name = (
-            f"pp{lay['pp']} dp{lay['dp']} ep{lay['ep']} z{lay['zero']} {lay['schedule']} "
-            f"{lay['recompute']}" + (" tied" if e.model.endswith("tied") else "")
-        )
-        row = [name, str(e.rank), f"{e.measured_peak_bytes / 2**20:.1f}"]
+        row = [label(e), str(e.rank), f"{e.measured_peak_bytes / 2**20:.1f}"]
         row.append(cell(e.peak_error, abs(e.peak_error) <= 0.05))
         for key in ("weights", "grads", "optimizer", "activations", "other"):
             b = e.buckets[key]
             row.append(cell(b.error, b.agrees) if b.measured_bytes else "-")
-        row.append(f"{e.measured_step_s:.2f}")
+        row.append(f"{e.measured_step_s:.3f}")
+        p = e.predicted_step_s
+        row.append(
+            cell(p / e.measured_step_s - 1, abs(p / e.measured_step_s - 1) <= 0.2) if p else "-"
+        )
         table.add_row(*row)
-    console = Console()
+    console = Console(width=max(Console().width, 120))
     console.print(table)
     console.print(
         "Measured: live tensor bytes in one step, each bucket at its own highest level; red: "
         "off by more than 5% and 1 MiB. other: pipeline buffers, gathered weights, reduce "
-        "buckets and gradients in flight in backward (predicted as buffers). s: median "
-        "step wall time; predicted step times need a calibrated profile (not built yet)."
+        "buckets and gradients in flight in backward (predicted as buffers). step s: median "
+        "measured step wall time; time: the cost model's step time with a profile of this "
+        "machine calibrated for that many workers (red: off by more than 20%)."
     )
+    r = ranking(entries)
+    if r.layouts:
+        verdict = "same order" if r.same_order else f"[red]{r.discordant_pairs} pairs swapped[/red]"
+        console.print(
+            f"\nStep-time ranking, fastest first (measured s / predicted s): {verdict}, "
+            f"mean |error| {r.mean_abs_error:.1%}"
+        )
+        for name, m, p in zip(r.layouts, r.measured_s, r.predicted_s, strict=True):
+            console.print(f"  {name:<40} {m:.3f} / {p:.3f}")
+    for name, why in r.left_out.items():
+        console.print(f"  not ranked: {name} ({why})")
+
+
+def _calibrate(args: argparse.Namespace) -> None:
+    try:
+        from planner.run.calibrate import measure, write_profile
+    except ImportError as exc:  # torch is the optional extra ``run``
+        raise PlannerError(
+            f"calibrate needs PyTorch: pip install -e '.[run]' ({exc.msg})"
+        ) from None
+
+    if args.processes < 2:
+        raise PlannerError(f"--processes={args.processes}: needs at least 2 (pairs for p2p)")
+    path = Path(args.out or f"cpu-{args.processes}.yaml")
+    if path.parent and not path.parent.is_dir():
+        raise PlannerError(f"--out={args.out}: no such directory {path.parent}")
+    with Console(stderr=True).status(f"measuring with {args.processes} workers"):
+        found = measure(args.processes)
+    data = write_profile(found, path, name=args.name or f"cpu-{args.processes}")
+    console = Console()
+    rates = Table(title=f"{path}: this machine as {args.processes} 'GPUs'")
+    rates.add_column("quantity")
+    rates.add_column("value", justify="right")
+    for what, value in (
+        ("GEMM (FP32)", f"{data['bf16_dense_tflops'] * 1e3:.1f} GFLOP/s"),
+        (
+            "attention",
+            f"{data['bf16_dense_tflops'] * data['achieved']['attention'] * 1e3:.1f} GFLOP/s",
+        ),
+        ("memory copy", f"{data['hbm_bandwidth_GBps']:.1f} GB/s"),
+        ("all-reduce bus bandwidth", f"{data['nvlink_GBps_per_direction']:.2f} GB/s"),
+        ("latency per ring step", f"{data['nvlink_latency_us']:.1f} us"),
+        ("per-operator overhead (fitted)", f"{data['kernel_overhead_us']:.1f} us"),
+    ):
+        rates.add_row(what, value)
+    console.print(rates)
+    checks = Table(
+        title="block times, one micro-batch: measured vs the cost model with this profile"
+    )
+    for col in ("block", "phase", "measured ms", "predicted ms", "error"):
+        checks.add_column(col, justify="left" if col in ("block", "phase") else "right")
+    for c in data["checks"]:
+        error = f"{c['error']:+.1%}" if c["error"] is not None else "-"
+        checks.add_row(
+            c["block"],
+            c["phase"],
+            f"{c['measured_s'] * 1e3:.2f}",
+            f"{c['predicted_s'] * 1e3:.2f}",
+            error,
+        )
+    console.print(checks)
+    console.print(f"Use it with --cluster {path} (plan, evaluate, simulate, validate).")

@@ -16,12 +16,16 @@ What is compared, per rank:
 The prediction is ``costs.memory.stage_memory`` with ``runtime="torch"``: it holds tensors
 as PyTorch's pipelining does (stage outputs until their backward, receive buffers per
 micro-batch, input gradients until the step ends).
-Step times are measured (median of the timed steps); a predicted step time needs a
-calibrated profile of this machine, which is not built yet, so it is reported as null.
+Step times are measured (median of the timed steps) and predicted by
+``planner.estimate.evaluate`` with a calibrated profile of this machine
+(``planner.run.calibrate``) of as many workers as the layout has ranks. ``ranking`` sets the
+predicted order of layouts by step time beside the measured one, for the layouts this
+machine can stand for (see there).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -29,8 +33,9 @@ from pydantic import BaseModel, Field
 
 from planner.catalog import load_model
 from planner.costs.memory import stage_memory
+from planner.estimate import evaluate
 from planner.layout import Layout
-from planner.specs import ModelSpec, TrainingJob
+from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 
 COMPARED = ("weights", "grads", "optimizer", "activations")
 TOLERANCE = 0.05  # relative, on the peak and on each bucket
@@ -76,7 +81,8 @@ def small_job(seq_len: int = 256, global_batch: int = 8) -> TrainingJob:
 
 def validation_set() -> list[tuple[ModelSpec, Layout]]:
     """Layouts covering ZeRO 0-3, recompute none / selective (the MoE module) / full,
-    pp 1, 2 and 4, 1F1B and interleaved, ep 1 and 2, and a tied embedding and head."""
+    pp 1, 2 and 4, 1F1B and interleaved, ep 1 and 2, and a tied embedding and head; the
+    last two, single-rank recompute, also widen the spread of step times to rank."""
     model, tied = small_model(), small_model(tied=True)
     cases: list[tuple[ModelSpec, dict[str, Any]]] = [
         (model, {"dp": 2, "zero": 0}),
@@ -88,6 +94,8 @@ def validation_set() -> list[tuple[ModelSpec, Layout]]:
         (model, {"pp": 2, "zero": 0, "schedule": "interleaved"}),
         (model, {"dp": 2, "ep": 2, "zero": 1}),
         (tied, {"zero": 1}),
+        (model, {"zero": 0, "recompute": "moe"}),
+        (model, {"zero": 0, "recompute": "full"}),
     ]
     return [(m, Layout.uniform(m, micro_batch=1, **kw)) for m, kw in cases]
 
@@ -110,7 +118,9 @@ class Entry(BaseModel):
     measured_peak_bytes: int
     peak_error: float = Field(description="predicted / measured - 1.")
     buckets: dict[str, Bucket]
-    predicted_step_s: float | None = Field(description="Needs a calibrated profile.")
+    predicted_step_s: float | None = Field(
+        description="Cost model with a calibrated profile (s); null without one."
+    )
     measured_step_s: float = Field(description="Median wall time of the timed steps (s).")
     losses: list[float] = Field(description="Loss of each step on a last-stage rank.")
 
@@ -139,12 +149,21 @@ def _bucket(predicted: float, measured: int) -> Bucket:
     )
 
 
-def compare(model: ModelSpec, job: TrainingJob, layout: Layout, *, steps: int = 3) -> list[Entry]:
-    """Run ``layout`` and compare every rank with the cost model."""
+def compare(
+    model: ModelSpec,
+    job: TrainingJob,
+    layout: Layout,
+    *,
+    steps: int = 3,
+    cluster: ClusterSpec | None = None,
+) -> list[Entry]:
+    """Run ``layout`` and compare every rank with the cost model (step time too, with a
+    calibrated ``cluster`` of ``layout.world_size`` GPUs)."""
     from planner.run.execute import check_runnable, run_layout
 
     m = check_runnable(model, job, layout)
     predicted = stage_memory(model, job, layout, num_microbatches=m, runtime="torch")
+    step_s = evaluate(model, cluster, job, layout).step_time_s if cluster else None
     out = []
     for run in run_layout(model, job, layout, steps=steps):
         p = predicted[run.pp_rank]
@@ -160,7 +179,7 @@ def compare(model: ModelSpec, job: TrainingJob, layout: Layout, *, steps: int = 
                 measured_peak_bytes=run.peak_bytes,
                 peak_error=p.peak_bytes / run.peak_bytes - 1,
                 buckets=buckets,
-                predicted_step_s=None,
+                predicted_step_s=step_s,
                 measured_step_s=run.median_step_s,
                 losses=run.losses,
             )
@@ -173,15 +192,147 @@ def validate(
     *,
     job: TrainingJob | None = None,
     steps: int = 3,
+    clusters: Callable[[int], ClusterSpec] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[Entry]:
-    """Run every case (default: ``validation_set()``) and compare; ``progress(done,
-    total)`` after each."""
+    """Run every case (default: ``validation_set()``) and compare; ``clusters(ranks)``
+    gives the calibrated profile for a layout of that many ranks (no step-time prediction
+    without it); ``progress(done, total)`` after each case."""
     todo = list(cases if cases is not None else validation_set())
     job = job or small_job()
     entries: list[Entry] = []
     for i, (model, layout) in enumerate(todo):
-        entries += compare(model, job, layout, steps=steps)
+        cluster = clusters(layout.world_size) if clusters else None
+        entries += compare(model, job, layout, steps=steps, cluster=cluster)
         if progress is not None:
             progress(i + 1, len(todo))
     return entries
+
+
+class Ranking(BaseModel):
+    """Layouts ordered by measured step time, with the predicted times beside them."""
+
+    layouts: list[str] = Field(description="The ranked layouts, in measured order, fastest first.")
+    measured_s: list[float] = Field(description="Measured step time of each (s).")
+    predicted_s: list[float] = Field(description="Predicted step time of each (s).")
+    same_order: bool = Field(description="The predicted order is the measured one.")
+    discordant_pairs: int = Field(description="Pairs the prediction orders the other way.")
+    mean_abs_error: float = Field(description="Mean of |predicted / measured - 1|.")
+    left_out: dict[str, str] = Field(description="Layouts not ranked, with the reason.")
+
+
+def label(entry: Entry) -> str:
+    """A layout's short name: degrees, ZeRO stage, schedule, recompute."""
+    lay = entry.layout
+    return (
+        f"pp{lay['pp']} dp{lay['dp']} ep{lay['ep']} z{lay['zero']} {lay['schedule']} "
+        f"{lay['recompute']}" + (" tied" if entry.model.endswith("tied") else "")
+    )
+
+
+def ranking(entries: list[Entry], *, cores: int | None = None) -> Ranking:
+    """The layouts' measured and predicted order by step time (a layout's time: its
+    slowest rank's median, as a step ends when every rank is done). Ranked: layouts whose
+    run this machine can stand for, i.e. no more ranks than ``cores`` (more share cores
+    the profile gives each rank whole, and a pipeline's idle ranks lend theirs) and no
+    data-parallel gradient reduction (the model overlaps it with backward, as Megatron-LM
+    does; gloo on CPU runs it on the cores after the backward)."""
+    cores = cores or os.cpu_count() or 1
+    per: dict[str, tuple[float, float]] = {}
+    left_out: dict[str, str] = {}
+    for e in entries:
+        name = label(e)
+        ranks = e.layout["pp"] * e.layout["dp"] * e.layout["tp"]
+        if e.predicted_step_s is None:
+            left_out[name] = "no calibrated profile"
+        elif ranks > cores:
+            left_out[name] = f"{ranks} ranks on {cores} cores"
+        elif e.layout["dp"] > 1:
+            left_out[name] = "data-parallel gradient reduction not overlapped on CPU"
+        else:
+            measured = max(per.get(name, (0.0, 0.0))[0], e.measured_step_s)
+            per[name] = (measured, e.predicted_step_s)
+    rows = sorted((m, p, n) for n, (m, p) in per.items())
+    discordant = sum(
+        1 for i, (_, p_i, _) in enumerate(rows) for _, p_j, _ in rows[i + 1 :] if p_j < p_i
+    )
+    return Ranking(
+        layouts=[n for _, _, n in rows],
+        measured_s=[m for m, _, _ in rows],
+        predicted_s=[p for _, p, _ in rows],
+        same_order=discordant == 0,
+        discordant_pairs=discordant,
+        mean_abs_error=sum(abs(p / m - 1) for m, p, _ in rows) / len(rows) if rows else 0.0,
+        left_out=left_out,
+    )
+
+
+class CapRun(BaseModel):
+    """One layout of the memory-cap demonstration: the planner's word and the real run's."""
+
+    layout: dict[str, Any] = Field(description="Degrees, schedule, ZeRO stage, recompute.")
+    predicted_peak_bytes: int = Field(description="The planner's per-rank peak (bytes).")
+    measured_peak_bytes: list[int] = Field(description="Each rank's measured peak (bytes).")
+    predicted_step_s: float = Field(description="The planner's step time (s).")
+
+
+class CapDemo(BaseModel):
+    """The planner's fastest layout ignoring memory, which a cap rules out, against the
+    fastest layout it finds under the cap, both run for real."""
+
+    cap_bytes: int = Field(description="Memory per rank the planner was given (bytes).")
+    margin: float = Field(description="Fraction of allocations the planner keeps free.")
+    rejected: CapRun = Field(description="Fastest layout without the cap; over it.")
+    accepted: CapRun = Field(description="The planner's plan under the cap.")
+
+    @property
+    def shown(self) -> bool:
+        """The rejected layout really peaks above the cap and the accepted one below."""
+        return (
+            min(self.rejected.measured_peak_bytes)
+            > self.cap_bytes
+            >= max(self.accepted.measured_peak_bytes)
+        )
+
+
+def cap_demo(cluster: ClusterSpec, cap_bytes: int, *, margin: float = 0.05) -> CapDemo:
+    """Plan the small model on ``cluster`` (its GPU count) without a memory limit and under
+    ``cap_bytes`` per rank, then run both plans. The planner keeps ``margin`` of its
+    allocations free (the job's fragmentation allowance) for what its model leaves out.
+    Searched: tp 1, ep 1, micro-batch 1, 1F1B, recompute none / MoE / full (what real runs
+    cover here)."""
+    from planner.errors import PlannerError
+    from planner.run.execute import run_layout
+    from planner.solve import plan
+    from planner.specs import SearchSpace
+
+    model = small_model()
+    job = small_job().model_copy(update={"fragmentation": margin})
+    space = SearchSpace(
+        tp=[1], ep=[1], micro_batch=[1], schedules=["1f1b"], recompute=["none", "moe", "full"]
+    )
+    roomy = cluster.model_copy(update={"hbm_bytes": 2**40})
+    capped = cluster.model_copy(update={"hbm_bytes": cap_bytes})
+    plans = []
+    for what, machine in (("without the cap", roomy), ("under the cap", capped)):
+        chosen = plan(model, machine, job, space, time_limit_s=30)
+        if chosen.layout is None or chosen.estimate is None:
+            raise PlannerError(f"cap={cap_bytes} B: no layout of the small model fits {what}")
+        plans.append((chosen.layout, chosen.estimate))
+    if plans[0][1].peak_bytes <= cap_bytes:
+        raise PlannerError(
+            f"cap={cap_bytes} B: the fastest layout already fits "
+            f"({plans[0][1].peak_bytes} B predicted); give a smaller cap"
+        )
+    runs = []
+    for layout, estimate in plans:
+        measured = run_layout(model, small_job(), layout, steps=1, warmup=0)
+        runs.append(
+            CapRun(
+                layout=describe(layout),
+                predicted_peak_bytes=estimate.peak_bytes,
+                measured_peak_bytes=[r.peak_bytes for r in measured],
+                predicted_step_s=estimate.step_time_s,
+            )
+        )
+    return CapDemo(cap_bytes=cap_bytes, margin=margin, rejected=runs[0], accepted=runs[1])
