@@ -67,7 +67,7 @@ def _gemm_rate(shapes: list[tuple[int, int, int]]) -> float:
     flops = seconds = 0.0
     for m, k, n in shapes:
         a, b = torch.randn(m, k), torch.randn(k, n)
-        seconds += _median_time(partial(torch.mm, a, b), repeat=15)
+        seconds += _median_time(partial(torch.mm, a, b), repeat=31)
         flops += 2.0 * m * k * n
     return flops / seconds
 
@@ -138,7 +138,7 @@ def _block_times(model: Any, job: Any) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for name, (block, x) in blocks.items():
         inp = x if name == "embedding" else x.clone().requires_grad_(True)
-        fwd = _median_time(partial(block, inp), repeat=9)
+        fwd = _median_time(partial(block, inp), repeat=21)
 
         def both(
             choice: str = "none", block: torch.nn.Module = block, inp: torch.Tensor = inp
@@ -146,10 +146,10 @@ def _block_times(model: Any, job: Any) -> dict[str, dict[str, float]]:
             y = block(inp, choice)
             y.backward(torch.ones_like(y))
 
-        total = _median_time(both, repeat=9)
+        total = _median_time(both, repeat=21)
         out[name] = {"fwd_s": fwd, "bwd_s": max(total - fwd, 0.0)}
         if name.startswith("layer."):
-            full = _median_time(lambda: both("full"), repeat=9)
+            full = _median_time(lambda: both("full"), repeat=21)
             out[name]["recompute_s"] = max(full - total, 0.0)
     return out
 

@@ -6,10 +6,12 @@
 - Recompute: ``torch.utils.checkpoint`` per block, as each block's placement says.
 - Expert parallelism: each rank of an ``ep`` group keeps ``E/ep`` experts; tokens travel by
   all-to-all (``torch.distributed.nn.functional.all_to_all_single``).
-- ZeRO: 0, gradients all-reduced and AdamW everywhere; 1, ``ZeroRedundancyOptimizer`` (each
-  rank keeps the AdamW state of its share of the parameters); 2, the same optimizer, and each
-  micro-batch's gradient of a parameter is reduced straight to the rank that owns it, which
-  alone accumulates it (the others drop it); 3, FSDP2 ``fully_shard`` on every block.
+- ZeRO: 0, gradients accumulated in one flat buffer per data-parallel group (Megatron-LM's
+  contiguous gradient buffer), all-reduced once per step, and AdamW everywhere; 1, the same
+  buffer and ``ZeroRedundancyOptimizer`` (each rank keeps the AdamW state of its share of
+  the parameters); 2, the same optimizer, and each micro-batch's gradients of a block go,
+  one flat bucket per owning rank, straight to the rank that owns them, which alone
+  accumulates them (the others drop them); 3, FSDP2 ``fully_shard`` on every block.
   Dense parameters are shared over the ``dp`` ranks of a pipeline position, routed experts
   over the ``dp/ep`` ranks holding the same experts.
 
@@ -233,6 +235,9 @@ class _Rank:
             )
         self.optimizers = self._optimizers()
         self.acc: dict[nn.Parameter, torch.Tensor] = {}
+        self.buckets: list[tuple[torch.Tensor, Any, list[nn.Parameter]]] = []
+        if layout.zero < 2:
+            self._grad_buckets()
         if layout.zero < 2:  # ZeRO-2's fresh gradients are its reduce bucket: not claimed
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._claim_grad)
@@ -290,6 +295,7 @@ class _Rank:
                     process_group=group,
                     lr=1e-3,
                     foreach=False,
+                    parameters_as_bucket_view=True,  # one broadcast per rank's share
                 )
                 for p, local in opt._param_to_rank.items():  # type: ignore[attr-defined]
                     self.owner[p] = dist.get_global_rank(group, local)
@@ -362,6 +368,7 @@ class _Rank:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.acc.clear()
+        self._point_grads()
         return loss
 
     def _group_of(self, p: nn.Parameter) -> Any:
@@ -374,15 +381,30 @@ class _Rank:
             for p, acc in self.acc.items():
                 p.grad = acc.div_(dist.get_world_size(self._group_of(p)))
             return
-        for p in self.params:
-            group = self._group_of(p)
-            size = dist.get_world_size(group)
-            if size == 1:
-                continue
-            if p.grad is None:  # an expert no token reached here this step
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group)
-            p.grad.div_(size)
+        for bucket, group, _ in self.buckets:  # one all-reduce per group, as DDP buckets
+            dist.all_reduce(bucket, group=group)
+            bucket.div_(dist.get_world_size(group))
+
+    def _grad_buckets(self) -> None:
+        """ZeRO-0/1 gradients live in one flat buffer per data-parallel group (Megatron-LM's
+        contiguous gradient buffer), so each group reduces them in one all-reduce; each
+        parameter's ``.grad`` is its view, accumulated in place micro-batch after
+        micro-batch. Same bytes as separate gradients."""
+        dense = [p for p in self.params if p not in self.expert]
+        experts = [p for p in self.params if p in self.expert]
+        for params, group in ((dense, self.groups.dp), (experts, self.groups.edp)):
+            if params and dist.get_world_size(group) > 1:
+                total = sum(p.numel() for p in params)
+                self.buckets.append((params[0].new_zeros(total), group, params))
+        self._point_grads()
+
+    def _point_grads(self) -> None:
+        for bucket, _, params in self.buckets:
+            bucket.zero_()
+            offset = 0
+            for p in params:
+                p.grad = bucket[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
 
     def _bucket_by_block(self) -> None:
         """ZeRO-2 reduces gradients block by block (a block is a bucket): once every
@@ -407,23 +429,32 @@ class _Rank:
                     p.register_post_accumulate_grad_hook(hook)
 
     def _reduce_to_owners(self, params: list[nn.Parameter]) -> None:
-        """ZeRO-2: each gradient of ``params`` goes to the rank owning its parameter, which
-        alone accumulates it; the others drop it. In parameter order, so every rank of a
-        group issues the same reductions."""
+        """ZeRO-2: the block's gradients go, one flat bucket per owning rank, to the rank
+        owning their parameters, which alone accumulates them; the others drop them. In
+        parameter order, so every rank of a group issues the same reductions."""
+        segments: dict[tuple[int, int], list[nn.Parameter]] = {}
         for p in params:
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            p.grad = None
-            group = self._group_of(p)
-            owner = self.owner[p]
+            segments.setdefault((id(self._group_of(p)), self.owner[p]), []).append(p)
+        for (_, owner), members in segments.items():
+            group = self._group_of(members[0])
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in members]
+            for p in members:
+                p.grad = None
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            del grads
             if dist.get_world_size(group) > 1:
-                dist.reduce(grad, dst=owner, group=group)
+                dist.reduce(flat, dst=owner, group=group)
             if owner != self.rank:
                 continue
-            if p in self.acc:
-                self.acc[p].add_(grad)
-            else:
-                self.acc[p] = grad
-                self._claim("grads", grad)
+            offset = 0
+            for p in members:
+                view = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p in self.acc:
+                    self.acc[p].add_(view)
+                else:
+                    self.acc[p] = view
+                    self._claim("grads", view)
 
     def _claim_grad(self, p: nn.Parameter) -> None:
         self._claim("grads", p.grad)

@@ -235,8 +235,9 @@ def ranking(entries: list[Entry], *, cores: int | None = None) -> Ranking:
     slowest rank's median, as a step ends when every rank is done). Ranked: layouts whose
     run this machine can stand for, i.e. no more ranks than ``cores`` (more share cores
     the profile gives each rank whole, and a pipeline's idle ranks lend theirs) and no
-    data-parallel gradient reduction (the model overlaps it with backward, as Megatron-LM
-    does; gloo on CPU runs it on the cores after the backward)."""
+    data-parallel communication (the model overlaps gradient reductions and ZeRO-2/3
+    transfers with compute, as Megatron-LM does on GPUs; gloo on CPU runs them on the
+    cores between the computation)."""
     cores = cores or os.cpu_count() or 1
     per: dict[str, tuple[float, float]] = {}
     left_out: dict[str, str] = {}
@@ -248,7 +249,10 @@ def ranking(entries: list[Entry], *, cores: int | None = None) -> Ranking:
         elif ranks > cores:
             left_out[name] = f"{ranks} ranks on {cores} cores"
         elif e.layout["dp"] > 1:
-            left_out[name] = "data-parallel gradient reduction not overlapped on CPU"
+            left_out[name] = (
+                "data-parallel communication, which the model overlaps with compute "
+                "(Megatron-LM on GPUs), runs between the computation here"
+            )
         else:
             measured = max(per.get(name, (0.0, 0.0))[0], e.measured_step_s)
             per[name] = (measured, e.predicted_step_s)
