@@ -8,7 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import planner
-from planner.costs.memory import BUCKETS, reduce_bucket_bytes
+from planner.costs.blocks import BlockCost
+from planner.costs.memory import (
+    BUCKETS,
+    block_costs,
+    rebuild_peak,
+    reduce_bucket_bytes,
+    shard_of,
+)
+from planner.layout import parse_recompute
 
 MODELS = {n: planner.load_model(n) for n in ("llama3-8b", "mixtral-8x7b", "deepseek-v2")}
 RECOMPUTE_ORDER = ["none", "selective", "full"]
@@ -111,3 +119,45 @@ def _degrees(layout: planner.Layout) -> dict[str, int]:
         "zero": layout.zero,
         "micro_batch": layout.micro_batch,
     }
+
+
+def _mixtral_blocks(layout: planner.Layout) -> dict[str, BlockCost]:
+    model = MODELS["mixtral-8x7b"]
+    job = planner.TrainingJob(seq_len=4096, global_batch=8)
+    return block_costs(model, layout, shard_of(job, layout))
+
+
+def test_a_rebuild_is_counted_above_what_is_still_saved() -> None:
+    """Backward runs a chunk's blocks last to first: when a layer rebuilds its MoE, the head
+    after it has freed its logits; when the recomputed layer is the chunk's last block,
+    nothing has been freed yet."""
+    layout = planner.Layout.uniform(MODELS["mixtral-8x7b"], pp=1)
+    costs = _mixtral_blocks(layout)
+    layer, head = costs["layer.31"], costs["head"]
+    moe = frozenset({"moe"})
+    rebuilt, head_saved = layer.rebuilt_bytes(moe), head.saved_bytes()
+    assert rebuilt > 0 and head_saved > 0
+    assert rebuild_peak([(layer, moe)]) == rebuilt
+    assert rebuild_peak([(layer, moe), (head, frozenset())]) == max(0, rebuilt - head_saved)
+    logits = sum(g.bytes for g in head.saved if g.name == "logits")
+    held = rebuild_peak([(layer, moe), (head, frozenset())], kept=logits)
+    assert held == max(0, rebuilt - (head_saved - logits))
+    # Full recompute of two layers: the first rebuilds after the second freed what it kept.
+    first, second = costs["layer.0"], costs["layer.1"]
+    full = [(first, "full"), (second, "full")]
+    expected = max(
+        second.rebuilt_bytes("full"), first.rebuilt_bytes("full") - second.saved_bytes("full")
+    )
+    assert rebuild_peak(full) == expected
+
+
+@given(cases())
+@settings(max_examples=40, deadline=None)
+def test_rebuild_never_exceeds_the_largest_rebuilt_block(case) -> None:  # type: ignore[no-untyped-def]
+    model, layout, job = case
+    costs = block_costs(model, layout, shard_of(job, layout))
+    for stage in layout.stages:
+        blocks = [(costs[b.block], parse_recompute(b.recompute)) for b in stage.blocks]
+        peak = rebuild_peak(blocks)
+        assert 0 <= peak <= max(c.rebuilt_bytes(ch) for c, ch in blocks)
+        assert peak >= blocks[-1][0].rebuilt_bytes(blocks[-1][1])
