@@ -85,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
         "validate", help="run small layouts for real (PyTorch, CPU) against the cost model"
     )
     va.add_argument("--steps", type=int, default=3, help="timed steps per layout after warm-up")
+    va.add_argument("--rounds", type=int, default=1, help="run the set this many times over")
     va.add_argument("--only", type=int, nargs="+", default=None, help="case numbers (1-based)")
     va.add_argument("--json", action="store_true", help="one JSON entry per layout and rank")
     va.add_argument(
@@ -585,6 +586,8 @@ def _validate(args: argparse.Namespace) -> None:
         cases = [cases[i - 1] for i in args.only]
     if args.steps < 1:
         raise PlannerError(f"--steps={args.steps}: needs at least 1 timed step")
+    if args.rounds < 1:
+        raise PlannerError(f"--rounds={args.rounds}: needs at least 1 round")
     if args.cap is not None:
         if args.cap <= 0:
             raise PlannerError(f"--cap={args.cap}: must be a positive number of MiB")
@@ -631,10 +634,11 @@ def _validate(args: argparse.Namespace) -> None:
         profiles[1] = profiles[2].model_copy(update={"num_gpus": 1})
     columns = (TextColumn("running layouts"), BarColumn(), MofNCompleteColumn())
     with Progress(*columns, console=err, transient=True) as bar:
-        task = bar.add_task("validate", total=len(cases))
+        task = bar.add_task("validate", total=len(cases) * args.rounds)
         entries = validate(
             cases,
             steps=args.steps,
+            rounds=args.rounds,
             clusters=profiles.__getitem__,
             progress=lambda done, _: bar.update(task, completed=done),
         )

@@ -26,6 +26,7 @@ machine can stand for (see there).
 from __future__ import annotations
 
 import os
+import statistics
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -192,20 +193,32 @@ def validate(
     *,
     job: TrainingJob | None = None,
     steps: int = 3,
+    rounds: int = 1,
     clusters: Callable[[int], ClusterSpec] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[Entry]:
     """Run every case (default: ``validation_set()``) and compare; ``clusters(ranks)``
     gives the calibrated profile for a layout of that many ranks (no step-time prediction
-    without it); ``progress(done, total)`` after each case."""
+    without it); ``progress(done, total)`` after each run. With ``rounds`` > 1 the whole
+    set runs that many times over, one case after another, and each rank's step time is
+    the median of its rounds' (a shared machine's slow spells then fall on every layout
+    alike); memory is the first round's (it does not change from run to run)."""
     todo = list(cases if cases is not None else validation_set())
     job = job or small_job()
+    per_round: list[list[list[Entry]]] = []
+    for r in range(rounds):
+        runs = []
+        for i, (model, layout) in enumerate(todo):
+            cluster = clusters(layout.world_size) if clusters else None
+            runs.append(compare(model, job, layout, steps=steps, cluster=cluster))
+            if progress is not None:
+                progress(r * len(todo) + i + 1, rounds * len(todo))
+        per_round.append(runs)
     entries: list[Entry] = []
-    for i, (model, layout) in enumerate(todo):
-        cluster = clusters(layout.world_size) if clusters else None
-        entries += compare(model, job, layout, steps=steps, cluster=cluster)
-        if progress is not None:
-            progress(i + 1, len(todo))
+    for i, first in enumerate(per_round[0]):
+        for j, entry in enumerate(first):
+            times = [runs[i][j].measured_step_s for runs in per_round]
+            entries.append(entry.model_copy(update={"measured_step_s": statistics.median(times)}))
     return entries
 
 
