@@ -124,6 +124,10 @@ class BlockCost:
         """Bytes kept for backward under a recompute choice (a module set or ``"full"``)."""
         return sum(g.bytes for g in self.saved if not _is_dropped(g, dropped))
 
+    def kept_bytes(self, name: str, dropped: frozenset[str] | str = frozenset()) -> int:
+        """Bytes of the saved group ``name`` kept for backward under a recompute choice."""
+        return sum(g.bytes for g in self.saved if g.name == name and not _is_dropped(g, dropped))
+
     def rebuilt_bytes(self, dropped: frozenset[str] | str) -> int:
         """Bytes re-materialised in backward under a recompute choice (one micro-batch)."""
         return sum(g.bytes for g in self.saved if _is_dropped(g, dropped))

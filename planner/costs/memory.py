@@ -220,7 +220,8 @@ def stage_memory(
     - each in-flight micro-batch's stage output is held until its backward is done (the
       last stage's output is its logits, so they outlive the head's backward);
     - every micro-batch has its own receive buffers, made once and kept: hidden states
-      into a chunk that is not the first, their gradients into one that is not the last;
+      into a chunk that is not the first (the chunk's saved input is that buffer), their
+      gradients into one that is not the last;
     - an eager backward holds the gradient flowing back and a parameter's fresh gradient
       before accumulation (``_backward_temporaries``; in ``buffers``, like the reduce
       bucket)."""
@@ -262,7 +263,9 @@ def _rank_memory(
             if c < last:
                 per_chunk[c] += hidden
             else:  # the last stage's output is the logits: held through its backward
-                kept = sum(g.bytes for g in blocks[-1][0].saved if g.name == "logits")
+                kept = blocks[-1][0].kept_bytes("logits")
+            if c > 0:  # the input a chunk keeps is its receive buffer, counted in buffers
+                per_chunk[c] -= blocks[0][0].kept_bytes("block_input", blocks[0][1])
         rebuild[c] = rebuild_peak(blocks, kept)
     activations = activation_peak(layout, rank, num_microbatches, per_chunk, rebuild)
     plist = list(params.values())

@@ -169,11 +169,15 @@ class Tracker(TorchDispatchMode):
     @contextlib.contextmanager
     def saving(self, params: set[int]) -> Iterator[None]:
         """Tag what autograd saves for backward as activations (parameters excepted: their
-        storages are in ``params``, by data pointer)."""
+        storages are in ``params``, by data pointer, and any leaf that requires gradients,
+        or a view of one, is a parameter or a received input)."""
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             if isinstance(t, nn.Parameter) or t.device.type == "meta":
                 return t
+            base = t._base if t._base is not None else t
+            if base.is_leaf and base.requires_grad:  # a weight (FSDP2's gathered one too)
+                return t  # or a received pipeline input: a buffer, claimed as such
             if t.untyped_storage().data_ptr() not in params:
                 self._tag(self._follow(t.untyped_storage()), "activations")
             return t
