@@ -74,6 +74,11 @@ def main() -> None:
         agree = sum(all(e.buckets[bucket].agrees for e in ranks) for ranks in layouts.values())
         worst = max(abs(e.buckets[bucket].error) for e in entries)
         print(f"  {bucket:<12} within 5% or 1 MiB: {agree} of {len(layouts)}; worst {worst:.1%}")
+    both = sum(
+        all(abs(e.peak_error) <= 0.05 and all(e.buckets[k].agrees for k in COMPARED) for e in ranks)
+        for ranks in layouts.values()
+    )
+    print(f"  peak and the four buckets agree on every rank: {both} of {len(layouts)} (target: 8)")
     all_peaks = [abs(e.peak_error) for e in entries]
     print(
         f"  per-rank peak |error|: median {statistics.median(all_peaks):.1%}, "
