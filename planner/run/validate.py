@@ -334,12 +334,14 @@ def cap_demo(cluster: ClusterSpec, cap_bytes: int, *, margin: float = 0.05) -> C
     for what, machine in (("without the cap", roomy), ("under the cap", capped)):
         chosen = plan(model, machine, job, space, time_limit_s=30)
         if chosen.layout is None or chosen.estimate is None:
-            raise PlannerError(f"cap={cap_bytes} B: no layout of the small model fits {what}")
+            raise PlannerError(
+                f"cap={cap_bytes / 2**20:g} MiB: no layout of the small model fits {what}"
+            )
         plans.append((chosen.layout, chosen.estimate))
     if plans[0][1].peak_bytes <= cap_bytes:
         raise PlannerError(
-            f"cap={cap_bytes} B: the fastest layout already fits "
-            f"({plans[0][1].peak_bytes} B predicted); give a smaller cap"
+            f"cap={cap_bytes / 2**20:g} MiB: the fastest layout already fits "
+            f"({plans[0][1].peak_bytes / 2**20:.1f} MiB predicted); give a smaller cap"
         )
     runs = []
     for layout, estimate in plans:
