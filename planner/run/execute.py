@@ -5,7 +5,7 @@
   With ``pp = 1`` the micro-batches run one after another on the single stage.
 - Recompute: ``torch.utils.checkpoint`` per block, as each block's placement says.
 - Expert parallelism: each rank of an ``ep`` group keeps ``E/ep`` experts; tokens travel by
-  all-to-all (``torch.distributed.nn.functional.all_to_all_single``).
+  all-to-all (``torch.distributed._functional_collectives.all_to_all_single_autograd``).
 - ZeRO: 0, gradients accumulated in one flat buffer per data-parallel group (Megatron-LM's
   contiguous gradient buffer), all-reduced once per step, and AdamW everywhere; 1, the same
   buffer and ``ZeroRedundancyOptimizer`` (each rank keeps the AdamW state of its share of

@@ -276,7 +276,9 @@ class MoE(nn.Module):
         """Rows in global expert order go to the ranks holding their experts (all-to-all),
         through the local experts, and back in the same order."""
         import torch.distributed as dist
-        from torch.distributed.nn.functional import all_to_all_single
+        from torch.distributed._functional_collectives import (
+            all_to_all_single_autograd as all_to_all,
+        )
 
         width = len(self.experts)
         counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
@@ -285,24 +287,16 @@ class MoE(nn.Module):
         mine = [c[self.ep_rank * width : (self.ep_rank + 1) * width].tolist() for c in every]
         send = counts.view(self.ep, width).sum(1).tolist()
         recv = [sum(c) for c in mine]
-        received = all_to_all_single(
-            dispatched.new_empty(sum(recv), dispatched.shape[-1]),
-            dispatched,
-            output_split_sizes=recv,
-            input_split_sizes=send,
-            group=self.group,
+        received = all_to_all(
+            dispatched, output_split_sizes=recv, input_split_sizes=send, group=self.group
         )
         outs = []
         for source, part in zip(mine, received.split(recv), strict=True):
             for expert, rows in zip(self.experts, part.split(source), strict=True):
                 outs.append(expert(rows))
         local = torch.cat(outs)
-        back: torch.Tensor = all_to_all_single(
-            dispatched.new_empty(dispatched.shape),
-            local,
-            output_split_sizes=send,
-            input_split_sizes=recv,
-            group=self.group,
+        back: torch.Tensor = all_to_all(
+            local, output_split_sizes=send, input_split_sizes=recv, group=self.group
         )
         return back
 

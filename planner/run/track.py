@@ -175,6 +175,10 @@ class Tracker(TorchDispatchMode):
         def pack(t: torch.Tensor) -> torch.Tensor:
             if isinstance(t, nn.Parameter) or t.device.type == "meta":
                 return t
+            if is_traceable_wrapper_subclass(t):  # a wrapper (an async collective's result)
+                for name in t.__tensor_flatten__()[0]:
+                    pack(getattr(t, name))
+                return t
             base = t._base if t._base is not None else t
             if base.is_leaf and base.requires_grad:  # a weight (FSDP2's gathered one too)
                 return t  # or a received pipeline input: a buffer, claimed as such
