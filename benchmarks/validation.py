@@ -26,7 +26,15 @@ import time
 from pathlib import Path
 
 from planner.run.calibrate import calibrated_cluster
-from planner.run.validate import COMPARED, cap_demo, label, ranking, validate, validation_set
+from planner.run.validate import (
+    COMPARED,
+    cap_demo,
+    label,
+    layout_name,
+    ranking,
+    validate,
+    validation_set,
+)
 
 MiB = 2**20
 
@@ -103,9 +111,8 @@ def main() -> None:
     demo = cap_demo(profiles[2], 62 * MiB)
     print(f"\ncap {demo.cap_bytes / MiB:.0f} MiB, planner margin {demo.margin:.0%}:")
     for what, run in (("rejected", demo.rejected), ("accepted", demo.accepted)):
-        lay = run.layout
         print(
-            f"  {what}: pp{lay['pp']} dp{lay['dp']} z{lay['zero']} {lay['recompute']}: "
+            f"  {what}: {layout_name(run.layout)}: "
             f"predicted {run.predicted_peak_bytes / MiB:.1f} MiB, measured "
             + ", ".join(f"{b / MiB:.1f}" for b in run.measured_peak_bytes)
             + " MiB"

@@ -573,7 +573,14 @@ if __name__ == "__main__":
 def _validate(args: argparse.Namespace) -> None:
     try:
         from planner.run.calibrate import calibrated_cluster
-        from planner.run.validate import cap_demo, label, ranking, validate, validation_set
+        from planner.run.validate import (
+            cap_demo,
+            label,
+            layout_name,
+            ranking,
+            validate,
+            validation_set,
+        )
     except ImportError as exc:  # torch is the optional extra ``run``
         raise PlannerError(f"validate needs PyTorch: pip install -e '.[run]' ({exc.msg})") from None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -609,8 +616,7 @@ def _validate(args: argparse.Namespace) -> None:
             "allocations free for what its model leaves out):"
         )
         for what, run in (("rejected", demo.rejected), ("accepted", demo.accepted)):
-            lay = run.layout
-            name = f"pp{lay['pp']} dp{lay['dp']} z{lay['zero']} recompute {lay['recompute']}"
+            name = layout_name(run.layout)
             measured = ", ".join(f"{b / 2**20:.1f}" for b in run.measured_peak_bytes)
             console.print(
                 f"  {what}: {name}: predicted {run.predicted_peak_bytes / 2**20:.1f} MiB, "

@@ -234,13 +234,17 @@ class Ranking(BaseModel):
     left_out: dict[str, str] = Field(description="Layouts not ranked, with the reason.")
 
 
-def label(entry: Entry) -> str:
-    """A layout's short name: degrees, ZeRO stage, schedule, recompute."""
-    lay = entry.layout
+def layout_name(lay: dict[str, Any], model: str = "") -> str:
+    """A described layout's short name: degrees, ZeRO stage, schedule, recompute."""
     return (
         f"pp{lay['pp']} dp{lay['dp']} ep{lay['ep']} z{lay['zero']} {lay['schedule']} "
-        f"{lay['recompute']}" + (" tied" if entry.model.endswith("tied") else "")
+        f"{lay['recompute']}" + (" tied" if model.endswith("tied") else "")
     )
+
+
+def label(entry: Entry) -> str:
+    """The short name of an entry's layout (``layout_name``)."""
+    return layout_name(entry.layout, entry.model)
 
 
 def ranking(entries: list[Entry], *, cores: int | None = None) -> Ranking:
