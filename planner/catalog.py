@@ -50,6 +50,11 @@ def load_cluster(source: str | Path, *, gpus: int) -> ClusterSpec:
         raise PlannerError(f"gpus={gpus!r}: must be a positive whole number of GPUs")
     path = _resolve(source, HARDWARE_DIR, ".yaml", "cluster", cluster_names())
     data = _read(path)
+    if "usable_hbm_GiB" in data and not 0 < data["usable_hbm_GiB"] <= data.get("hbm_GiB", 0):
+        raise PlannerError(
+            f"cluster file {path}: usable_hbm_GiB={data['usable_hbm_GiB']} must be in "
+            f"(0, hbm_GiB={data.get('hbm_GiB')}] (a process cannot allocate more than the GPU has)"
+        )
     try:
         achieved = data["achieved"]
         return ClusterSpec(
@@ -77,6 +82,16 @@ def load_cluster(source: str | Path, *, gpus: int) -> ClusterSpec:
                 )
                 if key in data
             },
+            # What the CUDA runtime reports as the device's total; a file without it (a
+            # user's own machine) gets the nominal HBM (ClusterSpec's default).
+            **(
+                {
+                    "hbm_reserved_bytes": round(data["hbm_GiB"] * GiB)
+                    - round(data["usable_hbm_GiB"] * GiB)
+                }
+                if "usable_hbm_GiB" in data
+                else {}
+            ),
         )
     except KeyError as exc:
         raise PlannerError(f"cluster file {path}: missing key {exc.args[0]!r}") from None

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from planner.costs.memory import usable_hbm, usable_peak_bytes
 from planner.errors import PlannerError
 from planner.estimate import Estimate, check_layout, evaluate
 from planner.layout import Layout, parse_recompute
@@ -48,9 +49,9 @@ def check_plan(
     except PlannerError as exc:  # nothing below can be recomputed for a layout that cannot run
         return [*problems, f"layout cannot be evaluated: {exc}"]
     problems += check_estimate(plan.estimate, fresh)
-    problems += check_memory(fresh, cluster)
+    problems += check_memory(fresh, cluster, job)
     problems += check_host_ram(job, cluster, layout, fresh)
-    problems += check_simulation(fresh, cluster, sim, sim_tolerance)
+    problems += check_simulation(fresh, cluster, job, sim, sim_tolerance)
     return problems
 
 
@@ -151,13 +152,22 @@ def check_estimate(claimed: Estimate, fresh: Estimate) -> list[str]:
     return problems
 
 
-def check_memory(fresh: Estimate, cluster: ClusterSpec) -> list[str]:
-    """Every pipeline rank's predicted peak fits in its GPU's HBM."""
+def _cap_text(cluster: ClusterSpec, job: TrainingJob) -> str:
+    return (
+        f"the cap {usable_peak_bytes(cluster, job) / GiB:.2f} GiB (usable HBM "
+        f"{usable_hbm(cluster) / GiB:.2f} GiB less the {job.memory_margin * 100:g}% margin for the "
+        "memory model's error)"
+    )
+
+
+def check_memory(fresh: Estimate, cluster: ClusterSpec, job: TrainingJob) -> list[str]:
+    """Every pipeline rank's predicted peak is within the memory cap: usable HBM less the
+    job's margin (``planner.costs.memory.usable_peak_bytes``), stated from the specs."""
+    cap = usable_peak_bytes(cluster, job)
     return [
-        f"rank {s.stage} peak {s.peak_bytes / GiB:.2f} GiB exceeds HBM "
-        f"{cluster.hbm_bytes / GiB:.2f} GiB"
+        f"rank {s.stage} peak {s.peak_bytes / GiB:.2f} GiB exceeds {_cap_text(cluster, job)}"
         for s in fresh.memory
-        if s.peak_bytes > cluster.hbm_bytes
+        if s.peak_bytes > cap
     ]
 
 
@@ -180,16 +190,17 @@ def check_host_ram(
 def check_simulation(
     fresh: Estimate,
     cluster: ClusterSpec,
+    job: TrainingJob,
     sim: Simulation,
     tolerance: float,
 ) -> list[str]:
-    """The simulator, executing the step op by op, reaches the same peaks and about the
-    same step time as the analytic estimate."""
+    """The simulator, executing the step op by op, reaches the same peaks (within the same
+    memory cap) and about the same step time as the analytic estimate."""
+    cap = usable_peak_bytes(cluster, job)
     problems = [
-        f"simulated rank {rank} peak {peak / GiB:.2f} GiB exceeds HBM "
-        f"{cluster.hbm_bytes / GiB:.2f} GiB"
+        f"simulated rank {rank} peak {peak / GiB:.2f} GiB exceeds {_cap_text(cluster, job)}"
         for rank, peak in enumerate(sim.peak_bytes)
-        if peak > cluster.hbm_bytes
+        if peak > cap
     ]
     evaluated = [s.peak_bytes for s in fresh.memory]
     if sim.peak_bytes != evaluated:

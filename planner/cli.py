@@ -73,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--moment-dtype", default="fp32", help="optimizer moment dtype")
     sw.add_argument("--grad-dtype", default="bf16", help="gradient dtype")
     sw.add_argument("--ema", default=None, help="EMA dtype (omit for no EMA)")
+    sw.add_argument(
+        "--framework",
+        default=None,
+        choices=["megatron", "torchtitan", "deepspeed", "torch"],
+        help="training software: what overlaps with compute (default megatron, or --target's)",
+    )
     sw.add_argument("--time-limit", type=float, default=10.0, help="per case (s)")
     sw.add_argument("--db", default="sweep.sqlite", help="results database (resumes from it)")
     sw.add_argument("--workers", type=int, default=None, help="local processes (default: CPUs)")
@@ -118,6 +124,12 @@ def _job_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--moment-dtype", default="fp32", help="optimizer moment dtype")
     cmd.add_argument("--grad-dtype", default="bf16", help="gradient dtype")
     cmd.add_argument("--ema", default=None, help="EMA dtype (omit for no EMA)")
+    cmd.add_argument(
+        "--framework",
+        default=None,
+        choices=["megatron", "torchtitan", "deepspeed", "torch"],
+        help="training software: what overlaps with compute (default megatron, or --target's)",
+    )
 
 
 def _layout_args(cmd: argparse.ArgumentParser) -> None:
@@ -185,6 +197,7 @@ def _catalog(args: argparse.Namespace) -> None:
                 {
                     "name": n,
                     "hbm_gib": c.hbm_bytes / GiB,
+                    "usable_hbm_gib": c.usable_hbm_bytes / GiB,
                     "gpus_per_node": c.gpus_per_node,
                     "nvlink_GBps": c.nvlink_Bps / 1e9,
                     "nic_GBps": c.nic_Bps / 1e9,
@@ -193,6 +206,7 @@ def _catalog(args: argparse.Namespace) -> None:
         heads = {
             "name": "machine type",
             "hbm_gib": "HBM (GiB)",
+            "usable_hbm_gib": "usable (GiB)",
             "gpus_per_node": "GPUs/node",
             "nvlink_GBps": "NVLink (GB/s/dir)",
             "nic_GBps": "NIC (GB/s/dir)",
@@ -211,6 +225,8 @@ def _catalog(args: argparse.Namespace) -> None:
 def _cell(key: str, value: object) -> str:
     if key in ("params", "active_params") and isinstance(value, int):
         return f"{value / 1e9:,.1f}"
+    if key == "usable_hbm_gib" and isinstance(value, float):
+        return f"{value:.2f}"
     return f"{value:.0f}" if isinstance(value, float) else str(value)
 
 
@@ -223,6 +239,7 @@ def _training_job(args: argparse.Namespace, seq_len: int, global_batch: int) -> 
         compute_dtype=args.compute_dtype,
         grad_dtype=args.grad_dtype,
         ema=args.ema,
+        **({"framework": args.framework} if getattr(args, "framework", None) else {}),
     )
 
 
@@ -288,7 +305,7 @@ def _evaluate(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps({"layout": layout.model_dump(), "estimate": est.model_dump()}, indent=1))
         return
-    _print_memory(model.name, layout, est)
+    _print_memory(model.name, layout, est, job.memory_margin)
     if args.command == "evaluate":
         _print_time(est)
 
@@ -367,7 +384,7 @@ def _plan(args: argparse.Namespace) -> None:
         return
     lay = result.layout
     layers = [sum(b.block.startswith("layer.") for b in s.blocks) for s in lay.stages]
-    _print_memory(model.name, lay, result.estimate)
+    _print_memory(model.name, lay, result.estimate, job.memory_margin)
     _print_time(result.estimate)
     gap = (
         f"gap {result.gap:.1%} to the proven bound {result.lower_bound_s:.3f} s"
@@ -520,7 +537,7 @@ def _print_time(est: Estimate) -> None:
     )
 
 
-def _print_memory(name: str, layout: Layout, est: Estimate) -> None:
+def _print_memory(name: str, layout: Layout, est: Estimate, margin: float) -> None:
     console = Console(width=max(Console().width, 132))
     title = (
         f"{name}: per-rank memory (GiB) - tp={layout.tp} pp={layout.pp} dp={layout.dp} "
@@ -533,22 +550,39 @@ def _print_memory(name: str, layout: Layout, est: Estimate) -> None:
     for bucket in BUCKETS:
         table.add_column(SHORT.get(bucket, bucket), justify="right")
     table.add_column("peak", justify="right")
-    table.add_column("of HBM", justify="right")
+    table.add_column("of usable", justify="right")
     for s in est.memory:
         blocks = _summarise(layout, s.chunks)
         cells = [f"{s.buckets[b] / GiB:.2f}" for b in BUCKETS]
-        share = s.peak_bytes / est.hbm_bytes
-        style = "red" if share > 1 else ""
+        share = s.peak_bytes / est.usable_hbm_bytes
+        style = "red" if s.peak_bytes > est.cap_bytes else ""
         table.add_row(
             str(s.stage), blocks, *cells, f"{s.peak_bytes / GiB:.2f}", f"{share:.0%}", style=style
         )
     console.print(table)
-    verdict = "fits" if est.fits else "does NOT fit"
     console.print(
-        f"Peak {est.peak_bytes / GiB:.2f} GiB per GPU against {est.hbm_bytes / GiB:.2f} GiB HBM:"
-        f" {verdict}. Includes weights, gradients, optimizer state, EMA, saved activations of"
-        " the schedule's in-flight micro-batches, communication buffers, CUDA context and"
-        " fragmentation; ignores optimizer-step temporaries."
+        f"{_memory_summary(est, margin)} Includes weights, gradients, optimizer state, EMA, "
+        "saved activations of the schedule's in-flight micro-batches, communication buffers, "
+        "CUDA context and fragmentation; ignores optimizer-step temporaries."
+    )
+
+
+def _memory_summary(est: Estimate, margin: float) -> str:
+    """The peak against usable HBM and the cap, and the headroom the heaviest rank keeps."""
+    usable, cap = est.usable_hbm_bytes / GiB, est.cap_bytes / GiB
+    head = (
+        f"Peak {est.peak_bytes / GiB:.2f} GiB per GPU; usable HBM {usable:.2f} GiB (of "
+        f"{est.hbm_bytes / GiB:.4g} GiB), cap {cap:.2f} GiB after the {margin * 100:g}% margin for "
+        "the memory model's error:"
+    )
+    if est.fits:
+        return (
+            f"{head} fits, the heaviest rank leaves {est.headroom:.1%} of usable HBM "
+            f"({usable - est.peak_bytes / GiB:.2f} GiB) free."
+        )
+    return (
+        f"{head} does NOT fit, the heaviest rank is {est.peak_bytes / GiB - cap:.2f} GiB over "
+        f"the cap ({est.headroom:.1%} of usable HBM left free)."
     )
 
 
@@ -612,8 +646,9 @@ def _validate(args: argparse.Namespace) -> None:
             return
         console = Console()
         console.print(
-            f"Memory cap {args.cap:g} MiB per rank (the planner keeps {demo.margin:.0%} of its "
-            "allocations free for what its model leaves out):"
+            f"Memory cap {args.cap:g} MiB per rank (the planner keeps {demo.margin * 100:g}% of it "
+            "free for its memory model's error: predicted peaks stay within "
+            f"{args.cap * (1 - demo.margin):.1f} MiB):"
         )
         for what, run in (("rejected", demo.rejected), ("accepted", demo.accepted)):
             name = layout_name(run.layout)

@@ -3,7 +3,7 @@
 It checks the layout against the model, the cluster and the job (every block placed once, in
 order; degrees that divide; the world size; micro-batching that adds up to the global batch),
 then returns an ``Estimate``: per-rank memory (``planner.costs.memory``) and the analytic step
-time (``planner.steptime`` over the per-stage table of ``planner.costs.timing``).
+time: the step run task by task (``planner.timeline``), the same run ``simulate`` reports.
 
 MFU convention (PaLM, Chowdhery et al. 2022, appendix B, with attention's causal half): model
 FLOPs per token = 6 x (parameters a token passes through in matrix multiplies: routed experts
@@ -15,15 +15,20 @@ Recompute is not model FLOPs: it lowers MFU.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.costs.blocks import block_names
 from planner.costs.comm import Network
-from planner.costs.memory import StageMemory, stage_memory
-from planner.costs.timing import optimizer_time, stage_times
+from planner.costs.memory import StageMemory, stage_memory, usable_hbm, usable_peak_bytes
+from planner.costs.timing import StageTime, optimizer_time, stage_times
 from planner.errors import PlannerError
 from planner.layout import Layout
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
+
+if TYPE_CHECKING:
+    from planner.timeline import Timeline
 
 
 class Estimate(BaseModel):
@@ -33,7 +38,14 @@ class Estimate(BaseModel):
 
     memory: list[StageMemory] = Field(description="One entry per pipeline position.")
     peak_bytes: int = Field(description="Largest per-rank peak over all pipeline positions.")
-    hbm_bytes: int = Field(description="HBM capacity per GPU (bytes), for comparison.")
+    hbm_bytes: int = Field(description="Nominal HBM capacity per GPU (bytes), for comparison.")
+    usable_hbm_bytes: int = Field(
+        description="HBM a process can allocate per GPU (bytes): the CUDA runtime's device total."
+    )
+    cap_bytes: int = Field(
+        description="The most a rank's peak may be (bytes): usable HBM less the job's margin "
+        "for the memory model's error (costs.memory.usable_peak_bytes)."
+    )
     num_microbatches: int = Field(description="Micro-batches per step per pipeline.")
     step_time_s: float = Field(description="Predicted seconds per optimizer step.")
     breakdown: dict[str, float] = Field(
@@ -48,37 +60,56 @@ class Estimate(BaseModel):
 
     @property
     def fits(self) -> bool:
-        """Whether every rank's predicted peak is within its GPU's HBM."""
-        return self.peak_bytes <= self.hbm_bytes
+        """Whether every rank's predicted peak is within the cap: usable HBM less the margin
+        kept for the memory model's own error (``cap_bytes``)."""
+        return self.peak_bytes <= self.cap_bytes
+
+    @property
+    def headroom(self) -> float:
+        """Fraction of usable HBM the heaviest rank leaves free (negative when it is over)."""
+        return 1 - self.peak_bytes / self.usable_hbm_bytes
 
 
 def evaluate(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: Layout) -> Estimate:
     """Cost ``layout``: per-rank memory and the step time with its breakdown."""
-    from planner.steptime import step_time
-
-    m = check_layout(model, cluster, job, layout)
-    memory = stage_memory(model, job, layout, num_microbatches=m)
-    times = stage_times(model, cluster, job, layout, Network.of(cluster))
-    step = step_time(
-        layout,
-        times,
-        [optimizer_time(s, cluster) for s in memory],
-        num_microbatches=m,
-    )
-    tokens_per_s = job.tokens_per_step / step.total
+    memory, _, step = step_run(model, cluster, job, layout)
+    tokens_per_s = job.tokens_per_step / step.step_s
     flops_per_s = model_flops_per_token(model, job.seq_len) * tokens_per_s / cluster.num_gpus
     return Estimate(
         memory=memory,
         peak_bytes=max(s.peak_bytes for s in memory),
         hbm_bytes=cluster.hbm_bytes,
-        num_microbatches=m,
-        step_time_s=step.total,
+        usable_hbm_bytes=usable_hbm(cluster),
+        cap_bytes=usable_peak_bytes(cluster, job),
+        num_microbatches=step.num_microbatches,
+        step_time_s=step.step_s,
         breakdown=step.breakdown,
         critical_rank=step.critical_rank,
         mfu=flops_per_s / cluster.bf16_flops,
         tflops_per_gpu=flops_per_s / 1e12,
         tokens_per_s=tokens_per_s,
     )
+
+
+def step_run(
+    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: Layout
+) -> tuple[list[StageMemory], list[StageTime], Timeline]:
+    """The per-rank memory, the per-stage times and the step run task by task
+    (``planner.timeline``) of a layout: what ``evaluate``, ``simulate`` and the search's
+    final choice all read."""
+    from planner.timeline import run
+
+    m = check_layout(model, cluster, job, layout)
+    memory = stage_memory(model, job, layout, num_microbatches=m)
+    times = stage_times(model, cluster, job, layout, Network.of(cluster))
+    step = run(
+        layout,
+        times,
+        [optimizer_time(s, cluster) for s in memory],
+        num_microbatches=m,
+        framework=job.framework,
+    )
+    return memory, times, step
 
 
 def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:

@@ -18,7 +18,7 @@ from typing import Any
 
 from planner.costs.memory import BUCKETS
 from planner.estimate import Estimate
-from planner.steptime import PARTS as BREAKDOWN_KEYS
+from planner.timeline import PARTS as BREAKDOWN_KEYS
 
 GiB = 2**30
 COLOURS = (
@@ -80,17 +80,21 @@ class _Svg:
 
 
 def memory_svg(est: Estimate, path: str | Path, *, title: str = "") -> Path:
-    """Stacked memory buckets (GiB) per pipeline rank against the HBM capacity line."""
+    """Stacked memory buckets (GiB) per pipeline rank against usable HBM and the cap (usable
+    HBM less the margin for the memory model's error)."""
     ranks = est.memory
     left, top, plot_h = 70, 40, 320
     bar_w = max(8, min(48, 900 // max(1, len(ranks))))
     gap = max(2, bar_w // 4)
-    width = left + len(ranks) * (bar_w + gap) + 260
+    width = left + len(ranks) * (bar_w + gap) + 300
     svg = _Svg(width, top + plot_h + 60)
-    scale_max = max([est.hbm_bytes, *(m.peak_bytes for m in ranks)]) * 1.05
+    scale_max = max([est.usable_hbm_bytes, *(m.peak_bytes for m in ranks)]) * 1.05
     y = _linear(0, scale_max, top + plot_h, top)
     svg.text(
-        left, 20, title or "memory per pipeline rank (GiB) against HBM", **{"font-weight": "bold"}
+        left,
+        20,
+        title or "memory per pipeline rank (GiB) against usable HBM and the cap",
+        **{"font-weight": "bold"},
     )
     for tick in _ticks(0, scale_max / GiB):
         svg.line(
@@ -110,12 +114,13 @@ def memory_svg(est: Estimate, path: str | Path, *, title: str = "") -> Path:
     svg.text(
         left + len(ranks) * (bar_w + gap) / 2, top + plot_h + 36, "pipeline rank", anchor="middle"
     )
-    hbm = y(est.hbm_bytes)
-    svg.line(
-        left, hbm, left + len(ranks) * (bar_w + gap), hbm, stroke="black", stroke_dasharray="6,3"
-    )
-    svg.text(left + len(ranks) * (bar_w + gap) + 4, hbm + 4, f"HBM {est.hbm_bytes / GiB:.0f} GiB")
-    _legend(svg, left + len(ranks) * (bar_w + gap) + 110, top + 20, list(BUCKETS))
+    right = left + len(ranks) * (bar_w + gap)
+    usable, cap = y(est.usable_hbm_bytes), y(est.cap_bytes)
+    svg.line(left, usable, right, usable, stroke="black", stroke_dasharray="6,3")
+    svg.text(right + 4, usable - 2, f"usable HBM {est.usable_hbm_bytes / GiB:.2f} GiB")
+    svg.line(left, cap, right, cap, stroke="#c00", stroke_dasharray="2,2")
+    svg.text(right + 4, cap + 12, f"cap {est.cap_bytes / GiB:.2f} GiB")
+    _legend(svg, left + len(ranks) * (bar_w + gap) + 150, top + 20, list(BUCKETS))
     return svg.write(path)
 
 

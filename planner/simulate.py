@@ -1,18 +1,11 @@
-"""``simulate``: a discrete-event executor of a layout's training step.
+"""``simulate``: a layout's training step as events, per rank, with memory over time.
 
-Each pipeline rank runs its schedule's op order (``planner.schedules.op_order``) on one compute
-stream, one op at a time, in order. An op starts when the rank is free and its inputs have
-arrived: a forward needs the previous stage's output, a backward the next stage's input
-gradient. Each is sent point-to-point (latency + bytes / bandwidth) at the end of the op that
-produced it, and the sender waits for the send as Megatron-LM's 1F1B does, so the data is
-there when the sending op ends. DualPipe's paired forward and backward run as one task that
-overlaps their sends and all-to-alls with their compute. Op lengths come from the same
-per-stage table as the analytic estimate (``planner.costs.timing``).
-
-A second stream per rank carries the data-parallel gradient reduction: each stage's starts
-when the stage's last gradient-producing op starts (bucketed reduction overlaps the last
-backward) and queues behind the previous one; the optimizer step follows the later of the two
-streams. The step ends when the last rank's optimizer step does.
+The step is ``planner.timeline.run``: each pipeline rank runs its schedule's op order task by
+task, a task starting when the rank is free and its inputs have arrived, the gradient
+reductions on a second stream and the optimizer step after both (see that module for the
+rules, including the links and SMs an overlapped reduction shares). ``evaluate`` reports the
+same run's step time; this adds what happened when: every task and reduction as an event,
+and each rank's memory over the step.
 
 Memory: each forward allocates its stage's saved activations for one micro-batch and the
 backward that consumes them frees them (the weight-gradient op, when the schedule splits it
@@ -21,27 +14,21 @@ is those buckets plus the highest activation level reached; while a backward run
 it recomputes holds its rebuilt tensors too, less what the chunk's later blocks have freed by
 then (``costs.memory.rebuild_peak``).
 
-The task graph is a networkx DiGraph; with a fixed op order its longest path is the step's
-compute critical path. The simulation covers one representative rank per pipeline position:
-the tp * dp ranks of a position run the same ops at the same times.
+The tp * dp ranks of a pipeline position run the same ops at the same times, so one
+representative rank per position is simulated.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import networkx as nx
-
-from planner.costs.comm import Network
-from planner.costs.memory import StageMemory, block_costs, rebuild_peak, shard_of, stage_memory
-from planner.costs.timing import StageTime, op_time, optimizer_time, paired_time, stage_times
-from planner.estimate import check_layout
+from planner.costs.memory import StageMemory, block_costs, rebuild_peak, shard_of
+from planner.estimate import step_run
 from planner.layout import Layout, parse_recompute
-from planner.schedules import Op, layout_order
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
+from planner.timeline import Task
 
 
 @dataclass(frozen=True)
@@ -106,44 +93,22 @@ def _meta(rank: int, name: str, value: object, *, key: str = "name") -> dict[str
     return {"ph": "M", "pid": rank, "tid": 0, "name": name, "args": {key: value}}
 
 
-@dataclass
-class _Task:
-    rank: int
-    ops: tuple[Op, ...]
-    duration: float
-    start: float = 0.0
-
-    @property
-    def end(self) -> float:
-        return self.start + self.duration
-
-    @property
-    def name(self) -> str:
-        return " & ".join(f"{o.kind}{o.microbatch} s{o.stage}" for o in self.ops)
-
-
 def simulate(
     model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: Layout
 ) -> Simulation:
     """Run one training step of ``layout`` event by event (see the module docstring)."""
-    m = check_layout(model, cluster, job, layout)
-    network = Network.of(cluster)
-    times = stage_times(model, cluster, job, layout, network)
-    memory = stage_memory(model, job, layout, num_microbatches=m)
-    tasks = _tasks(layout, times, m)
-    _run(layout, tasks)
+    memory, _, timeline = step_run(model, cluster, job, layout)
     events: list[Event] = []
-    busy, ends = [], []
-    for rank, mine in enumerate(tasks):
-        events += [Event(rank, "compute", t.name, t.start, t.duration) for t in mine]
-        comm_end = _grad_sync(rank, mine, times, events)
-        end = max(mine[-1].end, comm_end)
-        opt = optimizer_time(memory[rank], cluster)
-        events.append(Event(rank, "compute", "optimizer", end, opt))
-        ends.append(end + opt)
-        busy.append(sum(t.duration for t in mine) + opt)
-    step = max(ends)
-    timelines, peaks = _memory(model, job, layout, tasks, memory)
+    busy = []
+    for rank, r in enumerate(timeline.ranks):
+        events += [Event(rank, "compute", t.name, t.start, t.duration) for t in r.tasks]
+        events += [
+            Event(rank, "comm", f"grad sync s{s.stage}", s.start, s.duration) for s in r.syncs
+        ]
+        events.append(Event(rank, "compute", "optimizer", r.optimizer_start, r.optimizer))
+        busy.append(sum(t.duration for t in r.tasks) + r.optimizer)
+    step = timeline.step_s
+    timelines, peaks = _memory(model, job, layout, [r.tasks for r in timeline.ranks], memory)
     return Simulation(
         step_time_s=step,
         busy_s=busy,
@@ -154,96 +119,11 @@ def simulate(
     )
 
 
-def _tasks(layout: Layout, times: list[StageTime], m: int) -> list[list[_Task]]:
-    """Each rank's ops as tasks with durations; a paired F joins the op after it."""
-    out = []
-    for rank in range(layout.pp):
-        order = layout_order(layout, rank, m)
-        mine: list[_Task] = []
-        i = 0
-        while i < len(order):
-            op = order[i]
-            if op.paired and i + 1 < len(order):
-                nxt = order[i + 1]
-                duration = paired_time(times[op.stage], times[nxt.stage], nxt.kind)
-                mine.append(_Task(rank, (op, nxt), duration))
-                i += 2
-                continue
-            mine.append(_Task(rank, (op,), op_time(times[op.stage], op.kind)))
-            i += 1
-        out.append(mine)
-    return out
-
-
-def _key(op: Op) -> tuple[str, int, int, int]:
-    kind = "B" if op.kind in ("B", "BW") else op.kind
-    return (kind, op.microbatch, op.stage, op.direction)
-
-
-def _run(layout: Layout, tasks: list[list[_Task]]) -> None:
-    """Give every task its start time: the longest path through the task graph."""
-    graph: nx.DiGraph[int] = nx.DiGraph()
-    flat = [t for mine in tasks for t in mine]
-    ids = {id(t): i for i, t in enumerate(flat)}
-    owner: dict[tuple[str, int, int, int], int] = {}
-    for index, task in enumerate(flat):
-        graph.add_node(index)
-        for op in task.ops:
-            owner[_key(op)] = index
-    last = len(layout.stages) - 1
-    for mine in tasks:  # each rank runs its tasks in order
-        for a, b in itertools.pairwise(mine):
-            graph.add_edge(ids[id(a)], ids[id(b)], delay=0.0)
-    for index, task in enumerate(flat):
-        for op in task.ops:
-            for dep in _inputs(op, last):
-                src = owner[dep]
-                if src != index:
-                    graph.add_edge(src, index, delay=0.0)
-    for index in nx.topological_sort(graph):
-        task = flat[index]
-        task.start = max(
-            (flat[p].end + graph.edges[p, index]["delay"] for p in graph.predecessors(index)),
-            default=0.0,
-        )
-
-
-def _inputs(op: Op, last: int) -> list[tuple[str, int, int, int]]:
-    """The ops whose results ``op`` needs (their sends are inside them)."""
-    s, mb, d = op.stage, op.microbatch, op.direction
-    if op.kind == "F":
-        return [("F", mb, s - 1, d)] if s > 0 else []
-    if op.kind == "W":
-        return [("B", mb, s, d)]
-    deps = [("F", mb, s, d)]
-    if s < last:
-        deps.append(("B", mb, s + 1, d))
-    return deps
-
-
-def _grad_sync(rank: int, mine: list[_Task], times: list[StageTime], events: list[Event]) -> float:
-    """Queue each stage's gradient reduction on the rank's comm stream; return its end."""
-    last_grad: dict[int, _Task] = {}
-    for task in mine:
-        for op in task.ops:
-            if op.kind in ("BW", "W"):
-                last_grad[op.stage] = task
-    free = 0.0
-    for stage, task in sorted(last_grad.items(), key=lambda kv: kv[1].start):
-        seconds = times[stage].grad_sync
-        if seconds <= 0:
-            continue
-        start = max(task.start, free)
-        events.append(Event(rank, "comm", f"grad sync s{stage}", start, seconds))
-        free = start + seconds
-    return free
-
-
 def _memory(
     model: ModelSpec,
     job: TrainingJob,
     layout: Layout,
-    tasks: list[list[_Task]],
+    tasks: list[list[Task]],
     memory: list[StageMemory],
 ) -> tuple[list[list[tuple[float, int]]], list[int]]:
     """Activation bytes over time per rank, on top of the memory model's static buckets."""

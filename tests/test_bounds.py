@@ -2,9 +2,10 @@
 
 For every configuration of small search spaces (dense and MoE models, every schedule, ZeRO
 1-3, tight and loose HBM), the exhaustive optimum of that configuration alone
-(``bruteforce.best_layout``) is at least both bounds the search prunes with: the mean-rank
-``lower_bound`` and the ``heaviest_rank_bound``. A bound that cut off a better layout would
-make the planner call a worse layout optimal.
+(``bruteforce.best_layout``, each layout's step time the timeline's, as ``simulate`` reports
+it) is at least every bound the search prunes with: the per-degrees ``degrees_bound``, the
+mean-rank ``lower_bound`` and the linear relaxation ``lp_bound``. A bound that cut off a
+better layout would make the planner call a worse layout optimal.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import pytest
 from bruteforce import best_layout
 
 import planner
-from planner.solve.bounds import lower_bound
-from planner.solve.rankbound import heaviest_rank_bound
+from planner.solve.bounds import degrees_bound, lower_bound
+from planner.solve.lpbound import lp_bound
 from planner.solve.space import enumerate_configs
 from planner.solve.tables import Config
 
@@ -61,13 +62,15 @@ def test_bounds_never_exceed_the_exhaustive_optimum(
     checked = 0
     for config in enumerate_configs(model, cluster, job, space):
         mean = lower_bound(model, cluster, job, config)
-        heavy = heaviest_rank_bound(model, cluster, job, config)
+        degrees = degrees_bound(model, cluster, job, config)
+        relaxed = lp_bound(model, cluster, job, config)
         best = best_layout(model, cluster, job, _pinned(config))
         if best is None:
             continue
         assert mean is not None, config  # "no layout fits" would be wrong: one does
         optimum = best[1].step_time_s
         assert mean <= optimum * (1 + 1e-9), (config, mean, optimum)
-        assert heavy is not None and heavy <= optimum * (1 + 1e-9), (config, heavy, optimum)
+        assert degrees is not None and degrees <= optimum * (1 + 1e-9), (config, degrees, optimum)
+        assert relaxed is not None and relaxed <= optimum * (1 + 1e-9), (config, relaxed, optimum)
         checked += 1
     assert checked >= 5

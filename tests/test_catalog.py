@@ -105,6 +105,46 @@ def test_units_are_converted_once() -> None:
     assert h800.bf16_flops == pytest.approx(989.4e12)
 
 
+# Usable HBM: the device total the CUDA runtime reports, as public PyTorch OOM messages print
+# it ("GPU 0 has a total capacity of X GiB"); the H800 is taken as the H100 80GB HBM3 (same
+# memory, same nvidia-smi total of 81559 MiB). Sources: hardware/*.yaml (usable_hbm_GiB) and
+# hardware/README.md, "Usable HBM"; NVML figures: https://thundergolfer.com/blog/nvidia-gpu-memory-capacity
+USABLE_GIB = {"a100": 79.14, "h100": 79.15, "h800": 79.15, "h200": 139.80, "b200": 178.35}
+
+
+@pytest.mark.parametrize("name", CLUSTER_NAMES, ids=CLUSTER_NAMES)
+def test_every_cluster_states_usable_hbm_below_nominal(name: str) -> None:
+    import yaml
+
+    raw = yaml.safe_load((HARDWARE_DIR / f"{name}.yaml").read_text())
+    assert "usable_hbm_GiB" in raw["sources"]
+    cluster = planner.load_cluster(name, gpus=8)
+    assert cluster.usable_hbm_bytes == round(USABLE_GIB[name] * 2**30)
+    assert cluster.usable_hbm_bytes < cluster.hbm_bytes
+
+
+def test_usable_hbm_above_nominal_is_a_one_line_error(tmp_path: Path) -> None:
+    h100 = planner.load_cluster("h100", gpus=8)
+    with pytest.raises(planner.PlannerError) as info:
+        planner.ClusterSpec(**{**h100.model_dump(), "hbm_reserved_bytes": h100.hbm_bytes})
+    assert str(info.value) == (
+        f"ClusterSpec.hbm_reserved_bytes={h100.hbm_bytes}: must be below "
+        f"hbm_bytes={h100.hbm_bytes} (some HBM must be left to allocate)"
+    )
+    text = (HARDWARE_DIR / "h100.yaml").read_text()
+    path = tmp_path / "h100-wrong.yaml"
+    path.write_text(text.replace("usable_hbm_GiB: 79.15", "usable_hbm_GiB: 81"))
+    with pytest.raises(planner.PlannerError, match=r"usable_hbm_GiB=81 must be in") as info:
+        planner.load_cluster(str(path), gpus=8)
+    assert "\n" not in str(info.value)
+
+
+def test_usable_hbm_defaults_to_nominal_when_left_out() -> None:
+    fields = planner.load_cluster("h100", gpus=8).model_dump()
+    del fields["hbm_reserved_bytes"]
+    assert planner.ClusterSpec(**fields).usable_hbm_bytes == 80 * 2**30
+
+
 def test_topology_keeps_nvlink_inside_a_node_and_ib_across() -> None:
     cluster = planner.load_cluster("h800", gpus=32)
     graph = cluster.topology()

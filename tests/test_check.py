@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 from bruteforce import best_layout, count_layouts
@@ -59,8 +60,23 @@ def test_a_layout_over_hbm_is_caught() -> None:
     layout = Layout.uniform(big, tp=8, dp=1, zero=0)
     plan = plan_of(layout, model=big, cluster=node, job=job)
     problems = check_plan(big, node, job, plan)
-    assert any(p.startswith("rank 0 peak") and "exceeds HBM" in p for p in problems), problems
+    assert any(
+        p.startswith("rank 0 peak") and "exceeds the cap 75.19 GiB (usable HBM 79.15 GiB" in p
+        for p in problems
+    ), problems
     assert any(p.startswith("simulated rank 0 peak") for p in problems), problems
+
+
+def test_a_peak_between_the_cap_and_usable_hbm_is_caught() -> None:
+    """The checker holds a plan to the cap (usable HBM less the margin), not to HBM: a peak
+    1 byte under usable HBM is over the cap, by the estimate and by the simulator."""
+    peak = planner.evaluate(MODEL, CLUSTER, JOB, LAYOUT).peak_bytes
+    fields = {**CLUSTER.model_dump(), "hbm_reserved_bytes": CLUSTER.hbm_bytes - peak - 1}
+    tight = planner.ClusterSpec(**fields)
+    problems = check_plan(MODEL, tight, JOB, plan_of(LAYOUT, cluster=tight))
+    cap = f"exceeds the cap {(peak + 1) * 0.95 / 2**30:.2f} GiB"
+    assert any(p.startswith("rank ") and cap in p for p in problems), problems
+    assert any(p.startswith("simulated rank ") and cap in p for p in problems), problems
 
 
 @pytest.mark.parametrize(
@@ -187,8 +203,9 @@ def test_bruteforce_beats_every_uniform_layout() -> None:
 
 
 def test_bruteforce_mixes_recompute_when_memory_is_tight() -> None:
-    """With HBM between the all-full and the no-recompute peaks, only a mix of choices is
-    both fast and within memory: the search must find it, and nothing fits below it."""
+    """With the memory cap between the all-full and the no-recompute peaks, only a mix of
+    choices is both fast and within memory: the search must find it, and nothing fits below
+    it. The cap is usable HBM less the job's margin, so usable HBM is set above the cap."""
     space = TINY_SPACE.model_copy(update={"tp": [1], "pp": [1]})
     peaks = {
         r: planner.evaluate(
@@ -196,12 +213,15 @@ def test_bruteforce_mixes_recompute_when_memory_is_tight() -> None:
         ).peak_bytes
         for r in ("none", "full")
     }
-    tight = FOUR.model_copy(update={"hbm_bytes": (peaks["none"] + peaks["full"]) // 2})
+    usable = math.ceil((peaks["none"] + peaks["full"]) // 2 / (1 - TINY_JOB.memory_margin))
+    tight = FOUR.model_copy(update={"hbm_bytes": usable, "hbm_reserved_bytes": 0})
     found = best_layout(TINY, tight, TINY_JOB, space)
     assert found is not None
     layout, estimate = found
     choices = [b.recompute for b in layout.stages[0].blocks if b.block.startswith("layer.")]
     assert set(choices) == {"none", "full"}
-    assert estimate.peak_bytes <= tight.hbm_bytes
-    too_tight = FOUR.model_copy(update={"hbm_bytes": peaks["full"] - 1})
+    assert peaks["full"] < estimate.cap_bytes < peaks["none"]
+    assert estimate.peak_bytes <= estimate.cap_bytes
+    below = peaks["full"] - 1  # usable HBM, so the cap is below it too
+    too_tight = FOUR.model_copy(update={"hbm_bytes": below, "hbm_reserved_bytes": 0})
     assert best_layout(TINY, too_tight, TINY_JOB, space) is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -48,7 +49,31 @@ def test_readme_demo_prints_the_memory_table() -> None:
     assert out.returncode == 0, out.stderr
     assert "per-rank memory (GiB)" in out.stdout
     assert "E L0-3 | L58-60 mtp.0 head" in out.stdout  # DualPipe: rank 0 holds both ends
-    assert "against 80.00 GiB HBM" in out.stdout
+    text = " ".join(out.stdout.split())  # rich wraps the summary
+    assert "usable HBM 79.15 GiB (of 80 GiB), cap 75.19 GiB after the 5% margin" in text
+
+
+def test_memory_summary_states_the_cap_and_the_headroom() -> None:
+    """The summary line: peak against usable HBM and the cap, and the share of usable HBM the
+    heaviest rank leaves free, figures as the library computes them."""
+    import planner
+
+    out = run(*DEMO)
+    assert out.returncode == 0, out.stderr
+    est = planner.evaluate(
+        planner.load_model("deepseek-v3"),
+        planner.load_cluster("h800", gpus=2048),
+        planner.TrainingJob(seq_len=4096, global_batch=15360, moment_dtype="bf16", ema="fp32"),
+        planner.Layout(**json.loads(run(*DEMO, "--json").stdout)["layout"]),
+    )
+    assert est.fits
+    free = (est.usable_hbm_bytes - est.peak_bytes) / 2**30
+    expected = (
+        f"Peak {est.peak_bytes / 2**30:.2f} GiB per GPU; usable HBM 79.15 GiB (of 80 GiB), "
+        "cap 75.19 GiB after the 5% margin for the memory model's error: fits, the heaviest "
+        f"rank leaves {est.headroom:.1%} of usable HBM ({free:.2f} GiB) free."
+    )
+    assert expected in " ".join(out.stdout.split())
 
 
 def test_json_output_matches_the_library() -> None:
@@ -65,6 +90,8 @@ def test_json_output_matches_the_library() -> None:
         layout,
     )
     assert data["estimate"]["peak_bytes"] == est.peak_bytes
+    assert data["estimate"]["cap_bytes"] == est.cap_bytes == math.floor(round(79.15 * 2**30) * 0.95)
+    assert data["estimate"]["usable_hbm_bytes"] == est.usable_hbm_bytes
     assert len(data["estimate"]["memory"]) == 16
 
 
@@ -224,7 +251,7 @@ def test_pictures_are_written_and_hold_the_figures(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     memory = Path(f"{prefix}-memory.svg").read_text()
     assert memory.startswith("<svg") and memory.count("<rect") > 16 * 5  # 16 ranks of buckets
-    assert "HBM 80 GiB" in memory
+    assert "usable HBM 79.15 GiB" in memory and "cap 75.19 GiB" in memory
     evaluated = run("evaluate", *DEMO[1:], "--plot", prefix)
     assert evaluated.returncode == 0, evaluated.stderr
     step = Path(f"{prefix}-time.svg").read_text()

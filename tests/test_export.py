@@ -297,7 +297,9 @@ def test_torchtitan_toml_uses_its_keys_and_states_the_stages(schedule: str) -> N
         recompute="full",
     )
     cluster = H100_16K.model_copy(update={"num_gpus": 8192})
-    out = planner.export.torchtitan(plan_of(LLAMA405, cluster, LLAMA_JOB, layout))
+    # Planned for torchtitan (what it overlaps), so the export can state the plan exactly.
+    job = LLAMA_JOB.model_copy(update={"framework": "torchtitan"})
+    out = planner.export.torchtitan(plan_of(LLAMA405, cluster, job, layout))
     config = tomllib.loads(out.files["torchtitan.toml"])
     for section, table in config.items():
         assert set(table) <= TORCHTITAN_KEYS[section], (section, set(table))

@@ -83,6 +83,30 @@ def group(layout: Layout, kind: GroupKind, rank: int) -> list[int]:
     raise PlannerError(f"kind={kind!r}: must be one of tp, dp, ep, edp, pp")
 
 
+@dataclass(frozen=True)
+class Transfer:
+    """One communication's seconds, and how long it keeps each of the GPU's links busy:
+    ``ib`` its share of the node's NICs, ``nvlink`` its NVLink ports. A transfer that uses
+    both at once (an all-to-all) keeps each busy for its own part; one whose phases run in
+    turn (a hierarchical reduce-scatter) for the phase on that link. What else runs on the
+    same link at the same time has to share it (``planner.costs.timing``)."""
+
+    seconds: float
+    ib: float
+    nvlink: float
+
+    def __add__(self, other: Transfer) -> Transfer:
+        return Transfer(
+            self.seconds + other.seconds, self.ib + other.ib, self.nvlink + other.nvlink
+        )
+
+    def __mul__(self, k: float) -> Transfer:
+        return Transfer(self.seconds * k, self.ib * k, self.nvlink * k)
+
+
+NO_TRANSFER = Transfer(0.0, 0.0, 0.0)
+
+
 # -- network ------------------------------------------------------------------------------
 
 
@@ -158,47 +182,69 @@ class Network:
     def p2p_time(self, nbytes: float, src: int, dst: int) -> float:
         """One send from ``src`` to ``dst`` (pipeline activations): latency + bytes over
         NVLink inside a node, over the GPU's IB share across nodes."""
+        return self.p2p(nbytes, src, dst).seconds
+
+    def p2p(self, nbytes: float, src: int, dst: int) -> Transfer:
+        """``p2p_time`` with the link it keeps busy."""
         if src == dst or nbytes <= 0:
-            return 0.0
+            return NO_TRANSFER
         if self.node_of(src) == self.node_of(dst):
-            return self.nvlink_latency_s + nbytes / self.nvlink_bus_Bps
-        return self.ib_latency_s + nbytes / self.ib_bus_Bps
+            t = self.nvlink_latency_s + nbytes / self.nvlink_bus_Bps
+            return Transfer(t, 0.0, t)
+        t = self.ib_latency_s + nbytes / self.ib_bus_Bps
+        return Transfer(t, t, 0.0)
 
     def all_reduce_time(self, nbytes: float, ranks: Sequence[int]) -> float:
         """All-reduce of an ``nbytes`` buffer on each rank (hierarchical across nodes)."""
-        per_node, nodes = self._spread(ranks)
-        if nbytes <= 0 or per_node * nodes == 1:
-            return 0.0
-        return 2 * (self._intra(nbytes, per_node) + self._inter(nbytes / per_node, nodes))
+        return self.all_reduce(nbytes, ranks).seconds
+
+    def all_reduce(self, nbytes: float, ranks: Sequence[int]) -> Transfer:
+        """``all_reduce_time`` with the links it keeps busy: a reduce-scatter and an
+        all-gather, one after the other."""
+        half = self.reduce_scatter(nbytes, ranks)
+        return Transfer(2 * half.seconds, 2 * half.ib, 2 * half.nvlink)
 
     def reduce_scatter_time(self, nbytes: float, ranks: Sequence[int]) -> float:
         """Reduce-scatter of a full (unsharded) ``nbytes`` buffer per rank."""
+        return self.reduce_scatter(nbytes, ranks).seconds
+
+    def reduce_scatter(self, nbytes: float, ranks: Sequence[int]) -> Transfer:
+        """``reduce_scatter_time`` with the links it keeps busy: NVLink for the in-node
+        phase, InfiniBand for the phase across nodes (they run one after the other)."""
         per_node, nodes = self._spread(ranks)
         if nbytes <= 0 or per_node * nodes == 1:
-            return 0.0
-        return self._intra(nbytes, per_node) + self._inter(nbytes / per_node, nodes)
+            return NO_TRANSFER
+        intra, inter = self._intra(nbytes, per_node), self._inter(nbytes / per_node, nodes)
+        return Transfer(intra + inter, inter, intra)
 
     def all_gather_time(self, nbytes: float, ranks: Sequence[int]) -> float:
         """All-gather into a full ``nbytes`` buffer per rank (mirror of reduce-scatter)."""
         return self.reduce_scatter_time(nbytes, ranks)
 
+    def all_gather(self, nbytes: float, ranks: Sequence[int]) -> Transfer:
+        """``all_gather_time`` with the links it keeps busy."""
+        return self.reduce_scatter(nbytes, ranks)
+
     def all_to_all_time(self, nbytes: float, ranks: Sequence[int]) -> float:
         """All-to-all where each rank sends ``nbytes`` in total, an equal share to every
         member (its own share stays local). Off-node shares go over the GPU's IB share and
         on-node shares over NVLink at the same time; the busiest node sets the time."""
+        return self.all_to_all(nbytes, ranks).seconds
+
+    def all_to_all(self, nbytes: float, ranks: Sequence[int]) -> Transfer:
+        """``all_to_all_time`` with the links it keeps busy (both at once)."""
         members = set(ranks)
         n = len(members)
         if nbytes <= 0 or n <= 1:
-            return 0.0
+            return NO_TRANSFER
         counts = Counter(self.node_of(r) for r in members)
-        worst = 0.0
+        on = off = 0.0
         for here in set(counts.values()):
-            on_node = nbytes * (here - 1) / n / self.nvlink_bus_Bps
-            off_node = nbytes * (n - here) / n / self.ib_bus_Bps
-            worst = max(worst, on_node, off_node)
+            on = max(on, nbytes * (here - 1) / n / self.nvlink_bus_Bps)
+            off = max(off, nbytes * (n - here) / n / self.ib_bus_Bps)
         # All peers are posted at once, so one path latency, the slowest kind in use.
         latency = self.ib_latency_s if len(counts) > 1 else self.nvlink_latency_s
-        return worst + latency
+        return Transfer(max(on, off) + latency, off, on)
 
     def moe_all_to_all_time(self, nbytes: float, ranks: Sequence[int], model: ModelSpec) -> float:
         """One MoE dispatch (or combine) of ``nbytes`` (``moe_dispatch_bytes``: k copies of
@@ -207,11 +253,15 @@ class Network:
         token crosses InfiniBand once per distinct node it visits and is forwarded to the
         node's GPUs over NVLink (DeepSeek-V3 report section 3.2.2): the InfiniBand bytes are
         one copy per other node hit, not one per expert. Otherwise a plain all-to-all."""
+        return self.moe_all_to_all(nbytes, ranks, model).seconds
+
+    def moe_all_to_all(self, nbytes: float, ranks: Sequence[int], model: ModelSpec) -> Transfer:
+        """``moe_all_to_all_time`` with the links it keeps busy (both at once)."""
         members = set(ranks)
         _, nodes = self._spread(members)
         groups, limit = model.expert_groups, model.groups_per_token
         if nbytes <= 0 or nodes == 1 or limit is None or groups % nodes:
-            return self.all_to_all_time(nbytes, ranks)
+            return self.all_to_all(nbytes, ranks)
         # Groups are spread evenly over the nodes; a token picks ``limit`` of ``groups``.
         per = groups // nodes
         missed = math.comb(groups - per, limit) / math.comb(groups, limit)
@@ -219,7 +269,7 @@ class Network:
         one_copy = nbytes / model.experts_per_token
         ib = one_copy * other_nodes / self.ib_bus_Bps
         nvlink = nbytes * (1 - 1 / len(members)) / self.nvlink_bus_Bps
-        return max(ib, nvlink) + self.ib_latency_s
+        return Transfer(max(ib, nvlink) + self.ib_latency_s, ib, nvlink)
 
     # -- helpers --------------------------------------------------------------------------
     def _spread(self, ranks: Iterable[int]) -> tuple[int, int]:

@@ -32,6 +32,7 @@ CPU side of the EMA (reported as ``host_bytes``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -40,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from planner.costs.blocks import BlockCost, Param, Shard, block_cost
 from planner.layout import Layout, parse_recompute
 from planner.schedules import layout_order
-from planner.specs import DTYPE_BYTES, ModelSpec, TrainingJob
+from planner.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, TrainingJob
 
 BUCKETS = (
     "weights",
@@ -54,6 +55,39 @@ BUCKETS = (
 )
 Runtime = Literal["megatron", "torch"]
 EMBEDDING_HEAD_KEYS = frozenset({"word_embeddings", "output", "position_embeddings"})
+
+
+def usable_hbm(cluster: ClusterSpec) -> int:
+    """Usable HBM per GPU (bytes): what the CUDA runtime reports as the device's total."""
+    return cluster.usable_hbm_bytes
+
+
+def usable_peak_bytes(cluster: ClusterSpec, job: TrainingJob) -> int:
+    """The most a rank's predicted peak (``StageMemory.peak_bytes``, which already holds the
+    CUDA context and fragmentation) may be: usable HBM less the job's margin for the memory
+    model's own error, ``floor(usable_hbm_bytes * (1 - memory_margin))``.
+
+    Usable, not nominal, HBM (``usable_hbm``): what the CUDA runtime reports as the device's
+    total is what a process can allocate (79.15 GiB of an H100's 80). The margin is
+    ``TrainingJob.memory_margin`` (see there for the measured error it covers)."""
+    return math.floor(usable_hbm(cluster) * (1 - job.memory_margin))
+
+
+def memory_cap(cluster: ClusterSpec, job: TrainingJob) -> float:
+    """The bytes a rank's ALLOCATED memory may reach: weights + grads + optimizer + ema +
+    activations + buffers, i.e. before the CUDA context and fragmentation are added.
+
+    ``(usable_hbm_bytes * (1 - memory_margin) - cuda_context_bytes) / (1 + fragmentation)``:
+    usable HBM (what the CUDA runtime reports as the device's total, not the nominal
+    capacity), less the margin kept free for the memory model's own error, less the CUDA
+    context (allocated inside usable HBM), divided by the allocator's fragmentation factor
+    (fragmentation is a fraction of the allocated bytes). A rank whose allocated bytes stay
+    within this has ``peak_bytes <= usable_peak_bytes(cluster, job)`` (up to rounding of each
+    bucket to whole bytes). This and ``usable_peak_bytes`` are the one definition of the cap
+    for every consumer (the solver's memory constraint, its bounds and explanations,
+    ``Estimate.fits``, ``check_plan``, exports, sweeps): none computes it by hand."""
+    usable = usable_hbm(cluster) * (1 - job.memory_margin)
+    return (usable - job.cuda_context_bytes) / (1 + job.fragmentation)
 
 
 class StageMemory(BaseModel):
@@ -173,7 +207,9 @@ def shard_of(job: TrainingJob, layout: Layout) -> Shard:
         sequence_parallel=job.sequence_parallel and layout.tp > 1,
         flash_attention=job.flash_attention,
         activation_dtype=job.activation_dtype,
-        moe_load_imbalance=job.moe_load_imbalance,
+        # With ep = 1 a rank holds every expert and receives exactly its own tokens' copies:
+        # routing imbalance moves work between experts, not between ranks.
+        moe_load_imbalance=job.moe_load_imbalance if layout.ep > 1 else 1.0,
     )
 
 

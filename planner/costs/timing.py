@@ -1,27 +1,31 @@
 """Seconds of each pipeline stage's work for one micro-batch, and of each rank's per-step work.
 
-This is the table both the analytic step time (``planner.steptime``) and the simulated
-executor (``planner.simulate``) read, so they can disagree only in how they schedule it.
+This is the table every timing consumer reads: the timeline (``planner.timeline``, behind
+``evaluate`` and ``simulate``) and the solver's tables (``planner.solve.tables``) both take
+their numbers from here and state what runs beside what with the one set of rules in
+``planner.costs.overlap``.
 
 Per stage (one chunk of the layout, on one rank of its pipeline position):
 
-- ``fwd``, ``bwd_input``, ``bwd_weight``: compute (``planner.costs.compute``) plus the
-  tensor-parallel collectives inside the block (Megatron-LM runs them on the compute stream,
-  so they are exposed: with sequence parallelism an all-gather and a reduce-scatter per
-  tensor-parallel region, priced as one all-reduce of the region's activations);
+- ``fwd``, ``bwd_input``, ``bwd_weight``: compute (``planner.costs.compute``) plus the part of
+  the block's tensor-parallel collectives the framework leaves exposed (``tp_exposed``), and
+  the SMs the hidden part's kernels take from the compute;
 - ``recompute``: forward work (and, under full recompute, its tensor-parallel collectives)
   repeated before the backward; counted inside ``bwd_input``;
 - ``a2a_fwd`` / ``a2a_bwd``: expert-parallel all-to-alls per micro-batch: dispatch and combine
   in forward, their two transposes in backward (plus the forward pair again when recompute
-  re-runs the MoE layer), exposed unless a schedule overlaps them (DualPipe's paired chunks);
+  re-runs the MoE layer);
 - ``p2p`` / ``p2p_back``: sending this stage's output to the next stage / its input gradient
   to the previous one;
 - ``grad_sync``: the data-parallel gradient reduction of the stage's parameters once per step
-  (all-reduce under ZeRO-0, reduce-scatter under ZeRO-1/2; the updated parameters' all-gather
-  is assumed overlapped with the next step's forward, as Megatron-LM's --overlap-param-gather);
+  (all-reduce under ZeRO-0, reduce-scatter under ZeRO-1; the updated parameters' all-gather
+  is assumed overlapped with the next step's forward, as Megatron-LM's
+  ``--overlap-param-gather``);
 - ``zero_gather`` / ``zero_reduce``: per micro-batch ZeRO-3 parameter all-gathers (each of
-  forward and backward) and ZeRO-2/3 gradient reduce-scatters, prefetched and overlapped with
-  compute, so only the excess over the op's compute is exposed.
+  forward and backward) and ZeRO-2/3 gradient reduce-scatters.
+
+Every communication is a ``Transfer``: its seconds and how long it keeps the GPU's InfiniBand
+share and its NVLink ports busy, so transfers in flight at once share the links.
 
 Per rank: ``optimizer``: the optimizer step, memory-bound over the rank's state (read and
 write master weights and moments, read gradients, write weights; an HBM EMA read and written).
@@ -32,19 +36,31 @@ cross-entropy's small tensor-parallel reductions, and the MoE router's auxiliary
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from planner.costs.blocks import BlockCost, Param
-from planner.costs.comm import Network, group, moe_dispatch_bytes
+from planner.costs.comm import NO_TRANSFER, Network, Transfer, group, moe_dispatch_bytes
 from planner.costs.compute import Rates, block_time
 from planner.costs.memory import StageMemory, block_costs, shard_of, shards
 from planner.layout import Layout, parse_recompute
 from planner.schedules import stage_rank
 from planner.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, TrainingJob
 
-# DeepSeek-V3 report section 3.2.2: 20 of the H800's 132 SMs suffice to run the all-to-all
-# (and pipeline sends) while computation overlaps it; those SMs are lost to compute meanwhile.
-OVERLAP_SM_SHARE = 20 / 132
+# Tensor-parallel overlap as each framework does it (``TrainingJob.framework``):
+# - megatron (``--tp-comm-overlap``, Transformer Engine userbuffers): the all-gather before
+#   the column-parallel GEMMs runs as a ring exchange in tp steps, each step's transfer
+#   behind the previous step's partial GEMM, so one step in tp is exposed, on 1 SM; the
+#   reduce-scatter after the row-parallel GEMMs is pipelined in 4 splits on 24 SMs, the last
+#   split exposed (Megatron-Bridge's published H100 userbuffers configurations, e.g.
+#   ``userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048``: qkv/fc1 fprop ring_exchange,
+#   proj fprop pipeline num_sm=24 num_splits=4; backward bulk overlaps on 2-16 SMs);
+# - torchtitan (async TP): both collectives decomposed into tp steps behind the partial
+#   matmuls, one step exposed, on copy engines rather than SMs (PyTorch, "[Distributed w/
+#   TorchTitan] Introducing Async Tensor Parallelism in PyTorch", discuss.pytorch.org/t/209487);
+# - deepspeed and the eager torch runtime: no overlap.
+# Either way no more is hidden than the block's own compute in that phase.
+TP_RS_SPLITS = 4
+TP_RS_SM_SHARE = 24 / 132
 
 
 @dataclass(frozen=True)
@@ -56,15 +72,15 @@ class StageTime:
     bwd_input: float
     bwd_weight: float
     recompute: float
-    tp_fwd: float  # tensor-parallel collectives inside ``fwd``
+    tp_fwd: float  # exposed tensor-parallel communication inside ``fwd``
     tp_bwd: float  # ... inside ``bwd_input`` (those re-run by recompute are in ``recompute``)
-    a2a_fwd: float
-    a2a_bwd: float
-    p2p: float  # send of the forward output to the next stage
-    p2p_back: float  # send of the input gradient to the previous stage
-    grad_sync: float
-    zero_gather: float
-    zero_reduce: float
+    a2a_fwd: Transfer
+    a2a_bwd: Transfer
+    p2p: Transfer  # send of the forward output to the next stage
+    p2p_back: Transfer  # send of the input gradient to the previous stage
+    grad_sync: Transfer
+    zero_gather: Transfer
+    zero_reduce: Transfer
 
     @property
     def tp_comm(self) -> float:
@@ -79,25 +95,17 @@ def stage_times(
     shard = shard_of(job, layout)
     costs = block_costs(model, layout, shard)
     act = shard.sp_tokens * model.hidden_size * shard.act_bytes  # a stage boundary's tensor
-    region = shard.tokens * model.hidden_size * shard.act_bytes  # a tp region's activations
-    a2a_bytes = moe_dispatch_bytes(model, shard) if model.num_experts else 0.0
-    # FP8 training dispatches the FP8-quantised expert inputs (1 byte per element plus one
-    # fp32 scale per 128 elements) and combines in BF16 (DeepSeek-V3 report section 3.3.2);
-    # backward all-to-alls carry activation gradients at the activation dtype.
-    dispatch_share = (1 + 4 / 128) / shard.act_bytes if job.compute_dtype == "fp8" else 1.0
+    tp = TpComm.of(model, job, layout, network, shard)
     out = []
     for index, stage in enumerate(layout.stages):
         rank = first_rank(layout, index)
-        tp_ar = network.all_reduce_time(region, group(layout, "tp", rank))
-        ep_group = group(layout, "ep", rank)
-        combine = network.moe_all_to_all_time(a2a_bytes, ep_group, model)
-        dispatch = network.moe_all_to_all_time(a2a_bytes * dispatch_share, ep_group, model)
+        dispatch, combine = expert_all_to_alls(model, job, layout, network, shard, rank)
         forward_pair = dispatch + combine
         total = BlockRow()
         params: dict[str, Param] = {}
         for placed in stage.blocks:
             cost = costs[placed.block]
-            total += block_row(cost, rates, parse_recompute(placed.recompute), tp_ar)
+            total += block_row(cost, rates, parse_recompute(placed.recompute), tp)
             for p in cost.params:
                 params.setdefault(p.key, p)
         dense, expert = _grad_bytes(list(params.values()), job, layout)
@@ -109,11 +117,11 @@ def stage_times(
                 bwd_weight=total.bwd_weight,
                 recompute=total.recompute,
                 tp_fwd=total.tp_fwd,
-                tp_bwd=total.tp_fwd,
-                a2a_fwd=total.moe_layers * forward_pair,
-                a2a_bwd=total.moe_layers * 2 * combine + total.moe_rerun * forward_pair,
+                tp_bwd=total.tp_bwd,
+                a2a_fwd=forward_pair * total.moe_layers,
+                a2a_bwd=combine * (2 * total.moe_layers) + forward_pair * total.moe_rerun,
                 p2p=stage_send(layout, network, index, act),
-                p2p_back=stage_send(layout, network, index - 1, act) if index else 0.0,
+                p2p_back=stage_send(layout, network, index - 1, act) if index else NO_TRANSFER,
                 grad_sync=_grad_sync(layout, network, rank, dense, expert),
                 zero_gather=_zero_gather(layout, network, rank, params, job),
                 zero_reduce=_zero_reduce(layout, network, rank, dense, expert),
@@ -122,16 +130,75 @@ def stage_times(
     return out
 
 
+def expert_all_to_alls(
+    model: ModelSpec, job: TrainingJob, layout: Layout, network: Network, shard: object, rank: int
+) -> tuple[Transfer, Transfer]:
+    """One MoE layer's dispatch and combine for one micro-batch at ``rank``'s position. FP8
+    training dispatches the FP8-quantised expert inputs (1 byte per element plus one fp32
+    scale per 128 elements) and combines in BF16 (DeepSeek-V3 report section 3.3.2);
+    backward all-to-alls carry activation gradients at the activation dtype."""
+    if not model.num_experts:
+        return NO_TRANSFER, NO_TRANSFER
+    nbytes = moe_dispatch_bytes(model, shard)  # type: ignore[arg-type]
+    act_bytes = shard.act_bytes  # type: ignore[attr-defined]
+    share = (1 + 4 / 128) / act_bytes if job.compute_dtype == "fp8" else 1.0
+    ep_group = group(layout, "ep", rank)
+    combine = network.moe_all_to_all(nbytes, ep_group, model)
+    return network.moe_all_to_all(nbytes * share, ep_group, model), combine
+
+
+@dataclass(frozen=True)
+class TpComm:
+    """One tensor-parallel collective of a block's activations, and how the framework
+    overlaps it (see ``TP_RS_SPLITS``)."""
+
+    seconds: float  # one all-reduce (an all-gather and a reduce-scatter) of a region
+    mode: str  # "none" | "userbuffers" | "async"
+    tp: int
+
+    @classmethod
+    def of(
+        cls, model: ModelSpec, job: TrainingJob, layout: Layout, network: Network, shard: object
+    ) -> TpComm:
+        region = shard.tokens * model.hidden_size * shard.act_bytes  # type: ignore[attr-defined]
+        seconds = network.all_reduce_time(region, group(layout, "tp", 0))
+        return cls(seconds, tp_overlap_mode(job), layout.tp)
+
+
+def tp_overlap_mode(job: TrainingJob) -> str:
+    """What the framework overlaps of tensor-parallel communication (Megatron-LM needs
+    sequence parallelism for it)."""
+    if job.framework == "megatron" and job.sequence_parallel:
+        return "userbuffers"
+    if job.framework == "torchtitan":
+        return "async"
+    return "none"
+
+
+def tp_exposed(comm: float, compute: float, tp: TpComm) -> tuple[float, float]:
+    """(exposed seconds, SM slowdown seconds) of ``comm`` seconds of a block's
+    tensor-parallel collectives beside ``compute`` seconds of its work (see ``TP_RS_SPLITS``)."""
+    if comm <= 0 or tp.mode == "none" or tp.tp <= 1:
+        return comm, 0.0
+    if tp.mode == "userbuffers":
+        floor = comm / 2 / tp.tp + comm / 2 / TP_RS_SPLITS
+        exposed = max(floor, comm - compute)
+        return exposed, TP_RS_SM_SHARE * (comm - exposed) / 2
+    exposed = max(comm / tp.tp, comm - compute)
+    return exposed, 0.0
+
+
 @dataclass(frozen=True)
 class BlockRow:
     """One block's share of its stage's ``StageTime`` (seconds per micro-batch; the MoE
     counts are layers). Stages add these up; the solver adds them up the same way."""
 
-    fwd: float = 0.0  # compute and tensor-parallel collectives
+    fwd: float = 0.0  # compute and exposed tensor-parallel collectives
     bwd_input: float = 0.0  # with the recompute (and the collectives it re-runs)
     bwd_weight: float = 0.0
     recompute: float = 0.0
     tp_fwd: float = 0.0
+    tp_bwd: float = 0.0
     moe_layers: int = 0
     moe_rerun: int = 0  # MoE layers whose forward (and all-to-alls) recompute repeats
 
@@ -142,25 +209,27 @@ class BlockRow:
             self.bwd_weight + other.bwd_weight,
             self.recompute + other.recompute,
             self.tp_fwd + other.tp_fwd,
+            self.tp_bwd + other.tp_bwd,
             self.moe_layers + other.moe_layers,
             self.moe_rerun + other.moe_rerun,
         )
 
 
-def block_row(
-    cost: BlockCost, rates: Rates, choice: frozenset[str] | str, tp_all_reduce: float
-) -> BlockRow:
-    """A block's row under recompute ``choice``, with ``tp_all_reduce`` seconds per
-    tensor-parallel collective of its activations."""
+def block_row(cost: BlockCost, rates: Rates, choice: frozenset[str] | str, tp: TpComm) -> BlockRow:
+    """A block's row under recompute ``choice``: its compute, and its tensor-parallel
+    collectives (``tp.seconds`` each) as far as the framework leaves them exposed."""
     t = block_time(cost, rates, choice)
-    tp_fwd = cost.tp_collectives * tp_all_reduce
-    rerun_tp = tp_fwd if choice == "full" else 0.0
+    comm = cost.tp_collectives * tp.seconds
+    tp_f, sm_f = tp_exposed(comm, t.fwd, tp)
+    tp_b, sm_b = tp_exposed(comm, t.bwd_input, tp)
+    rerun = (tp_f, sm_f) if choice == "full" else (0.0, 0.0)
     return BlockRow(
-        fwd=t.fwd + tp_fwd,
-        bwd_input=t.bwd_input + t.recompute + tp_fwd + rerun_tp,
+        fwd=t.fwd + tp_f + sm_f,
+        bwd_input=t.bwd_input + t.recompute + tp_b + sm_b + sum(rerun),
         bwd_weight=t.bwd_weight,
-        recompute=t.recompute + rerun_tp,
-        tp_fwd=tp_fwd,
+        recompute=t.recompute + sum(rerun),
+        tp_fwd=tp_f,
+        tp_bwd=tp_b,
         moe_layers=cost.moe_layers,
         moe_rerun=cost.moe_layers if _reruns_moe(choice) else 0,
     )
@@ -191,11 +260,11 @@ def first_rank(layout: Layout, stage: int) -> int:
     return _holder(layout, stage) * layout.tp * layout.dp
 
 
-def stage_send(layout: Layout, network: Network, stage: int, nbytes: float) -> float:
+def stage_send(layout: Layout, network: Network, stage: int, nbytes: float) -> Transfer:
     """Send to the next stage's holder (DualPipe's second direction mirrors the same hop)."""
     if stage + 1 >= len(layout.stages):
-        return 0.0
-    return network.p2p_time(nbytes, first_rank(layout, stage), first_rank(layout, stage + 1))
+        return NO_TRANSFER
+    return network.p2p(nbytes, first_rank(layout, stage), first_rank(layout, stage + 1))
 
 
 def _grad_bytes(params: list[Param], job: TrainingJob, layout: Layout) -> tuple[float, float]:
@@ -219,113 +288,33 @@ def dp_groups(layout: Layout, rank: int) -> tuple[list[int], list[int]]:
     return dense, expert
 
 
-def _grad_sync(layout: Layout, network: Network, rank: int, dense: float, expert: float) -> float:
+def _grad_sync(
+    layout: Layout, network: Network, rank: int, dense: float, expert: float
+) -> Transfer:
     if layout.zero >= 2:  # reduced per micro-batch instead (``zero_reduce``)
-        return 0.0
+        return NO_TRANSFER
     dense_group, expert_group = dp_groups(layout, rank)
-    collective = network.all_reduce_time if layout.zero == 0 else network.reduce_scatter_time
+    collective = network.all_reduce if layout.zero == 0 else network.reduce_scatter
     return collective(dense, dense_group) + collective(expert, expert_group)
 
 
-def _zero_reduce(layout: Layout, network: Network, rank: int, dense: float, expert: float) -> float:
+def _zero_reduce(
+    layout: Layout, network: Network, rank: int, dense: float, expert: float
+) -> Transfer:
     if layout.zero < 2:
-        return 0.0
+        return NO_TRANSFER
     dense_group, expert_group = dp_groups(layout, rank)
-    return network.reduce_scatter_time(dense, dense_group) + network.reduce_scatter_time(
-        expert, expert_group
-    )
+    return network.reduce_scatter(dense, dense_group) + network.reduce_scatter(expert, expert_group)
 
 
 def _zero_gather(
     layout: Layout, network: Network, rank: int, params: dict[str, Param], job: TrainingJob
-) -> float:
+) -> Transfer:
     if layout.zero < 3:
-        return 0.0
+        return NO_TRANSFER
     wb = DTYPE_BYTES[job.weight_dtype]
     ps = list(params.values())
     dense = sum(p.numel / shards(p, layout) * wb for p in ps if not p.expert)
     expert = sum(p.numel / shards(p, layout) * wb for p in ps if p.expert)
     dense_group, expert_group = dp_groups(layout, rank)
-    return network.all_gather_time(dense, dense_group) + network.all_gather_time(
-        expert, expert_group
-    )
-
-
-@dataclass(frozen=True)
-class OpParts:
-    """Seconds of one task on a rank's compute stream, by what they are spent on."""
-
-    compute: float = 0.0  # forward / backward work (tensor-parallel comm and recompute apart)
-    recompute: float = 0.0
-    tp: float = 0.0
-    a2a: float = 0.0  # exposed expert all-to-all
-    p2p: float = 0.0  # exposed pipeline send
-    zero: float = 0.0  # exposed wait for ZeRO gathers / reduce-scatters
-
-    @property
-    def total(self) -> float:
-        return self.compute + self.recompute + self.tp + self.a2a + self.p2p + self.zero
-
-
-def op_parts(st: StageTime, kind: str, *, overlapped: bool = False) -> OpParts:
-    """One op (``F``, ``B``, ``W`` or fused ``BW``) of stage ``st``. Its sends block the rank
-    (Megatron-LM's 1F1B waits for each send-and-receive pair), so the forward carries the
-    send of its output and the backward the send of its input gradient, as its expert
-    all-to-alls are exposed; ``overlapped`` leaves both out (a DualPipe pair hides them).
-    ZeRO-3 gathers the stage's weights before ``F`` and ``B``/``BW`` and ZeRO-2/3
-    reduce-scatter the gradients ``W``/``BW`` produce, prefetched or overlapped: the op lasts
-    as long as the longer of its work and that communication."""
-    comms = not overlapped
-    if kind == "F":
-        parts = OpParts(
-            compute=st.fwd - st.tp_fwd,
-            tp=st.tp_fwd,
-            a2a=st.a2a_fwd * comms,
-            p2p=st.p2p * comms,
-        )
-        hidden = st.zero_gather
-    elif kind == "W":
-        parts, hidden = OpParts(compute=st.bwd_weight), st.zero_reduce
-    else:
-        weight = st.bwd_weight if kind == "BW" else 0.0
-        parts = OpParts(
-            compute=st.bwd_input + weight - st.recompute - st.tp_bwd,
-            recompute=st.recompute,
-            tp=st.tp_bwd,
-            a2a=st.a2a_bwd * comms,
-            p2p=st.p2p_back * comms,
-        )
-        hidden = st.zero_gather + (st.zero_reduce if kind == "BW" else 0.0)
-    return replace(parts, zero=max(0.0, hidden - parts.total))
-
-
-def op_time(st: StageTime, kind: str) -> float:
-    """Seconds of one op on its rank's compute stream (see ``op_parts``)."""
-    return op_parts(st, kind).total
-
-
-def pair_parts(f: StageTime, b: StageTime, b_kind: str) -> OpParts:
-    """DualPipe's overlapped pair: one chunk's forward runs alongside another's backward, the
-    all-to-alls and pipeline sends of each hidden behind the other's compute (DeepSeek-V3
-    report section 3.2.1); what the communication takes beyond the compute is exposed. The
-    communication kernels occupy ``OVERLAP_SM_SHARE`` of the SMs meanwhile, so the compute
-    runs that much slower (the slowdown is counted as all-to-all time)."""
-    fp, bp = op_parts(f, "F", overlapped=True), op_parts(b, b_kind, overlapped=True)
-    work = fp.total + bp.total
-    a2a, p2p = f.a2a_fwd + b.a2a_bwd, f.p2p + b.p2p_back
-    slowed = work / (1 - OVERLAP_SM_SHARE) if a2a + p2p > 0 else work
-    excess = max(slowed, a2a + p2p) - work
-    share = a2a / (a2a + p2p) if a2a + p2p > 0 else 0.0
-    return OpParts(
-        compute=fp.compute + bp.compute,
-        recompute=fp.recompute + bp.recompute,
-        tp=fp.tp + bp.tp,
-        zero=fp.zero + bp.zero,
-        a2a=excess * share,
-        p2p=excess * (1 - share),
-    )
-
-
-def paired_time(f: StageTime, b: StageTime, b_kind: str) -> float:
-    """Seconds of a DualPipe pair (see ``pair_parts``)."""
-    return pair_parts(f, b, b_kind).total
+    return network.all_gather(dense, dense_group) + network.all_gather(expert, expert_group)

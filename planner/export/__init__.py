@@ -33,7 +33,10 @@ class Export(BaseModel):
     planned_step_s: float = Field(description="The plan's predicted step time (seconds).")
     exported_step_s: float = Field(description="Predicted step time of what runs (seconds).")
     exported_peak_bytes: int = Field(description="Its largest per-rank memory peak (bytes).")
-    fits: bool = Field(description="Whether what runs fits every rank's HBM.")
+    fits: bool = Field(
+        description="Whether what runs keeps every rank within the memory cap (usable HBM less "
+        "the job's margin; Estimate.fits)."
+    )
 
     @property
     def exact(self) -> bool:
@@ -44,7 +47,7 @@ class Export(BaseModel):
         if self.exact:
             return f"{self.target}: states the plan exactly ({self.planned_step_s:.3f} s/step)."
         change = self.exported_step_s / self.planned_step_s - 1
-        fit = "fits" if self.fits else "DOES NOT FIT HBM"
+        fit = "fits" if self.fits else "DOES NOT FIT the memory cap"
         return (
             f"{self.target}: {len(self.differences)} difference(s); predicted "
             f"{self.exported_step_s:.3f} s/step vs {self.planned_step_s:.3f} planned "
@@ -74,7 +77,22 @@ def finish(
 ) -> Export:
     model, cluster, job, layout = inputs(plan)
     planned = evaluate(model, cluster, job, layout)
-    exported = planned if runs == layout else evaluate(model, cluster, job, runs)
+    # The exported layout runs under the target's software: what it overlaps (time) is the
+    # target's, whatever framework the plan was made for.
+    target_job = job.model_copy(update={"framework": target})
+    exported = (
+        planned
+        if (runs, target_job) == (layout, job)
+        else evaluate(model, cluster, target_job, runs)
+    )
+    if target_job != job:
+        retimed = evaluate(model, cluster, target_job, layout)
+        if abs(retimed.step_time_s - planned.step_time_s) > 1e-9 * planned.step_time_s:
+            differences.append(
+                f"planned for {job.framework}, run by {target}: what {target} overlaps makes "
+                f"the planned layout {retimed.step_time_s:.3f} s per step, not "
+                f"{planned.step_time_s:.3f} s"
+            )
     return Export(
         target=target,
         files=files,

@@ -17,7 +17,10 @@ What maps exactly:
   or full recompute of the first k layers of every stage (``--recompute-method block``);
 - ZeRO-1: ``--use-distributed-optimizer``; ZeRO-2/3: Megatron-FSDP with
   ``--data-parallel-sharding-strategy optim_grads`` / ``optim_grads_params``;
-- micro and global batch, sequence length, model shape, MoE routing, BF16 / FP8 (blockwise).
+- micro and global batch, sequence length, model shape, MoE routing, BF16 / FP8 (blockwise);
+- the overlap the time model assumes for Megatron-LM (``TrainingJob.framework``):
+  ``--tp-comm-overlap`` with sequence parallelism, ``--overlap-grad-reduce`` and
+  ``--overlap-param-gather``.
 
 What does not: Megatron-LM picks 1F1B or interleaved 1F1B from the degrees and has no ZB-H1 or
 DualPipe schedule (DualPipe runs as 1F1B on the same stages, DualPipeV as interleaved 1F1B
@@ -84,6 +87,9 @@ def megatron(plan: Plan) -> Export:
         args += ["--expert-tensor-parallel-size", "1"]
     if runs.tp > 1 and job.sequence_parallel:
         args.append("--sequence-parallel")
+        # The time model hides tensor-parallel collectives as Transformer Engine's
+        # userbuffers do (planner.costs.timing.TP_RS_SPLITS): state that they are on.
+        args.append("--tp-comm-overlap")
     if runs.pp > 1 or runs.virtual_stages > 1:
         args += ["--pipeline-model-parallel-layout", pipeline_layout(runs)]
     args += _recompute_args(runs)

@@ -299,6 +299,7 @@ def profile(found: dict[str, Any], *, name: str = "cpu") -> dict[str, Any]:
         "description": f"{n} CPU worker processes (gloo), one thread each, measured together",
         "gpus_per_node": n,
         "hbm_GiB": round(ram / n, 3),
+        "usable_hbm_GiB": round(ram / n, 3),
         "hbm_bandwidth_GBps": round(r["memory_Bps"] / 1e9, 3),
         "bf16_dense_tflops": round(gemm_t, 6),
         "fp8_dense_tflops": None,
@@ -330,6 +331,7 @@ def profile(found: dict[str, Any], *, name: str = "cpu") -> dict[str, Any]:
             "kernel_overhead_us": f"{how}: least-squares fit to the block timings in checks",
             "achieved.attention": f"{how}: causal SDPA forward+backward rate over GEMM rate",
             "hbm_GiB": "host RAM shared equally by the workers",
+            "usable_hbm_GiB": "as hbm_GiB: no driver keeps any of host RAM from the workers",
         },
         "checks": block_checks(found, kernel_s),
     }

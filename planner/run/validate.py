@@ -301,8 +301,15 @@ class CapDemo(BaseModel):
     """The planner's fastest layout ignoring memory, which a cap rules out, against the
     fastest layout it finds under the cap, both run for real."""
 
-    cap_bytes: int = Field(description="Memory per rank the planner was given (bytes).")
-    margin: float = Field(description="Fraction of allocations the planner keeps free.")
+    cap_bytes: int = Field(
+        description="Memory per rank the planner was given (bytes): the capped cluster's usable "
+        "HBM."
+    )
+    margin: float = Field(
+        description="Fraction of the cap the planner keeps free for its memory model's error "
+        "(TrainingJob.memory_margin): a plan's predicted peak stays within "
+        "cap_bytes * (1 - margin)."
+    )
     rejected: CapRun = Field(description="Fastest layout without the cap; over it.")
     accepted: CapRun = Field(description="The planner's plan under the cap.")
 
@@ -318,8 +325,12 @@ class CapDemo(BaseModel):
 
 def cap_demo(cluster: ClusterSpec, cap_bytes: int, *, margin: float = 0.05) -> CapDemo:
     """Plan the small model on ``cluster`` (its GPU count) without a memory limit and under
-    ``cap_bytes`` per rank, then run both plans. The planner keeps ``margin`` of its
-    allocations free (the job's fragmentation allowance) for what its model leaves out.
+    ``cap_bytes`` per rank (the capped cluster's usable HBM), then run both plans. The planner
+    keeps ``margin`` of the cap free for its memory model's error (the job's
+    ``memory_margin``), so the accepted plan's predicted peak is within
+    ``cap_bytes * (1 - margin)``. The job keeps no fragmentation allowance: on CPU there is
+    no caching allocator, and the measured peak is live tensor bytes, the same quantity as
+    the prediction, so the two compare directly.
     Searched: tp 1, ep 1, micro-batch 1, 1F1B, recompute none / MoE / full (what real runs
     cover here)."""
     from planner.errors import PlannerError
@@ -328,12 +339,12 @@ def cap_demo(cluster: ClusterSpec, cap_bytes: int, *, margin: float = 0.05) -> C
     from planner.specs import SearchSpace
 
     model = small_model()
-    job = small_job().model_copy(update={"fragmentation": margin})
+    job = small_job().model_copy(update={"memory_margin": margin})
     space = SearchSpace(
         tp=[1], ep=[1], micro_batch=[1], schedules=["1f1b"], recompute=["none", "moe", "full"]
     )
-    roomy = cluster.model_copy(update={"hbm_bytes": 2**40})
-    capped = cluster.model_copy(update={"hbm_bytes": cap_bytes})
+    roomy = cluster.model_copy(update={"hbm_bytes": 2**40, "hbm_reserved_bytes": 0})
+    capped = cluster.model_copy(update={"hbm_bytes": cap_bytes, "hbm_reserved_bytes": 0})
     plans = []
     for what, machine in (("without the cap", roomy), ("under the cap", capped)):
         chosen = plan(model, machine, job, space, time_limit_s=30)
@@ -341,6 +352,11 @@ def cap_demo(cluster: ClusterSpec, cap_bytes: int, *, margin: float = 0.05) -> C
             raise PlannerError(
                 f"cap={cap_bytes / 2**20:g} MiB: no layout of the small model fits {what}"
             )
+        assert chosen.estimate.fits, (
+            f"the plan {what} predicts {chosen.estimate.peak_bytes} B, above its cap "
+            f"{chosen.estimate.cap_bytes} B: the search must state the cap as "
+            "planner.costs.memory.memory_cap does"
+        )
         plans.append((chosen.layout, chosen.estimate))
     if plans[0][1].peak_bytes <= cap_bytes:
         raise PlannerError(

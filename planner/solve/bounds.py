@@ -1,16 +1,18 @@
 """Lower bounds on a configuration's step time, and memory floors that rule it out.
 
-Each bound holds for every layout of the configuration under ``planner.steptime``'s formula
+Each bound holds for every layout of the configuration under the timeline's step time
 (see ``lower_bound``); the search uses them to order configurations and to stop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
 from collections.abc import Callable
 
 from planner.costs.comm import Network
+from planner.costs.memory import memory_cap
 from planner.errors import PlannerError
 from planner.solve.tables import Config, Option, Tables, build, prototype
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
@@ -21,13 +23,13 @@ def lower_bound(
 ) -> float | None:
     """A step time no layout of ``config`` beats, or None if no layout of it can fit.
 
-    The step is at least the mean over ranks of (own work + own wait). Summed over ranks the
-    work is m times every stage's forward and backward (each stage runs every micro-batch
-    once), at least every block's cheapest option plus what every schedule but DualPipe
-    exposes (all-to-alls, pipeline sends). The mean of the waits is ``order_idle`` at the
-    overall mean op times (each stage is among the "others" of equally many ranks; DualPipe's
-    correction is convex, so its mean is at least its value at the mean), with each mean
-    taken at its lower end where the formula adds it and its upper end where it subtracts."""
+    Some rank's tasks take at least the mean rank's: summed over ranks the work is m times
+    every stage's forward and backward (each stage runs every micro-batch once), at least
+    every block's cheapest option (and the recompute memory forces on them), plus the
+    all-to-alls and sends every schedule but DualPipe leaves in series with the compute; a
+    DualPipe pair lasts at least its two chunks' compute, and half its communication. Then the
+    mean rank's optimizer step. The wait for other ranks is left out: it is what
+    ``planner.solve.lpbound`` adds, at a higher price."""
     t = bound_tables(model, cluster, job, config)
     if t is None or any(not k.options for k in t.kinds.values()):
         return None
@@ -35,7 +37,7 @@ def lower_bound(
         return None
     if config.ema == "host" and not host_fits(t, cluster, config):
         return None
-    S, m, p = config.stages, config.num_microbatches, config.pp
+    m, p = config.num_microbatches, config.pp
     blocks = t.layer_kinds + t.first_fixed + t.last_fixed
     count = Counter(blocks)
     opts = {b: t.kinds[b].options for b in count}
@@ -48,44 +50,58 @@ def lower_bound(
         return None  # even recomputing everything leaves too many activations
     moe = sum(n * t.kinds[b].cost.moe_layers for b, n in count.items())
     dual = config.schedule in ("dualpipe", "dualpipev")
-    fpair, comb = min(t.forward_pair), min(t.combine)
-    sends_f = 0.0 if dual else moe * fpair + sum(t.p2p)
-    sends_b = 0.0 if dual else moe * 2 * comb + sum(t.p2p_back)
+    fpair = min(x.seconds for x in t.forward_pair)
+    comb = min(x.seconds for x in t.combine)
+    p2p, back = sum(x.seconds for x in t.p2p), sum(x.seconds for x in t.p2p_back)
+    sends_f = 0.0 if dual else moe * fpair + p2p
+    sends_b = 0.0 if dual else moe * 2 * comb + back
     fwd = total(lambda os: min(o.row.fwd for o in os))
     bin_lo = total(lambda os: min(o.row.bwd_input for o in os)) + forced
-    bin_hi = total(lambda os: max(o.row.bwd_input for o in os))
     bw = total(lambda os: os[0].row.bwd_weight)  # recompute does not change it
-    g_lo, g_hi = _collective(t, "gather", low=True), _collective(t, "gather", low=False)
-    r_lo, r_hi = _collective(t, "reduce", low=True), _collective(t, "reduce", low=False)
-    # Sums over stages of each op's time: a max of work (+ exposed sends) and ZeRO comm.
+    g_lo = _collective(t, "gather", low=True)
+    r_lo = _collective(t, "reduce", low=True)
+    # Sums over stages of each op's time: at least its work (+ the sends in series) and at
+    # least its ZeRO collectives.
     f_lo = max(fwd + sends_f, g_lo)
     b_lo = max(bin_lo + sends_b, g_lo)
-    w_lo, w_hi = max(bw, r_lo), bw + r_hi
+    w_lo = max(bw, r_lo)
     bw_lo = max(bin_lo + bw + sends_b, g_lo + r_lo)
-    f_hi = fwd + moe * fpair + sum(t.p2p) + g_hi
-    b_hi = bin_hi + moe * (2 * comb + fpair) + sum(t.p2p_back) + g_hi
-    lin, k = t.idle_linear, t.idle_k
     tail = _optimizer_floor(t, config)
     if config.schedule == "zb-h1":
-        # F, B and W each run m times on their stage and enter the wait with (p-1)(F+B-W):
-        # W's net coefficient is m/p - (p-1)/S.
-        net = m / p - lin["f"] / S
-        return (m / p + lin["f"] / S) * (f_lo + b_lo) + net * (w_lo if net >= 0 else w_hi) + tail
+        return m * (f_lo + b_lo + w_lo) / p + tail
     busy = m * (f_lo + bw_lo) / p
     if dual:
-        # Every task lasts at least its communication too (a pair: max(compute, comm)).
-        comm = moe * (fpair + 2 * comb) + sum(t.p2p) + sum(t.p2p_back)
-        busy = max(busy, m * comm / p)
-    if not dual:
-        return busy + (lin["f"] * f_lo + lin["b"] * b_lo + lin["w"] * w_lo) / S + tail
-    # DualPipe: k'(FB + B - 2W), with FB >= F + BW (a pair holds a forward and a full
-    # backward) >= F + B + W and >= F + W: at least k'(F + 2B - W_hi) or k'(F + B - W_hi)...
-    # the first needs only FB >= F + B + W, the second also W <= BW; take the larger.
-    k1 = lin["fb"]
-    idle = k1 * max(f_lo + 2 * b_lo + w_lo - 2 * w_hi, f_lo + b_lo - w_hi) / S
-    assert k is not None
-    idle += max(k * (f_lo - b_hi), -f_hi) / S
-    return busy + idle + tail
+        # A DualPipe pair overlaps one chunk's compute with the other's ZeRO collectives:
+        # it lasts at least the larger of its compute and its collectives, not their sum.
+        busy = m * max(fwd + bin_lo + bw, 2 * g_lo + r_lo) / p
+        # A DualPipe pair lasts at least each chunk's own communication (in series with its
+        # compute), so at least half of the two; an unpaired op all of its own.
+        comm = moe * (fpair + 2 * comb) + p2p + back
+        busy = max(busy, m * comm / (2 * p))
+    return busy + tail
+
+
+def degrees_bound(
+    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config
+) -> float | None:
+    """A step time no configuration with ``config``'s degrees and micro-batch beats,
+    whatever its ZeRO stage, schedule or EMA placement: the mean rank's share of every
+    block's cheapest compute, with no communication in series (DualPipe could hide it) and
+    the optimizer step of the most sharded state (``config`` should be the one with the
+    highest ZeRO stage). None when the degrees do not divide the model. Cheaper than
+    ``lower_bound`` and never above it for any configuration it stands for."""
+    t = bound_tables(model, cluster, job, config)
+    if t is None or any(not k.options for k in t.kinds.values()):
+        return None
+    count = Counter(t.layer_kinds + t.first_fixed + t.last_fixed)
+    opts = {b: t.kinds[b].options for b in count}
+    work = sum(
+        n * (min(o.row.fwd for o in opts[b]) + min(o.row.bwd_input for o in opts[b]))
+        + n * opts[b][0].row.bwd_weight
+        for b, n in count.items()
+    )
+    floor = dataclasses.replace(config, schedule="1f1b", virtual_stages=1)
+    return config.num_microbatches * work / config.pp + _optimizer_floor(t, floor)
 
 
 def _forced_recompute(
@@ -102,7 +118,7 @@ def _forced_recompute(
     hull, cheapest seconds per byte first), a bound on any integral choice."""
     from planner.schedules import in_flight
 
-    usable = (cluster.hbm_bytes - job.cuda_context_bytes) / (1 + job.fragmentation)
+    usable = memory_cap(cluster, job)
     copies = 2 if config.schedule == "dualpipe" else 1
     state = copies * sum(gpu_state(t.kinds[k].state) for k in t.layer_kinds)
     state += sum(gpu_state(s) for s in t.fixed_state) + config.pp * t.buffers
@@ -198,7 +214,7 @@ def _collective(t: Tables, kind: str, *, low: bool) -> float:
 def _fits_at_all(tables: Tables, cluster: ClusterSpec, job: TrainingJob, config: Config) -> bool:
     """Every rank holds its share of the model state: if the average share alone is over
     the usable HBM, no partition fits."""
-    usable = (cluster.hbm_bytes - job.cuda_context_bytes) / (1 + job.fragmentation)
+    usable = memory_cap(cluster, job)
     # Pigeonhole: some rank holds at least ceil(layer copies / pp) layers.
     copies = 2 if config.schedule == "dualpipe" else 1
     most = -(-copies * len(tables.layer_kinds) // config.pp)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from planner.costs.memory import memory_cap
 from planner.solve.result import Binding, Explanation, Plan
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 
@@ -31,7 +32,7 @@ def explain(
 ) -> Explanation:
     """``lightest``: (bytes, description) of the configuration with the smallest memory
     floor, or None when no combination of degrees divides the job at all."""
-    usable = (cluster.hbm_bytes - job.cuda_context_bytes) / (1 + job.fragmentation)
+    usable = memory_cap(cluster, job)  # for allocations: usable HBM less margin and context
     binding = []
     if lightest is None:
         binding.append(
@@ -53,7 +54,7 @@ def explain(
             Binding(
                 family="memory",
                 where=where,
-                excess=f"{need / GiB:.1f} GiB needed at least vs {usable / GiB:.1f} GiB usable"
+                excess=f"{need / GiB:.1f} GiB needed at least vs {usable / GiB:.1f} GiB allowed"
                 + (f" ({excess / GiB:+.1f} GiB)" if excess > 0 else ""),
             )
         )
@@ -62,9 +63,11 @@ def explain(
             f"configuration ({where}) needs at least {need / GiB:.1f} GiB per GPU for its "
             f"share of the model state and buffers alone"
             + (
-                f", {usable / GiB:.1f} GiB usable."
+                f", over the {usable / GiB:.1f} GiB a rank may allocate (usable HBM less the "
+                f"{job.memory_margin:.0%} margin and the CUDA context)."
                 if excess > 0
-                else f"; with activations no layout fits {usable / GiB:.1f} GiB usable."
+                else f"; with activations no layout fits the {usable / GiB:.1f} GiB a rank may "
+                "allocate."
             )
         )
     fixes = []

@@ -4,13 +4,16 @@ Decisions: where each stage starts (an integer per stage; the count of each laye
 stage comes from prefix-count tables by element constraints), how many layers of each kind in
 each stage take each recompute option, and the option of each embedding / MTP / head block.
 
-The objective is ``planner.steptime``'s formula stated over the same numbers
-(``planner.solve.tables``): op times are maxima of linear terms (``add_max_equality``, exact,
-so no term can be inflated to shrink another), each rank's work is its op order's task counts
-times those op times, its wait is ``order_idle`` over the stages it does not hold, and the
-tail is the exposed gradient reduction plus the optimizer step. Memory per rank is
-``planner.costs.memory``'s buckets with the activation peak taken over every level the rank's
-op order passes through.
+The objective is the step time of ``planner.timeline``: the largest over a set of *forms*,
+each the length of one chain of tasks and transfers (``Timeline.forms``), a sum of task
+lengths and per-stage quantities. A task's length is the largest of its terms
+(``planner.costs.overlap.task_terms``), stated here as ``>=`` constraints on one variable per
+task kind (every form counts tasks positively, so minimising never inflates one). Which
+chains bind depends on the layout, so the search adds forms as it meets layouts
+(``add_forms``): with a subset of the forms the optimum is a lower bound on every layout's
+real step time, and it is that step time once the forms of the layout it picks are in.
+Memory per rank is ``planner.costs.memory``'s buckets with the activation peak taken over
+every level the rank's op order passes through.
 
 Resolution: times are integers of ``UNIT`` seconds (each block's time rounds to the nearest
 unit); bytes are exact integers (rounded up).
@@ -20,18 +23,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from ortools.sat.python import cp_model
 
-from planner.costs.timing import OVERLAP_SM_SHARE
-from planner.solve.tables import Tables
+from planner.costs.memory import memory_cap
+from planner.costs.overlap import OVERLAPS, Prim, TaskKey, Term, task_terms
+from planner.solve.tables import Affine, Tables
 from planner.specs import ClusterSpec, TrainingJob
+from planner.timeline import Form
 
 UNIT = 1e-6  # seconds per time unit
 KIB = 1024  # bytes per memory unit
-SLOW, FAST = 132, 112  # pair compute slowdown 132/112 = 1/(1 - 20/132)
-assert abs(FAST / SLOW - (1 - OVERLAP_SM_SHARE)) < 1e-12
 
 Expr = Any  # cp_model linear expression
 
@@ -49,6 +53,7 @@ class Solution:
     objective_s: float
     bound_s: float
     work: float = 0.0  # CP-SAT deterministic time spent
+    values: list[int] | None = None  # every variable's value, to warm-start a re-solve
 
 
 class StageModel:
@@ -65,6 +70,7 @@ class StageModel:
         self._op_times()
         self._memory()
         self._objective()
+        self.base_vars = len(self.m.proto.variables)
 
     # -- decisions ---------------------------------------------------------------------
     def _boundaries(self) -> None:
@@ -160,43 +166,53 @@ class StageModel:
         self.m.add(count == 0).only_enforce_if(b.negated())
         return b
 
-    # -- stage quantities --------------------------------------------------------------
+    # -- stage quantities ------------------------------------------------------------
     def _stage_terms(self) -> None:
+        """Every per-stage quantity the task terms name (``costs.overlap.prims``), as linear
+        expressions in time units."""
         t = self.t
-        self.fwd, self.bin, self.bw, self.moe, self.rerun = [], [], [], [], []
-        self.sync, self.gather, self.reduce, self.has_expert = [], [], [], []
+        self.prim: dict[Prim, Expr] = {}
+        self.has_expert: list[Any] = []
         for s in range(self.S):
-            self.fwd.append(self._sum(s, lambda o: q(o.row.fwd)))
-            self.bin.append(self._sum(s, lambda o: q(o.row.bwd_input)))
-            self.bw.append(self._sum(s, lambda o: q(o.row.bwd_weight)))
-            self.moe.append(self._sum(s, lambda o: o.row.moe_layers))
-            self.rerun.append(self._sum(s, lambda o: o.row.moe_rerun))
-            fixed_dense, fixed_expert = t.fixed_grad[s]
-            fixed_wd, fixed_we = t.fixed_weight[s]
-            has_expert = self._has_expert(s, fixed_expert)
-            self.has_expert.append(has_expert)
+            self.prim[("fwd", s)] = self._sum(s, lambda o: q(o.row.fwd))
+            self.prim[("bin", s)] = self._sum(s, lambda o: q(o.row.bwd_input))
+            self.prim[("bw", s)] = self._sum(s, lambda o: q(o.row.bwd_weight))
+            moe = self._sum(s, lambda o: o.row.moe_layers)
+            rerun = self._sum(s, lambda o: o.row.moe_rerun)
+            self.has_expert.append(self._has_expert(s, t.fixed_grad[s][1]))
+            fp, cb = t.forward_pair[s], t.combine[s]
+            for part, suffix in (("seconds", ""), ("ib", ".ib"), ("nvlink", ".nvl")):
+                f_, c_ = getattr(fp, part), getattr(cb, part)
+                self.prim[("a2af" + suffix, s)] = moe * q(f_)
+                self.prim[("a2ab" + suffix, s)] = moe * q(2 * c_) + rerun * q(f_)
+                self.prim[("p2p" + suffix, s)] = q(getattr(t.p2p[s], part))
+                self.prim[("p2pb" + suffix, s)] = q(getattr(t.p2p_back[s], part))
+            for link, suffix in (("", ""), ("ib", ".ib"), ("nvl", ".nvl")):
+                self.prim[("sync" + suffix, s)] = self._collective(s, link, "grad", "grad")
+                self.prim[("ag" + suffix, s)] = self._collective(s, link, "gather", "weight")
+                self.prim[("rs" + suffix, s)] = self._collective(s, link, "reduce", "grad")
 
-            def affine(
-                a: Any, kind_bytes: Any, fixed: float, c: float, on: Any, s: int = s
-            ) -> Expr:
-                """a x + c seconds for x bytes, c only when the stage has such bytes."""
-                return self._layers(s, lambda k: q(a * kind_bytes(k))) + q(a * fixed) + q(c) * on
-
-            gd, ge = t.grad_dense[s], t.grad_expert[s]
-            self.sync.append(
-                affine(gd.a, lambda k: k.dense_grad, fixed_dense, gd.c, True)
-                + affine(ge.a, lambda k: k.expert_grad, fixed_expert, ge.c, has_expert)
+    def _collective(self, s: int, link: str, table: str, what: str) -> Expr:
+        """A stage's gradient reduction, ZeRO gather or reduce-scatter (seconds, or a link's
+        busy seconds): a x + c over its dense bytes and again over its expert bytes, the
+        expert latency only when the stage has expert parameters."""
+        t = self.t
+        fixed = dict(
+            zip(
+                ("dense", "expert"),
+                (t.fixed_grad if what == "grad" else t.fixed_weight)[s],
+                strict=True,
             )
-            ad, ae = t.gather_dense[s], t.gather_expert[s]
-            self.gather.append(
-                affine(ad.a, lambda k: k.dense_weight, fixed_wd, ad.c, True)
-                + affine(ae.a, lambda k: k.expert_weight, fixed_we, ae.c, has_expert)
-            )
-            rd, re = t.reduce_dense[s], t.reduce_expert[s]
-            self.reduce.append(
-                affine(rd.a, lambda k: k.dense_grad, fixed_dense, rd.c, True)
-                + affine(re.a, lambda k: k.expert_grad, fixed_expert, re.c, has_expert)
-            )
+        )
+        total: Expr = 0
+        for part in ("dense", "expert"):
+            rate: Affine = getattr(t, f"{table}_{part}")[s]
+            a, c = rate.part(link)
+            attr = f"{part}_{what}"
+            on = True if part == "dense" else self.has_expert[s]
+            total = total + self._layers(s, lambda k, a=a, attr=attr: q(a * getattr(k, attr)))
+            total = total + q(a * fixed[part]) + q(c) * on
+        return total
 
     def _has_expert(self, s: int, fixed_expert: float) -> Any:
         if fixed_expert > 0:
@@ -205,102 +221,36 @@ class StageModel:
             return False
         return self.has_layers[s]["moe"]
 
-    def _a2a_fwd(self, s: int) -> Expr:
-        return self.moe[s] * q(self.t.forward_pair[s])
-
-    def _a2a_bwd(self, s: int) -> Expr:
-        return self.moe[s] * q(2 * self.t.combine[s]) + self.rerun[s] * q(self.t.forward_pair[s])
-
-    # -- op times ----------------------------------------------------------------------
+    # -- task lengths ------------------------------------------------------------------
     def _op_times(self) -> None:
-        """Op times are created on first use (``op``, ``pair``); an hour bounds them."""
-        self._ops: dict[tuple[Any, ...], Any] = {}
+        """Task lengths are created on first use (``task``); an hour bounds them."""
+        self._tasks: dict[TaskKey, Any] = {}
         self.hi = q(3600.0)
+        self.overlap = OVERLAPS[self.job.framework]
 
-    def op(self, kind: str, s: int, *, overlapped: bool = False) -> Any:
-        """The time of one op of stage s (an exact max, created on first use)."""
-        key = (kind, s, overlapped)
-        if key in self._ops:
-            return self._ops[key]
-        t = self.t
-        send = 0 if overlapped else 1
-        if kind == "F":
-            terms = [self.fwd[s] + send * (self._a2a_fwd(s) + q(t.p2p[s])), self.gather[s]]
-        elif kind == "B":
-            terms = [self.bin[s] + send * (self._a2a_bwd(s) + q(t.p2p_back[s])), self.gather[s]]
-        elif kind == "W":
-            terms = [self.bw[s], self.reduce[s]]
-        else:
-            work = self.bin[s] + self.bw[s]
-            terms = [
-                work + send * (self._a2a_bwd(s) + q(t.p2p_back[s])),
-                self.gather[s] + self.reduce[s],
-            ]
-        v = self.m.new_int_var(0, self.hi, f"op[{kind}][{s}]{'o' if overlapped else ''}")
-        self.m.add_max_equality(v, terms)
-        self._ops[key] = v
+    def task(self, key: TaskKey) -> Any:
+        """The length of one task kind: at least each of its terms."""
+        if key in self._tasks:
+            return self._tasks[key]
+        v = self.m.new_int_var(0, self.hi, f"task{key}")
+        for term in task_terms(key, self.overlap):
+            self._at_least(v, term)
+        self._tasks[key] = v
         return v
 
-    def pair(self, f: int, b: int, kind: str) -> Any:
-        """A DualPipe pair: max(compute slowed by the communication's SMs, communication)."""
-        key = ("pair", f, b, kind)
-        if key in self._ops:
-            return self._ops[key]
-        t = self.t
-        work = self.op("F", f, overlapped=True) + self.op(kind, b, overlapped=True)
-        comm = self._a2a_fwd(f) + self._a2a_bwd(b) + q(t.p2p[f]) + q(t.p2p_back[b])
-        v = self.m.new_int_var(0, self.hi, f"pair[{f}][{b}][{kind}]")
-        const = q(t.p2p[f]) + q(t.p2p_back[b])
-        if const > 0:
-            on: Any = True
-        else:
-            # The all-to-alls exist only where the stage has MoE layers and the EP group
-            # spans more than one GPU (else they take no time).
-            flags = [
-                self.has_expert[f] if t.forward_pair[f] > 0 else False,
-                self.has_expert[b] if t.combine[b] + t.forward_pair[b] > 0 else False,
-            ]
-            live = [x for x in flags if not isinstance(x, bool)]
-            if any(x is True for x in flags):
-                on = True
-            elif not live:
-                on = False
-            else:
-                on = self.m.new_bool_var(f"pair_comm[{f}][{b}]")
-                self.m.add_max_equality(on, live)
-        if on is True:
-            slowed = self._slowed(work, f"slowed[{f}][{b}][{kind}]")
-            self.m.add_max_equality(v, [slowed, comm])
-        elif on is False:
-            self.m.add_max_equality(v, [work, comm])
-        else:
-            full = self._slowed(work, f"slowed[{f}][{b}][{kind}]")
-            slowed = self.m.new_int_var(0, self.hi * 2, f"slowed_if[{f}][{b}][{kind}]")
-            self.m.add(slowed == full).only_enforce_if(on)
-            self.m.add(slowed == work).only_enforce_if(on.negated())
-            self.m.add_max_equality(v, [slowed, comm])
-        self._ops[key] = v
-        return v
-
-    def _slowed(self, work: Expr, name: str) -> Any:
-        """floor(work * 132 / 112), stated as two linear inequalities (exact for integers,
-        and visible to the LP relaxation, which a division constraint is not)."""
-        v = self.m.new_int_var(0, self.hi * 2, name)
-        self.m.add(FAST * v <= SLOW * work)
-        self.m.add(FAST * v >= SLOW * work - (FAST - 1))
-        return v
-
-    def task(self, task: tuple[Any, ...]) -> Any:
-        if task[0] == "pair":
-            return self.pair(task[1], task[2], task[3])
-        return self.op(task[0], task[1])
+    def _at_least(self, v: Any, term: Term) -> None:
+        """``v >= term``, scaled to integer coefficients (exact for the shares used)."""
+        fracs = [(p, Fraction(c).limit_denominator(10_000)) for p, c in term.coeffs if c]
+        if not fracs:
+            return
+        scale = math.lcm(*(f.denominator for _, f in fracs))
+        rhs = sum(int(f * scale) * self.prim[p] for p, f in fracs)
+        self.m.add(scale * v >= rhs)
 
     # -- memory ------------------------------------------------------------------------
     def _memory(self) -> None:
         t, m, job = self.t, self.m, self.job
-        usable = math.floor(
-            (self.cluster.hbm_bytes - job.cuda_context_bytes) / (1 + job.fragmentation) / KIB
-        )
+        usable = math.floor(memory_cap(self.cluster, job) / KIB)
         for r, rank in enumerate(t.ranks):
             chunks = rank.chunks
             static = sum(
@@ -362,52 +312,32 @@ class StageModel:
 
     # -- objective ---------------------------------------------------------------------
     def _objective(self) -> None:
-        t, m = self.t, self.m
-        n_others = t.others
-        big = self.hi * n_others * 4
-        self.pipe = m.new_int_var(0, big, "pipe")
-        self.tail = m.new_int_var(0, big, "tail")
-        for r, rank in enumerate(t.ranks):
-            busy = sum(count * self.task(task) for task, count in rank.tasks.items())
-            others = [s for s in range(self.S) if s not in rank.chunks] or list(range(self.S))
-            idle = self._idle(others, r)
-            m.add(n_others * self.pipe >= n_others * busy + idle)
-            opt = self._optimizer(r)
-            tail_r = m.new_int_var(0, big, f"tail[{r}]")
-            m.add(tail_r >= opt)
-            slack = self._slack(r)
-            for j in range(len(rank.last_grad)):
-                queued = sum(self.sync[stage] for stage, _ in rank.last_grad[j:])
-                suffix = sum(n * self.task(task) for task, n in rank.last_grad[j][1].items())
-                m.add(tail_r >= opt + queued - suffix - slack)
-            m.add(self.tail >= tail_r)
-        m.minimize(self.pipe + self.tail)
+        self.step = self.m.new_int_var(0, self.hi * 64, "step")
+        self.forms: set[tuple[tuple[Any, float], ...]] = set()
+        self.m.minimize(self.step)
 
-    def _idle(self, others: list[int], r: int) -> Expr:
-        """``order_idle`` over the means of the other stages, times their count."""
-        t = self.t
-        lin = t.idle_linear
-        scale = t.others / len(others)  # 1 unless a rank holds every stage (pp = 1)
-        ops = {
-            "f": [self.op("F", s) for s in others],
-            "b": [self.op("B", s) for s in others],
-            "w": [self.op("W", s) for s in others],
-            "fb": [self.pair(s, s, "BW") for s in others],
-        }
-        # Fresh expressions for every term: CP-SAT's += may grow an expression in place.
-        terms: list[Expr] = []
-        for key in ("f", "b", "w", "fb"):
-            if lin[key]:
-                c = _int(lin[key] * scale)
-                terms += [c * v for v in ops[key]]
-        if t.idle_k is not None:
-            corr = self.m.new_int_var(-self.hi * t.others, self.hi * t.others, f"idle_corr[{r}]")
-            k = _int(t.idle_k * scale)
-            self.m.add(corr >= sum(k * v for v in ops["f"]) - sum(k * v for v in ops["b"]))
-            self.m.add(corr >= -sum(_int(scale) * v for v in ops["f"]))
-            terms.append(corr)
-        expr: Expr = sum(terms) if terms else 0
-        return expr
+    def add_forms(self, forms: list[Form]) -> int:
+        """``step >=`` each chain (``planner.timeline.Timeline.forms``); returns how many
+        were new."""
+        added = 0
+        for form in forms:
+            key = tuple(sorted(form.items(), key=repr))
+            if key in self.forms:
+                continue
+            self.forms.add(key)
+            fracs = [(k, Fraction(c).limit_denominator(10_000)) for k, c in form.items() if c]
+            scale = math.lcm(*(f.denominator for _, f in fracs)) if fracs else 1
+            expr = sum(int(f * scale) * self._form_term(k) for k, f in fracs)
+            self.m.add(scale * self.step >= expr)
+            added += 1
+        return added
+
+    def _form_term(self, key: tuple[Any, ...]) -> Expr:
+        if key[0] == "task":
+            return self.task(key[1])
+        if key[0] == "prim":
+            return self.prim[key[1]]
+        return self._optimizer(key[1])
 
     def _optimizer(self, r: int) -> Expr:
         t = self.t
@@ -420,11 +350,6 @@ class StageModel:
             [self._layers(c, lambda k: q(traffic(k.state) / rate)) for c in t.ranks[r].chunks],
             q(traffic(t.fixed_state[r]) / rate),
         )
-
-    def _slack(self, r: int) -> Expr:
-        if self.t.config.schedule not in ("gpipe", "1f1b", "interleaved"):
-            return 0
-        return sum(self.op("BW", j) for j in range(r))
 
     # -- solving -----------------------------------------------------------------------
     def solve(
@@ -446,13 +371,23 @@ class StageModel:
         return Solution(
             status="optimal" if status == cp_model.OPTIMAL else "feasible",
             counts=counts,
-            recompute=self._recompute_names(solver, counts),
+            recompute=self._recompute_names(solver.value, counts),
             objective_s=solver.objective_value * UNIT,
             bound_s=solver.best_objective_bound * UNIT,
             work=work,
+            values=list(solver.response_proto.solution),
         )
 
-    def _recompute_names(self, solver: Any, counts: list[int]) -> dict[str, str]:
+    def decode(self, values: list[int]) -> tuple[list[int], dict[str, str]]:
+        """Layers per stage and each block's recompute option of a full assignment."""
+
+        def value(var: Any) -> int:
+            return values[int(var.Index())]
+
+        counts = [value(self.start[s + 1]) - value(self.start[s]) for s in range(self.S)]
+        return counts, self._recompute_names(value, counts)
+
+    def _recompute_names(self, value: Any, counts: list[int]) -> dict[str, str]:
         """Each layer's option: within a stage, layers of a kind take the options in menu
         order (the most recomputed last, as Megatron-LM's block method recomputes a stage's
         first layers... here any fixed order is equivalent: a stage's cost only depends on how
@@ -464,14 +399,14 @@ class StageModel:
             for k in self.kinds:
                 names: list[str] = []
                 for var, o in zip(self.r[s][k], self.t.kinds[k].options, strict=True):
-                    names += [o.name] * solver.value(var)
+                    names += [o.name] * value(var)
                 queue[k] = names[::-1]
             for i in range(layer, layer + n):
                 out[f"layer.{i}"] = queue[self.t.layer_kinds[i]].pop()
             layer += n
         for name, vars_ in self.x.items():
             for var, o in zip(vars_, self.t.kinds[name].options, strict=True):
-                if solver.value(var):
+                if value(var):
                     out[name] = o.name
         return out
 
@@ -479,6 +414,7 @@ class StageModel:
         """Pin the stage sizes and, if given, one option per kind (a candidate to complete;
         without options the recompute is left to the solver)."""
         acc = 0
+        self._pinned_counts = list(counts)
         for s, n in enumerate(counts):
             self.m.add(self.start[s] == acc)
             acc += n
@@ -493,6 +429,37 @@ class StageModel:
             for var, o in zip(vars_, self.t.kinds[name].options, strict=True):
                 if o.name != option.get(name):
                     self.m.add(var == 0)
+
+    def pin_recompute(self, options: dict[str, str]) -> None:
+        """Pin every block's recompute option (block name -> a ``Layout`` recompute string)
+        for a model whose stage sizes are pinned (``fix``): each stage's count of every
+        option of every layer kind, and each fixed block's option."""
+        from planner.layout import parse_recompute
+        from planner.solve.tables import choice_name
+
+        layer = 0
+        counts = [self._fixed_count(s) for s in range(self.S)]
+        for s, n in enumerate(counts):
+            wanted: dict[str, dict[str, int]] = {k: {} for k in self.kinds}
+            for i in range(layer, layer + n):
+                k = self.t.layer_kinds[i]
+                name = choice_name(parse_recompute(options.get(f"layer.{i}", "none")))
+                wanted[k][name] = wanted[k].get(name, 0) + 1
+            layer += n
+            for k in self.kinds:
+                names = [o.name for o in self.t.kinds[k].options]
+                missing = set(wanted[k]) - set(names)
+                assert not missing, f"stage {s} {k}: options {missing} not in {names}"
+                for var, name in zip(self.r[s][k], names, strict=True):
+                    self.m.add(var == wanted[k].get(name, 0))
+        for name, vars_ in self.x.items():
+            chosen = choice_name(parse_recompute(options.get(name, "none")))
+            for var, o in zip(vars_, self.t.kinds[name].options, strict=True):
+                self.m.add(var == int(o.name == chosen))
+
+    def _fixed_count(self, s: int) -> int:
+        """The layer count ``fix`` pinned for stage s."""
+        return self._pinned_counts[s]
 
     def one_recompute_choice(self) -> None:
         """Every transformer layer takes the same recompute choice (what a launcher that
@@ -521,9 +488,11 @@ class StageModel:
         return list(solver.response_proto.solution), solver.deterministic_time
 
     def hint_all(self, values: list[int]) -> None:
-        """Warm start from a completed candidate of an identically built model."""
+        """Warm start from a completed candidate of an identically built model (the
+        variables every such model makes when built; task lengths made later for the
+        chains each one has met are left to the solver)."""
         self.m.clear_hints()  # type: ignore[no-untyped-call]
-        for index, value in enumerate(values):
+        for index, value in enumerate(values[: self.base_vars]):
             self.m.add_hint(self.m.get_int_var_from_proto_index(index), value)
 
 

@@ -67,6 +67,11 @@ class Plan(BaseModel):
         default=0, description="Degree/schedule combinations considered in the search."
     )
     alternatives: list[Alternative] = Field(default_factory=list)
+    stopped_by_clock: bool = Field(
+        default=False,
+        description="The wall-clock safety stop cut the search short of its deterministic "
+        "budget: the plan may then depend on the machine's speed.",
+    )
     explanation: Explanation | None = Field(default=None, description="Set when infeasible.")
     model: ModelSpec | None = Field(default=None, description="What was planned (the input).")
     cluster: ClusterSpec | None = Field(default=None, description="... on which cluster.")

@@ -2,15 +2,21 @@
 
 The outer decisions (tp, pp, dp, ep, ZeRO stage, micro-batch, schedule and its virtual stages,
 EMA placement) are enumerated within the ``SearchSpace``; each combination (a ``Config``) gets
-an admissible lower bound on its step time (every block's cheapest work, spread perfectly over
-the ranks, plus the all-to-alls no schedule but DualPipe hides) and a memory lower bound
-(every rank's share of the model state). Configurations are taken in order of their bound.
-When one's turn first comes, its heaviest-rank bound (``planner.solve.rankbound``: whole layers
-dealt to ranks, each rank's memory forcing its own recompute) is worked out and it goes back
-in line with the larger of the two; on its second turn it gets its own CP-SAT model
-(``planner.solve.model``), warm-started from a partition that evens out the ranks. The search
-stops when the next bound is no better than the best layout found: then the best is optimal,
-or else the gap is the distance to the smallest bound not yet closed.
+a cheap lower bound on its step time (the mean rank's share of every block's cheapest work,
+plus the communication in series with it and the optimizer step; ``planner.solve.bounds``)
+and a memory lower bound (every rank's share of the model state). First, a feasible answer:
+the configurations' even layouts with every layer fully recomputed are costed in order of
+bound until one fits. Then configurations are taken in order of their bound. When one's turn
+first comes, its linear relaxation (``planner.solve.lpbound``: fractional layers, the
+timeline's chains of its shape, each rank's memory) is solved and it goes back in line with
+the larger bound; on its second turn it gets its own CP-SAT model (``planner.solve.model``),
+warm-started from the rounded relaxation. The model states the step time as the largest of
+the chains the timeline reports; each layout it returns is run on the timeline
+(``planner.timeline``, what ``evaluate`` and ``simulate`` report) and, while the two differ,
+that layout's chains join the model and it is solved again. So every layout's figure here is
+its simulated step time, and every bound a bound on that. The search stops when the next
+bound is no better than the best layout found: then the best is optimal, or else the gap is
+the distance to the smallest bound not yet closed.
 
 Dominance rules applied before solving (each says why it loses nothing):
 - ZeRO-0 is never better than ZeRO-1: same compute, the reduce-scatter is half the all-reduce
@@ -20,11 +26,13 @@ Dominance rules applied before solving (each says why it loses nothing):
   unless the average rank's share times the GPUs of a node exceeds the node's RAM (then the
   HBM variant is searched too; the model checks the heaviest rank's host RAM either way).
 
-``time_limit_s`` is wall-clock seconds for the whole search. Half of it is the solvers'
-budget of CP-SAT's deterministic time (one worker, interleaved search), so the same inputs
-give the same plan on any machine and under any load; the other half is left for Python's
-own work (bounds, tables, model building), which that budget does not count. Only when the
-wall clock runs out first (a slow or loaded machine) does the answer depend on the machine.
+What the search explores is decided by a deterministic budget, half of ``time_limit_s``:
+CP-SAT's own deterministic time (one worker, interleaved search) plus a fixed charge for each
+piece of Python work (a timeline run per task it holds, a relaxation per row, a bound per
+configuration; ``Budget``), so the same inputs give the same plan on a loaded or an idle
+machine. ``time_limit_s`` of wall clock is a safety stop only: when it cuts the search short
+(a machine several times slower than the charges assume) the plan says so
+(``Plan.stopped_by_clock``) and may then depend on the machine.
 """
 
 from __future__ import annotations
@@ -35,24 +43,66 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from planner.costs.comm import Network
 from planner.errors import PlannerError
-from planner.estimate import evaluate
+from planner.estimate import Estimate, evaluate, step_run
 from planner.layout import Layout, parse_recompute
-from planner.solve.bounds import bound_tables, host_fits, lower_bound, memory_floor
+from planner.solve.bounds import (
+    bound_tables,
+    degrees_bound,
+    host_fits,
+    lower_bound,
+    memory_floor,
+)
 from planner.solve.explain import Replan, explain
+from planner.solve.lpbound import lp_bound, lp_counts
 from planner.solve.model import StageModel
-from planner.solve.rankbound import heaviest_rank_bound, rank_balanced_counts
 from planner.solve.result import Alternative, Plan
 from planner.solve.space import TARGETS, enumerate_configs, for_target
 from planner.solve.tables import Config, build, choice_name, even_counts, rank_orders
 from planner.solve.warm import warm_start
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
+from planner.timeline import shape_forms
 
 log = logging.getLogger(__name__)
 
-DETERMINISTIC_SHARE = 0.5  # of time_limit_s, for CP-SAT (see the module docstring)
+DETERMINISTIC_SHARE = 0.5  # of time_limit_s: the budget (see the module docstring)
+# Deterministic charges for Python work, in seconds of budget, fitted to times measured on
+# this project's 2-core reference machine (an op is one forward or backward of one
+# micro-batch on one stage, ``_order_size``): a bound per configuration; a relaxation (its
+# timeline runs and linear program); costing a layout (its memory and stage tables per
+# block, then the timeline); building a CP-SAT model and stating its chains.
+SECONDS_PER_BOUND = 1e-3
+SECONDS_PER_RELAXATION = 3e-3
+SECONDS_PER_RELAXATION_OP = 8e-6
+SECONDS_PER_BLOCK = 2e-4
+SECONDS_PER_TIMELINE_OP = 3e-6
+SECONDS_PER_MODEL_OP = 1e-5
+QUICK_SHARE = 0.3  # of the budget, at most, spent (with the rest) on layouts before proofs
+
+
+@dataclass
+class Budget:
+    """Deterministic work left (see the module docstring) and the wall-clock safety stop."""
+
+    limit: float
+    deadline: float
+    spent: float = 0.0
+    stopped_by_clock: bool = False
+
+    def charge(self, seconds: float) -> None:
+        self.spent += seconds
+
+    def left(self) -> float:
+        if time.perf_counter() >= self.deadline:
+            self.stopped_by_clock = True
+            return 0.0
+        return max(0.0, self.limit - self.spent)
+
+    def wall_left(self) -> float:
+        return self.deadline - time.perf_counter()
 
 
 def plan(
@@ -72,6 +122,7 @@ def plan(
     started = time.perf_counter()
     asked = space or SearchSpace()
     space = for_target(asked)
+    job = _framework_for(job, space)
     network = Network.of(cluster)
     configs = list(enumerate_configs(model, cluster, job, space))
     if job.ema and space.ema is None:
@@ -82,30 +133,64 @@ def plan(
             if (t := bound_tables(model, cluster, job, c)) is not None
             and not host_fits(t, cluster, c)
         ]
-    bounded = sorted(
-        ((bound, c) for c in configs if (bound := lower_bound(model, cluster, job, c)) is not None),
-        key=lambda x: (x[0], _key(x[1])),
-    )
+    budget = Budget(DETERMINISTIC_SHARE * time_limit_s, started + time_limit_s)
     found: list[tuple[float, Config, Layout]] = []
     pending: list[tuple[float, Config]] = []  # not closed yet: (bound, config)
 
     def best() -> float:
         return found[0][0] if found else math.inf
 
-    spent = [0.0]  # CP-SAT deterministic time: the budget, so answers do not depend on load
-    budget = DETERMINISTIC_SHARE * time_limit_s
-    deadline = started + 0.9 * time_limit_s  # the rest for building the last model and the answer
+    def keep(step: float, config: Config, layout: Layout) -> None:
+        found.append((step, config, layout))
+        found.sort(key=lambda x: (x[0], _key(x[1])))
 
-    def wall_left() -> float:
-        return deadline - time.perf_counter()
-
-    def left() -> float:
-        return 0.0 if wall_left() <= 0 else budget - spent[0]
+    first = _feasible(model, cluster, job, space, configs, budget)
+    if first is not None:
+        keep(*first)
+    # Tier 0: one bound per degrees and micro-batch (the ZeRO stages, schedules and EMA
+    # placements of those share it); tier 1: each configuration's own cheap bound; tier 2:
+    # its relaxation; then its CP-SAT model. A configuration's entry only moves to the next
+    # tier when it comes to the front of the line, with the larger of the bounds.
+    groups: dict[tuple[int, ...], list[Config]] = {}
+    for c in configs:
+        groups.setdefault((c.tp, c.pp, c.dp, c.ep, c.micro_batch), []).append(c)
+    queue: list[tuple[float, tuple[object, ...], int, Any]] = []
+    for members in groups.values():
+        budget.charge(SECONDS_PER_BOUND)
+        rep = max(members, key=lambda c: (c.zero, _key(c)))
+        bound = degrees_bound(model, cluster, job, rep)
+        if bound is not None:
+            queue.append((bound, (_key(rep), 0), 0, members))
+    # Layouts early, so bounds prune: each degrees' configuration with the lowest bound
+    # gets its even layout costed with the fastest recompute that fits, in order of bound,
+    # within ``QUICK_SHARE`` of the budget. Their members' own bounds join the line.
+    queue.sort(key=lambda e: (e[0], e[1]))
+    rest: list[tuple[float, tuple[object, ...], int, Any]] = []
+    for index, (bound, _, _, members) in enumerate(queue):
+        spent = budget.spent >= QUICK_SHARE * budget.limit or budget.left() <= 0
+        if spent or bound >= best() * (1 - 1e-9):
+            rest += queue[index:]  # the rest keep their tier-0 entries
+            break
+        own = []
+        for config in members:
+            budget.charge(SECONDS_PER_BOUND)
+            value = lower_bound(model, cluster, job, config)
+            if value is not None:
+                own.append((max(bound, value), (_key(config), 1), 1, config))
+        rest += own
+        if own:
+            first_bound, _, _, config = min(own, key=lambda e: (e[0], e[1]))
+            if first_bound < best():
+                even = _quick(model, cluster, job, space, config, budget)
+                if even is not None:
+                    keep(even[0], config, even[1])
+    queue = rest
+    heapq.heapify(queue)
 
     def attempt(bound: float, config: Config, limit: float) -> bool:
         """Solve ``config``; False when there is no time left to build its model."""
         t0 = time.perf_counter()
-        if _order_size(config) * SECONDS_PER_OP > wall_left():
+        if _order_size(config) * SECONDS_PER_OP > budget.wall_left():
             pending.append((bound, config))
             return False
         out = solve_config(
@@ -118,12 +203,11 @@ def plan(
             time_limit_s=limit,
             workers=workers,
             seed=seed,
-            wall_s=wall_left(),
+            wall_s=budget.wall_left(),
         )
-        spent[0] += out.work
+        budget.charge(out.work)
         if out.layout is not None:
-            found.append((out.objective, config, out.layout))
-            found.sort(key=lambda x: (x[0], _key(x[1])))
+            keep(out.objective, config, out.layout)
         if out.status in ("unknown", "feasible"):
             pending.append((max(bound, out.bound), config))
         log.debug(
@@ -137,38 +221,48 @@ def plan(
         )
         return True
 
-    # First pass: every configuration whose bound beats the best so far, briefly. A
-    # configuration's heaviest-rank bound is only worked out when its mean bound comes up
-    # (it is dearer); it goes back in line with the larger of the two.
-    quick = max(0.3, min(2.0, budget / 10))
-    queue = [(bound, _key(c), False, c) for bound, c in bounded]
-    heapq.heapify(queue)
+    # First pass: every configuration whose bound beats the best so far, briefly.
+    quick = max(0.3, min(2.0, budget.limit / 10))
     while queue:
-        bound, key, refined, config = queue[0]
-        if bound >= best() * (1 - 1e-9):
-            break
-        if left() <= 0:
+        bound, key, tier, item = queue[0]
+        if bound >= best() * (1 - 1e-9) or budget.left() <= 0:
             break
         heapq.heappop(queue)
-        if not refined:
-            heavy = None
-            size = _order_size(config)
-            if size <= HEAVY_BOUND_OPS and size * SECONDS_PER_OP < wall_left():
-                heavy = heaviest_rank_bound(model, cluster, job, config)
-            heapq.heappush(queue, (max(bound, heavy or bound), key, True, config))
-            continue
-        attempt(bound, config, min(quick, left()))
-    pending += [(bound, c) for bound, _, _, c in queue]
-    # Second pass: reopen the unclosed ones in order of bound, with the time that is left.
-    while pending and left() > 0:
+        if tier == 0:
+            for config in item:
+                budget.charge(SECONDS_PER_BOUND)
+                cheap = lower_bound(model, cluster, job, config)
+                if cheap is not None:
+                    heapq.heappush(queue, (max(bound, cheap), (_key(config), 1), 1, config))
+        elif tier == 1:
+            relaxed = None
+            if _order_size(item) <= RELAXATION_OPS and _relaxation_may_prune(item, bound, best()):
+                budget.charge(
+                    SECONDS_PER_RELAXATION + _order_size(item) * SECONDS_PER_RELAXATION_OP
+                )
+                relaxed = lp_bound(model, cluster, job, item)
+            if relaxed != -math.inf:  # None: no relaxation for this one; keep the cheap bound
+                heapq.heappush(queue, (max(bound, relaxed or bound), (key[0], 2), 2, item))
+        else:
+            attempt(bound, item, min(quick, budget.left()))
+    for bound, _, tier, item in queue:
+        pending += [(bound, c) for c in item] if tier == 0 else [(bound, item)]
+    # Second pass: reopen the unclosed ones in order of bound, with the budget that is left.
+    # One that comes back with no better bound is not tried again (its bound stays open).
+    stuck: list[tuple[float, Config]] = []
+    while pending and budget.left() > 0:
         pending.sort(key=lambda x: (x[0], _key(x[1])))
         bound, config = pending.pop(0)
         if bound >= best() * (1 - 1e-9):
-            pending = []
+            pending.insert(0, (bound, config))
             break
-        if not attempt(bound, config, left()):
+        before = len(pending)
+        if not attempt(bound, config, budget.left()):
             break
-    open_bounds = [b for b, _ in pending if b < best()]
+        if len(pending) > before and pending[-1][0] <= bound * (1 + 1e-9):
+            stuck.append(pending.pop())
+    pending += stuck
+    open_bounds = [b for b, _ in pending if b < best() * (1 - 1e-9)]
     if not found:
         if open_bounds or any(b < math.inf for b, _ in pending):
             raise PlannerError(
@@ -219,6 +313,7 @@ def plan(
         solve_time_s=time.perf_counter() - started,
         configurations=len(configs),
         alternatives=alternatives,
+        stopped_by_clock=budget.stopped_by_clock,
         model=model,
         cluster=cluster,
         job=job,
@@ -226,12 +321,130 @@ def plan(
     )
 
 
-# The heaviest-rank bound walks every rank's op order: beyond this many ops per step (many
-# micro-batches on a deep pipeline) the walk costs more than the bound saves.
-HEAVY_BOUND_OPS = 250_000
+def _feasible(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    job: TrainingJob,
+    space: SearchSpace,
+    configs: list[Config],
+    budget: Budget,
+) -> tuple[float, Config, Layout] | None:
+    """A first layout that fits, before any bound is worked out: even stages, every layer
+    with the leanest recompute the space allows (full, unless it says otherwise), for the
+    configurations that hold the least per rank first (the most ZeRO sharding, the fewest
+    micro-batches in flight, the smallest micro-batch), the fewest model-parallel ranks
+    (tp * pp) among those, one per set of degrees. It goes on until one fits or every set
+    was tried, whatever the budget: a user always gets an answer when such a layout exists
+    (each costing is charged all the same)."""
+    allowed = space.recompute or ["full"]
+    lean = "full" if "full" in allowed else allowed[-1]
+    flight = {"1f1b": 0, "interleaved": 1, "zb-h1": 2, "dualpipev": 3, "dualpipe": 4, "gpipe": 5}
+
+    def order(c: Config) -> tuple[object, ...]:
+        return (-c.zero, c.micro_batch, flight.get(c.schedule, 9), c.tp * c.pp, _key(c))
+
+    seen: set[tuple[object, ...]] = set()
+    for config in sorted(configs, key=order):
+        shape = (config.tp, config.pp, config.dp, config.ep)
+        if shape in seen:  # one try per degrees: the leanest of them
+            continue
+        seen.add(shape)
+        budget.charge(_costing(model, config))
+        try:
+            layout = config.layout(model, even_counts(model, config), _uniform(model, lean))
+            est = evaluate(model, cluster, job, layout)
+        except PlannerError:
+            continue
+        if est.fits and _host_ok(job, cluster, layout, est):
+            return est.step_time_s, config, layout
+    return None
 
 
-SECONDS_PER_OP = 1e-5  # building a model walks each op of the orders (about 7 us here)
+def _quick(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    job: TrainingJob,
+    space: SearchSpace,
+    config: Config,
+    budget: Budget,
+) -> tuple[float, Layout] | None:
+    """The even layout of ``config`` with the fastest recompute choice every layer can take
+    (in the space) that fits, and its step time; None when none fits."""
+    t = bound_tables(model, cluster, job, config)
+    if t is None:
+        return None
+    names: set[str] | None = None
+    for kind in set(t.layer_kinds):
+        opts = {o.name for o in t.kinds[kind].options}
+        names = opts if names is None else names & opts
+    allowed = {choice_name(parse_recompute(r)) for r in space.recompute or []}
+    ordered = sorted(
+        (n for n in names or set() if not allowed or n in allowed),
+        key=lambda n: sum(
+            next(o.time for o in t.kinds[k].options if o.name == n) for k in set(t.layer_kinds)
+        ),
+    )
+    counts = even_counts(model, config)
+    for name in ordered:
+        budget.charge(_costing(model, config))
+        try:
+            layout = config.layout(model, counts, _uniform(model, name))
+            est = evaluate(model, cluster, job, layout)
+        except PlannerError:
+            return None
+        if est.fits and _host_ok(job, cluster, layout, est):
+            return est.step_time_s, layout
+    return None
+
+
+def _relaxation_may_prune(config: Config, bound: float, best: float) -> bool:
+    """Whether the relaxation could lift ``bound`` to ``best``: it adds at most the
+    pipeline's fill and drain, about (stages - 1) of m micro-batches' worth for one chunk
+    (taken twice, for safety). Only decides what is worth computing, never what is proven."""
+    if math.isinf(best) or config.pp == 1:
+        return config.pp > 1
+    fill = 2 * (config.stages - 1) / config.num_microbatches
+    return bound * (1 + fill) >= best
+
+
+def _framework_for(job: TrainingJob, space: SearchSpace) -> TrainingJob:
+    """The job under the software the space's target launcher runs: a plan for Megatron-LM
+    is costed with what Megatron-LM overlaps, and so on."""
+    if space.target == "any" or job.framework == space.target:
+        return job
+    if "framework" in job.model_fields_set:
+        raise PlannerError(
+            f"TrainingJob.framework={job.framework!r}: SearchSpace.target={space.target!r} "
+            f"runs the plan with {space.target}; leave the framework out or make them agree"
+        )
+    return job.model_copy(update={"framework": space.target})
+
+
+def _uniform(model: ModelSpec, choice: str) -> dict[str, str]:
+    from planner.costs.blocks import block_names
+
+    return {n: choice for n in block_names(model) if n.startswith(("layer.", "mtp."))}
+
+
+def _host_ok(job: TrainingJob, cluster: ClusterSpec, layout: Layout, est: Estimate) -> bool:
+    if layout.ema != "host" or job.ema is None:
+        return True
+    gpus = min(cluster.gpus_per_node, cluster.num_gpus)
+    return max(s.host_bytes for s in est.memory) * gpus <= cluster.host_ram_bytes
+
+
+# The relaxation runs the timeline on the configuration's shape: beyond this many ops per
+# step (many micro-batches on a deep pipeline) that costs more than the bound saves.
+RELAXATION_OPS = 250_000
+
+
+SECONDS_PER_OP = SECONDS_PER_MODEL_OP  # what building a model takes per op, for wall checks
+
+
+def _costing(model: ModelSpec, config: Config) -> float:
+    """The charge for costing one layout of ``config`` (``step_run``)."""
+    blocks = model.num_layers + model.num_mtp_layers + 2
+    return blocks * SECONDS_PER_BLOCK + _order_size(config) * SECONDS_PER_TIMELINE_OP
 
 
 def _order_size(c: Config) -> int:
@@ -326,7 +539,9 @@ def solve_config(
     seed: int,
     wall_s: float | None = None,
 ) -> Outcome:
-    """Solve one configuration's CP-SAT model, warm-started (see the module docstring)."""
+    """Solve one configuration's CP-SAT model, warm-started, adding the chains of tasks
+    that set each candidate's step until the model's step time is the timeline's (see the
+    module docstring)."""
     choices = _choices(space)
     bounded = bound_tables(model, cluster, job, config) if choices is None else None
     if bounded is not None:  # the bound's tables lack only the rank orders: add them
@@ -338,24 +553,71 @@ def solve_config(
         tables = build(model, cluster, job, config, network, choices=choices)
     if any(not k.options for k in tables.kinds.values()):
         return Outcome("infeasible")
-    even = rank_balanced_counts(model, cluster, job, config) if choices is None else None
-    values, warm = warm_start(tables, cluster, job, time_limit_s, even)
-    sm = StageModel(tables, cluster, job)
+    small = _order_size(config) <= RELAXATION_OPS
     rules = TARGETS.get(space.target)
+    even = lp_counts(model, cluster, job, config) if choices is None and small else None
+    if rules is not None and rules.get("even_stages"):
+        even = even_counts(model, config)
+    values, work = warm_start(tables, cluster, job, time_limit_s, even)
+    sm = StageModel(tables, cluster, job)
     if rules is not None:  # what the target launcher can state
         sm.one_recompute_choice()
         if rules.get("even_stages"):
             sm.fix(even_counts(model, config))
-    if values is not None:
-        sm.hint_all(values)
-    sol = sm.solve(
-        time_limit_s=max(0.01, time_limit_s - warm), workers=workers, seed=seed, wall_s=wall_s
+    sm.add_forms(
+        list(
+            shape_forms(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
+        )
     )
-    work = warm + sol.work
-    if sol.status in ("infeasible", "unknown"):
-        return Outcome(sol.status, work=work)
-    layout = config.layout(model, sol.counts, sol.recompute)
-    return Outcome(sol.status, sol.objective_s, sol.bound_s, layout, work)
+    seeds = [config.layout(model, even_counts(model, config), {})]
+    if values is not None:
+        seeds.append(config.layout(model, *sm.decode(values)))
+        sm.hint_all(values)
+    tasks = _costing(model, config)  # the charge for one costed layout
+    work += _order_size(config) * SECONDS_PER_MODEL_OP  # building the model
+    best: tuple[float, Layout] | None = None
+    for layout in seeds:
+        timeline = step_run(model, cluster, job, layout)[2]
+        sm.add_forms(timeline.forms)
+        work += tasks
+        # The warm start fits: a candidate, unless a target launcher's rules (one recompute
+        # choice, even stages) bind the model and not the warm start.
+        candidate = layout is not seeds[0] and rules is None
+        if candidate and (best is None or timeline.step_s < best[0]):
+            best = (timeline.step_s, layout)
+    status, bound = "unknown", 0.0
+    while True:
+        sol = sm.solve(
+            time_limit_s=max(0.01, time_limit_s - work), workers=workers, seed=seed, wall_s=wall_s
+        )
+        work += sol.work
+        if sol.status == "infeasible":
+            return Outcome("infeasible", work=work)
+        if sol.status == "unknown":
+            break
+        bound = sol.bound_s
+        layout = config.layout(model, sol.counts, sol.recompute)
+        timeline = step_run(model, cluster, job, layout)[2]
+        work += tasks
+        if best is None or timeline.step_s < best[0]:
+            best = (timeline.step_s, layout)
+        exact = timeline.step_s <= sol.objective_s * (1 + EXACT)
+        # No chain of this layout is new to the model: the two differ by the model's
+        # rounding of each block to whole microseconds alone.
+        stated = exact or not sm.add_forms(timeline.forms)
+        if stated or time_limit_s - work <= 0.01:
+            status = sol.status if stated else "feasible"
+            break
+        assert sol.values is not None
+        sm.hint_all(sol.values)
+    if best is None:
+        return Outcome("unknown", work=work)
+    return Outcome(status, best[0], min(bound, best[0]), best[1], work)
+
+
+# The model's step time, in whole microseconds per block, and the timeline's differ by
+# rounding: within this fraction they are taken as one.
+EXACT = 1e-5
 
 
 def _choices(space: SearchSpace) -> list[str] | None:

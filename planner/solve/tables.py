@@ -6,10 +6,14 @@ formulas over these numbers:
 
 - per block kind (dense layer, MoE layer, embedding, each MTP module, head) and recompute
   choice: its ``BlockRow`` of times, saved and rebuilt activation bytes, state bytes;
-- per stage: the pipeline sends and the affine costs of its gradient reduction and ZeRO
-  collectives (a collective of x bytes takes a x + c seconds, c only when x > 0);
-- per rank: how many tasks of each kind its op order runs, the activation levels its order
-  passes through, and the order of its last gradient-producing ops.
+- per stage: the pipeline sends, the expert all-to-alls per MoE layer, and the affine costs
+  of its gradient reduction and ZeRO collectives (a collective of x bytes takes a x + c
+  seconds, c only when x > 0), each with the share it keeps each link busy;
+- per rank: how many tasks of each kind its op order runs and the activation levels its
+  order passes through.
+
+How those numbers combine into a step time is not stated here: the solver takes the chains
+of tasks ``planner.timeline`` reports (``Timeline.forms``) and states them over its variables.
 """
 
 from __future__ import annotations
@@ -22,18 +26,20 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from planner.costs.blocks import BlockCost, Param, block_cost, block_names
-from planner.costs.comm import Network, group, moe_dispatch_bytes
+from planner.costs.comm import Network, Transfer
 from planner.costs.compute import Rates
 from planner.costs.memory import reduce_bucket_bytes, shard_of, shards, state_bytes
 from planner.costs.timing import (
     BlockRow,
+    TpComm,
     block_row,
     dp_groups,
+    expert_all_to_alls,
     first_rank,
     stage_send,
 )
 from planner.layout import Layout
-from planner.schedules import Op, idle_terms, op_order
+from planner.schedules import Op, op_order
 from planner.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, TrainingJob
 
 GiB = float(2**30)
@@ -110,10 +116,17 @@ class Kind:
 
 @dataclass(frozen=True)
 class Affine:
-    """a * bytes + c seconds, c only when bytes > 0 (a collective's bandwidth and latency)."""
+    """a * bytes + c seconds, c only when bytes > 0 (a collective's bandwidth and latency);
+    ``ib`` and ``nvl`` the same form for the seconds it keeps each link busy."""
 
     a: float
     c: float
+    ib: tuple[float, float] = (0.0, 0.0)
+    nvl: tuple[float, float] = (0.0, 0.0)
+
+    def part(self, what: str) -> tuple[float, float]:
+        """(a, c) of the seconds ("") or of a link's busy seconds ("ib", "nvl")."""
+        return (self.a, self.c) if not what else getattr(self, what)
 
 
 @dataclass
@@ -123,7 +136,6 @@ class RankOrder:
     chunks: list[int]
     tasks: Counter[tuple[Any, ...]]  # ("F"|"B"|"W"|"BW", stage) or ("pair", f, b, kind)
     levels: list[tuple[tuple[int, ...], int | None]]  # per-chunk counts, rebuilding chunk
-    last_grad: list[tuple[int, Counter[tuple[Any, ...]]]]  # (stage, tasks from it to the end)
 
 
 @dataclass
@@ -133,10 +145,10 @@ class Tables:
     kinds: dict[str, Kind]
     first_fixed: list[str]  # fixed blocks of stage 0 (embedding)
     last_fixed: list[str]  # fixed blocks of the last stage (MTP modules, head)
-    p2p: list[float]
-    p2p_back: list[float]
-    forward_pair: list[float]  # expert all-to-all seconds per MoE layer per micro-batch
-    combine: list[float]
+    p2p: list[Transfer]
+    p2p_back: list[Transfer]
+    forward_pair: list[Transfer]  # dispatch + combine per MoE layer per micro-batch
+    combine: list[Transfer]
     grad_dense: list[Affine]
     grad_expert: list[Affine]
     gather_dense: list[Affine]
@@ -144,9 +156,6 @@ class Tables:
     reduce_dense: list[Affine]
     reduce_expert: list[Affine]
     ranks: list[RankOrder]
-    idle_linear: dict[str, float]
-    idle_k: int | None
-    others: int  # stages a rank does not hold (the idle's averaging count)
     fixed_state: list[dict[str, float]]  # per rank: state bytes of its fixed blocks (deduped)
     fixed_grad: list[tuple[float, float]]  # per stage: (dense, expert) grad bytes of fixed
     fixed_weight: list[tuple[float, float]]  # per stage: (dense, expert) gather bytes of fixed
@@ -233,13 +242,6 @@ def build(
         if light
         else rank_orders(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
     )
-    linear, dual_k = idle_terms(
-        config.schedule,
-        pp=config.pp,
-        num_microbatches=config.num_microbatches,
-        virtual_stages=config.virtual_stages,
-    )
-    held = len(set(proto.chunks_of_rank(0)))
     fixed_state, fixed_grad, fixed_weight = _memo(
         _FIXED,
         (
@@ -275,9 +277,6 @@ def build(
         reduce_dense=[g[0] for g in reduces],
         reduce_expert=[g[1] for g in reduces],
         ranks=ranks,
-        idle_linear=linear,
-        idle_k=dual_k,
-        others=stages - held if stages > held else stages,
         fixed_state=fixed_state,
         fixed_grad=fixed_grad,
         fixed_weight=fixed_weight,
@@ -292,8 +291,8 @@ def build(
 # kept under the fields it depends on. Bounded across long sweeps.
 _Pair = tuple["Affine", "Affine"]
 _KINDS: dict[tuple[Any, ...], dict[str, Kind]] = {}
-_SENDS: dict[tuple[Any, ...], tuple[list[float], list[float]]] = {}
-_STAGE_COMM: dict[tuple[Any, ...], tuple[float, float, _Pair, _Pair, _Pair]] = {}
+_SENDS: dict[tuple[Any, ...], tuple[list[Transfer], list[Transfer]]] = {}
+_STAGE_COMM: dict[tuple[Any, ...], tuple[Transfer, Transfer, _Pair, _Pair, _Pair]] = {}
 _FIXED: dict[tuple[Any, ...], Any] = {}
 _PROTO: dict[tuple[Any, ...], Layout] = {}
 _GROUPS: dict[tuple[Any, ...], Any] = {}
@@ -337,45 +336,37 @@ def _kinds(
         representative.setdefault(kind, f"layer.{i}")
     for n in fixed:
         representative[n] = n
-    tp_ar = network.all_reduce_time(
-        shard.tokens * model.hidden_size * shard.act_bytes, group(proto, "tp", 0)
-    )
+    tp = TpComm.of(model, job, proto, network, shard)
     allowed = set(choices) if choices is not None else None
     return {
-        k: _kind(
-            k, block_cost(model, n, shard), rates, tp_ar, job, proto, allowed, fixed=k in fixed
-        )
+        k: _kind(k, block_cost(model, n, shard), rates, tp, job, proto, allowed, fixed=k in fixed)
         for k, n in representative.items()
     }
 
 
-def _sends(proto: Layout, network: Network, act: float) -> tuple[list[float], list[float]]:
+def _sends(proto: Layout, network: Network, act: float) -> tuple[list[Transfer], list[Transfer]]:
     """Each stage's pipeline send forward, and the send of its input gradient back."""
     stages = len(proto.stages)
     forward = [stage_send(proto, network, s, act) for s in range(stages)]
-    return forward, [forward[s - 1] if s else 0.0 for s in range(stages)]
+    return forward, [forward[s - 1] if s else Transfer(0.0, 0.0, 0.0) for s in range(stages)]
 
 
 def _stage_comm(
     model: ModelSpec, job: TrainingJob, network: Network, proto: Layout, shard: Any, rank: int
-) -> tuple[float, float, _Pair, _Pair, _Pair]:
-    """At one pipeline position: the expert combine and forward dispatch+combine seconds
-    per MoE layer, and the affine gradient-sync, ZeRO gather and reduce-scatter costs."""
-    a2a = moe_dispatch_bytes(model, shard) if model.num_experts else 0.0
-    share = (1 + 4 / 128) / shard.act_bytes if job.compute_dtype == "fp8" else 1.0
-    groups = _memo(
+) -> tuple[Transfer, Transfer, _Pair, _Pair, _Pair]:
+    """At one pipeline position: the expert combine and forward dispatch + combine per MoE
+    layer, and the affine gradient-sync, ZeRO gather and reduce-scatter costs."""
+    dispatch, combine = expert_all_to_alls(model, job, proto, network, shard, rank)
+    dense, expert = _memo(
         _GROUPS,
         (network, proto.tp, proto.pp, proto.dp, proto.ep, proto.schedule == "dualpipe", rank),
         lambda: _groups(proto, network, rank),
     )
-    ep_group, dense, expert = groups
-    c = network.moe_all_to_all_time(a2a, ep_group, model)
-    f = network.moe_all_to_all_time(a2a * share, ep_group, model) + c
-    rs, ag = network.reduce_scatter_time, network.all_gather_time
-    sync = network.all_reduce_time if proto.zero == 0 else rs
+    rs, ag = network.reduce_scatter, network.all_gather
+    sync = network.all_reduce if proto.zero == 0 else rs
     return (
-        c,
-        f,
+        combine,
+        dispatch + combine,
         _pair(sync, dense, expert, on=proto.zero <= 1),
         _pair(ag, dense, expert, on=proto.zero >= 3),
         _pair(rs, dense, expert, on=proto.zero >= 2),
@@ -385,14 +376,10 @@ def _stage_comm(
 _Group = tuple[list[int], tuple[int, int]]  # a group's ranks and how it spreads over nodes
 
 
-def _groups(proto: Layout, network: Network, rank: int) -> tuple[list[int], _Group, _Group]:
-    """A pipeline position's expert-parallel group and its gradient-reduction groups."""
+def _groups(proto: Layout, network: Network, rank: int) -> tuple[_Group, _Group]:
+    """A pipeline position's gradient-reduction groups (dense, routed experts)."""
     dense, expert = dp_groups(proto, rank)
-    return (
-        group(proto, "ep", rank),
-        (dense, network._spread(dense)),
-        (expert, network._spread(expert)),
-    )
+    return (dense, network._spread(dense)), (expert, network._spread(expert))
 
 
 def even_counts(model: ModelSpec, config: Config) -> list[int]:
@@ -410,18 +397,18 @@ def _kind(
     name: str,
     cost: BlockCost,
     rates: Rates,
-    tp_ar: float,
+    tp: TpComm,
     job: TrainingJob,
     proto: Layout,
     allowed: set[str] | None,
     *,
     fixed: bool,
 ) -> Kind:
-    key = (id(cost), name, rates, tp_ar, frozenset(allowed) if allowed is not None else None)
+    key = (id(cost), name, rates, tp, frozenset(allowed) if allowed is not None else None)
     if len(_OPTIONS) > 50_000:  # bounded across long sweeps
         _OPTIONS.clear()
     if key not in _OPTIONS or _OPTIONS[key][0] is not cost:
-        _OPTIONS[key] = (cost, _options(name, cost, rates, tp_ar, allowed, fixed=fixed))
+        _OPTIONS[key] = (cost, _options(name, cost, rates, tp, allowed, fixed=fixed))
     options = _OPTIONS[key][1]
     params = cost.params
     st = state_bytes(params, job=job, layout=proto, ema_on_gpu=proto.ema == "hbm")
@@ -446,7 +433,7 @@ def _options(
     name: str,
     cost: BlockCost,
     rates: Rates,
-    tp_ar: float,
+    tp: TpComm,
     allowed: set[str] | None,
     *,
     fixed: bool,
@@ -462,7 +449,7 @@ def _options(
         # blocks may always stay as they are.
         if allowed is not None and label not in allowed and not (fixed and label == "none"):
             continue
-        row = block_row(cost, rates, choice, tp_ar)
+        row = block_row(cost, rates, choice, tp)
         options.append(
             Option(
                 name=label,
@@ -517,7 +504,8 @@ def _undominated(options: list[Option]) -> list[Option]:
 
 def _pair(collective: Any, dense: _Group, expert: _Group, *, on: bool) -> tuple[Affine, Affine]:
     """The affine form of a collective over the dense and the expert group (it is affine
-    in the bytes: ring steps times bytes over bandwidth, plus latencies)."""
+    in the bytes: ring steps times bytes over bandwidth, plus latencies), for its seconds
+    and for each link's busy seconds."""
     if not on:
         return Affine(0.0, 0.0), Affine(0.0, 0.0)
     out = []
@@ -526,8 +514,13 @@ def _pair(collective: Any, dense: _Group, expert: _Group, *, on: bool) -> tuple[
         key = (collective.__name__, network, spread)
         if key not in _AFFINE:  # a collective's time depends only on how its group spreads
             one, two = collective(GiB, g), collective(2 * GiB, g)
-            a = (two - one) / GiB
-            _AFFINE[key] = Affine(a, one - a * GiB)
+
+            def fit(x1: float, x2: float) -> tuple[float, float]:
+                a = (x2 - x1) / GiB
+                return a, x1 - a * GiB
+
+            a, c = fit(one.seconds, two.seconds)
+            _AFFINE[key] = Affine(a, c, fit(one.ib, two.ib), fit(one.nvlink, two.nvlink))
         out.append(_AFFINE[key])
     return out[0], out[1]
 
@@ -555,12 +548,7 @@ def _rank_order(schedule: str, pp: int, m: int, v: int, rank: int) -> RankOrder:
         else:
             tasks.append((op.kind, op.stage))
             i += 1
-    return RankOrder(
-        chunks=chunks,
-        tasks=Counter(tasks),
-        levels=_levels(order, chunks),
-        last_grad=_last_grad(tasks),
-    )
+    return RankOrder(chunks=chunks, tasks=Counter(tasks), levels=_levels(order, chunks))
 
 
 def _levels(order: list[Op], chunks: list[int]) -> list[tuple[tuple[int, ...], int | None]]:
@@ -589,20 +577,6 @@ def _levels(order: list[Op], chunks: list[int]) -> list[tuple[tuple[int, ...], i
         if not implied:
             keep.append(x)
     return sorted(keep, key=lambda x: (x[0], -1 if x[1] is None else x[1]))
-
-
-def _last_grad(tasks: list[tuple[Any, ...]]) -> list[tuple[int, Counter[tuple[Any, ...]]]]:
-    """Per stage, in the order their last gradient-producing task starts: the tasks from
-    that one to the end of the rank's order."""
-    last: dict[int, int] = {}
-    for pos, task in enumerate(tasks):
-        if task[0] in ("BW", "W"):
-            last[task[1]] = pos
-        elif task[0] == "pair" and task[3] in ("BW", "W"):
-            last[task[2]] = pos
-    return [
-        (stage, Counter(tasks[pos:])) for stage, pos in sorted(last.items(), key=lambda kv: kv[1])
-    ]
 
 
 def _fixed(

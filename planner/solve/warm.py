@@ -20,7 +20,7 @@ def warm_start(
 ) -> tuple[list[int] | None, float]:
     """A balanced partition with one option for every layer: the fastest option that fits.
     ``ranks_even`` (layers per stage that even out the ranks rather than the stages; see
-    ``rankbound.rank_balanced_counts``) is tried first, with each stage's recompute mix
+    ``lpbound.lp_counts``: the rounded relaxation) is tried first, with each stage's recompute mix
     chosen by the solver."""
     names: set[str] | None = None
     for kind in set(tables.layer_kinds):

@@ -1,0 +1,245 @@
+"""What runs beside what: how long each task of a rank takes, stated once for every consumer.
+
+A *task* is what one rank's compute stream runs as one unit of its schedule's op order: a
+forward (``F``), an input-gradient backward (``B``), a weight-gradient backward (``W``), a
+fused backward (``BW``), or a DualPipe pair (``("pair", f, b, kind)``: the forward of stage
+``f`` for one micro-batch beside the backward of stage ``b`` for another). Its length is the
+largest of a few *terms*, each a sum of per-stage quantities (``Prim``) with coefficients:
+
+- compute and the communication the task waits for, in series: forward/backward work plus
+  the expert all-to-alls and pipeline sends of the same chunk (dispatch, experts and combine
+  run one after another inside a chunk), plus the SMs that overlapped collectives take from
+  the compute (``NCCL_SM_SHARE`` of their duration: NCCL's CTAs do not share an SM with
+  compute, and on a DGX-class node with 8 NICs it runs 16 of them, NVIDIA/nccl#689);
+- each overlapped collective (ZeRO-3 gathers, ZeRO-2/3 reduce-scatters, prefetched as
+  Megatron-LM, FSDP2 and DeepSpeed do) on its own;
+- each link's budget: every transfer the task has in flight on the GPU's InfiniBand share
+  (or its NVLink ports) adds up, overlapped or not;
+- for a DualPipe pair (DeepSeek-V3 report section 3.2.1, Figure 4): the two chunks' compute
+  together, slowed while the communication kernels hold 20 of the 132 SMs
+  (``OVERLAP_SM_SHARE``, section 3.2.2) for the communication's duration, and each chunk's
+  own compute and communication in series: one chunk's all-to-alls and sends hide behind
+  the other chunk's compute, never behind its own.
+
+When the framework does not overlap ZeRO communication (``OVERLAPS``) it joins the series.
+The terms are data (``Term``): ``planner.timeline`` evaluates them on a layout's numbers and
+``planner.solve.model`` states them over its variables, so both price a task alike.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from planner.costs.timing import StageTime
+
+# DeepSeek-V3 report section 3.2.2: 20 of the H800's 132 SMs run the all-to-all (and
+# pipeline sends) while DualPipe's paired chunks compute; those SMs are lost to compute.
+OVERLAP_SM_SHARE = 20 / 132
+# NCCL occupies whole SMs with its CTAs, 16 on a DGX-class node with 8 NICs (NVIDIA/nccl#689,
+# maintainer's answer); H100, H800 and H200 have 132 SMs.
+NCCL_SM_SHARE = 16 / 132
+
+TaskKey = tuple[Any, ...]  # ("F"|"B"|"W"|"BW", stage) or ("pair", f, b, "B"|"BW")
+Prim = tuple[str, int]  # (quantity, stage), e.g. ("fwd", 3) or ("a2af.ib", 3)
+LINKS = ("ib", "nvl")
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """What a framework runs beside compute (``TrainingJob.framework``)."""
+
+    zero: bool  # ZeRO-3 gathers / ZeRO-2/3 reduce-scatters prefetched and overlapped
+    grad_sync: bool  # the data-parallel reduction starts with the stage's last backward
+
+
+# Megatron-LM: --overlap-grad-reduce and --overlap-param-gather (distributed optimizer);
+# torchtitan: FSDP2's prefetching all-gathers and reduce-scatters in backward; DeepSpeed:
+# ZeRO's overlap_comm; the eager torch runtime of ``planner validate`` (gloo on CPU) runs
+# each collective in turn with the compute.
+OVERLAPS = {
+    "megatron": Overlap(zero=True, grad_sync=True),
+    "torchtitan": Overlap(zero=True, grad_sync=True),
+    "deepspeed": Overlap(zero=True, grad_sync=True),
+    "torch": Overlap(zero=False, grad_sync=False),
+}
+
+
+@dataclass(frozen=True)
+class Term:
+    """``sum(coeff * prim)`` seconds."""
+
+    coeffs: tuple[tuple[Prim, float], ...]
+
+
+def prims(st: StageTime) -> dict[str, float]:
+    """A stage's quantities by name (seconds per micro-batch; ``sync`` per step)."""
+    out = {
+        "fwd": st.fwd,
+        "bin": st.bwd_input,
+        "bw": st.bwd_weight,
+    }
+    for name, t in (
+        ("a2af", st.a2a_fwd),
+        ("a2ab", st.a2a_bwd),
+        ("p2p", st.p2p),
+        ("p2pb", st.p2p_back),
+        ("ag", st.zero_gather),
+        ("rs", st.zero_reduce),
+        ("sync", st.grad_sync),
+    ):
+        out[name] = t.seconds
+        out[name + ".ib"] = t.ib
+        out[name + ".nvl"] = t.nvlink
+    return out
+
+
+def values(times: list[StageTime]) -> dict[Prim, float]:
+    """Every stage's quantities, keyed as the terms name them."""
+    return {(k, st.stage): v for st in times for k, v in prims(st).items()}
+
+
+def _series(kind: str, s: int) -> tuple[dict[str, int], list[str]]:
+    """A single op's compute and the communication it waits for (names of the stage's
+    quantities), and the collectives it overlaps."""
+    if kind == "F":
+        return {"fwd": 1, "a2af": 1, "p2p": 1}, ["ag"]
+    if kind == "B":
+        return {"bin": 1, "a2ab": 1, "p2pb": 1}, ["ag"]
+    if kind == "W":
+        return {"bw": 1}, ["rs"]
+    return {"bin": 1, "bw": 1, "a2ab": 1, "p2pb": 1}, ["ag", "rs"]
+
+
+_COMM = ("a2af", "a2ab", "p2p", "p2pb")
+
+
+@functools.lru_cache(maxsize=65536)
+def task_terms(key: TaskKey, overlap: Overlap) -> list[Term]:
+    """The terms whose largest is the task's length (see the module docstring); the first
+    is the compute and what runs in series with it (cached: callers must not change it)."""
+    if key[0] == "pair":
+        return _pair_terms(key[1], key[2], key[3], overlap)
+    kind, s = key
+    series, over = _series(kind, s)
+    main: dict[Prim, float] = {(n, s): float(c) for n, c in series.items()}
+    terms = []
+    if overlap.zero:
+        for n in over:
+            main[(n, s)] = NCCL_SM_SHARE
+        terms.append(Term(tuple(((n, s), 1.0) for n in over)))
+        for link in LINKS:
+            comm = [n for n in series if n in _COMM] + over
+            terms.append(Term(tuple(((f"{n}.{link}", s), 1.0) for n in comm)))
+    else:
+        for n in over:
+            main[(n, s)] = 1.0
+    return [Term(tuple(main.items())), *terms]
+
+
+def _pair_terms(f: int, b: int, kind: str, overlap: Overlap) -> list[Term]:
+    fwd, _ = _series("F", f)
+    bwd, _ = _series(kind, b)
+    over = [("ag", f), ("ag", b)] + ([("rs", b)] if kind == "BW" else [])
+    comp_f = {("fwd", f): 1.0}
+    comp_b = {(n, b): 1.0 for n in bwd if n not in _COMM}
+    comm_f = {(n, f): 1.0 for n in fwd if n in _COMM}
+    comm_b = {(n, b): 1.0 for n in bwd if n in _COMM}
+    # The two chunks' compute, slowed while their communication holds SMs, and the ZeRO
+    # collectives' SMs (or their whole length, when not overlapped).
+    compute = comp_f | comp_b
+    compute |= {p: OVERLAP_SM_SHARE for p in comm_f | comm_b}
+    compute |= {p: NCCL_SM_SHARE if overlap.zero else 1.0 for p in over}
+    terms = [
+        Term(tuple(compute.items())),  # the first term: see ``task_terms``
+        Term(tuple((comp_f | comm_f).items())),  # each chunk in series with its own
+        Term(tuple((comp_b | comm_b).items())),
+    ]
+    if overlap.zero:
+        terms.append(Term(tuple((p, 1.0) for p in over)))
+    for link in LINKS:
+        comm = [(f"{n}.{link}", s) for n, s in [*comm_f, *comm_b, *over]]
+        terms.append(Term(tuple((p, 1.0) for p in comm)))
+    return terms
+
+
+def evaluate_term(term: Term, val: dict[Prim, float]) -> float:
+    """A term's seconds."""
+    return sum(c * val[p] for p, c in term.coeffs)
+
+
+def task_time(key: TaskKey, val: dict[Prim, float], overlap: Overlap) -> float:
+    """Seconds of one task (the largest of its terms)."""
+    return max(evaluate_term(t, val) for t in task_terms(key, overlap))
+
+
+@functools.lru_cache(maxsize=65536)
+def link_use(key: TaskKey, link: str) -> dict[Prim, float]:
+    """Seconds the task keeps ``link`` ("ib" or "nvl") busy, as coefficients of quantities
+    (cached: callers must not change it)."""
+    if key[0] == "pair":
+        f, b, kind = key[1], key[2], key[3]
+        names = [("a2af", f), ("p2p", f), ("a2ab", b), ("p2pb", b), ("ag", f), ("ag", b)]
+        names += [("rs", b)] if kind == "BW" else []
+    else:
+        series, over = _series(key[0], key[1])
+        names = [(n, key[1]) for n in [*series, *over] if n in _COMM or n in over]
+    return {(f"{n}.{link}", s): 1.0 for n, s in names}
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Seconds of one task by what they are spent on (they add up to its length)."""
+
+    compute: float = 0.0  # forward / backward work (tensor-parallel comm and recompute apart)
+    recompute: float = 0.0
+    tp: float = 0.0
+    a2a: float = 0.0  # expert all-to-all the compute waits for
+    p2p: float = 0.0  # pipeline sends the compute waits for
+    zero: float = 0.0  # ZeRO collectives: their SM share, or what they take beyond the work
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.recompute + self.tp + self.a2a + self.p2p + self.zero
+
+    def __add__(self, other: Parts) -> Parts:
+        return Parts(
+            self.compute + other.compute,
+            self.recompute + other.recompute,
+            self.tp + other.tp,
+            self.a2a + other.a2a,
+            self.p2p + other.p2p,
+            self.zero + other.zero,
+        )
+
+
+def task_parts(key: TaskKey, times: list[StageTime], duration: float) -> Parts:
+    """``duration`` of a task split into ``Parts``: its compute, recompute and exposed
+    tensor-parallel communication; then, for a single op, the all-to-alls and sends it
+    waits for and the rest as ZeRO; for a pair, the rest as communication."""
+    ops = [("F", key[1]), (key[3], key[2])] if key[0] == "pair" else [key]
+    compute = recompute = tp = a2a = p2p = 0.0
+    for kind, s in ops:
+        st = times[s]
+        if kind == "F":
+            compute += st.fwd - st.tp_fwd
+            tp += st.tp_fwd
+            a2a += st.a2a_fwd.seconds
+            p2p += st.p2p.seconds
+        else:
+            if kind in ("B", "BW"):
+                compute += st.bwd_input - st.recompute - st.tp_bwd
+                recompute += st.recompute
+                tp += st.tp_bwd
+                a2a += st.a2a_bwd.seconds
+                p2p += st.p2p_back.seconds
+            if kind in ("W", "BW"):
+                compute += st.bwd_weight
+    work = compute + recompute + tp
+    if key[0] != "pair":
+        return Parts(compute, recompute, tp, a2a, p2p, max(0.0, duration - work - a2a - p2p))
+    comm = a2a + p2p
+    excess = max(0.0, duration - work)
+    share = a2a / comm if comm > 0 else 0.0
+    return Parts(compute, recompute, tp, excess * share, excess * (1 - share), 0.0)

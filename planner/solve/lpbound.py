@@ -1,0 +1,362 @@
+"""A lower bound on a configuration's step time from the linear relaxation of its model.
+
+The step time is the longest chain of tasks through the ranks' op orders
+(``planner.timeline``); each chain's length is a sum of task lengths, and each task's length
+the largest of a few sums of per-stage quantities (``planner.costs.overlap``). This bound
+states that over fractional layers: how many layers of each kind each stage holds, and how
+many of them take each recompute option, may be any non-negative numbers that add up
+(every stage but the first and last holds at least one layer), each rank's memory at every
+activation level its op order passes through stays within the cap (its state, its chunks'
+saved bytes times the micro-batches in flight, the buffers; a recompute's rebuild and
+ZeRO-3's gathered copy left out), and the step is at least every chain the timeline reports
+for a few layouts of the configuration (the even partition, then the rounded relaxation's
+own, in turn). Each of those relaxes the CP-SAT model (``planner.solve.model``) or drops a
+chain from it, so the optimum is at most the step time of every layout of the configuration.
+
+ZeRO collectives' latencies count only for the dense parameters (the expert ones only where a
+stage holds experts, which is not stated here).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+from ortools.linear_solver import pywraplp
+
+from planner.costs.memory import memory_cap
+from planner.costs.overlap import OVERLAPS, Prim, task_terms
+from planner.solve.bounds import bound_tables, gpu_state
+from planner.solve.tables import Config, Tables, even_counts, rank_orders
+from planner.specs import ClusterSpec, ModelSpec, TrainingJob
+from planner.timeline import Form, run_values, shape_forms
+
+ROUNDS = 2  # relaxations solved, each with the chains of the last one's rounded layout
+
+Lin = dict[int, float]  # variable index -> coefficient; index -1 holds the constant
+GiB = float(2**30)  # memory rows are stated in GiB, near the time rows' magnitudes
+
+
+def lp_bound(
+    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config
+) -> float | None:
+    """A step time no layout of ``config`` beats (``math.inf`` when none fits memory), or
+    None when the configuration has no tables."""
+    out = _relaxation(model, cluster, job, config)
+    return None if out is None else out[0]
+
+
+def lp_counts(
+    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config
+) -> list[int] | None:
+    """Layers per stage of the relaxation's optimum, rounded: a starting point."""
+    out = _relaxation(model, cluster, job, config)
+    return None if out is None else out[1]
+
+
+_CACHE: dict[tuple[Any, ...], tuple[float, list[int] | None] | None] = {}
+
+
+def _relaxation(
+    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config
+) -> tuple[float, list[int] | None] | None:
+    key = (model, cluster.model_dump_json(), job, config)
+    if key not in _CACHE:
+        if len(_CACHE) > 4096:  # a long sweep must not grow without bound
+            _CACHE.clear()
+        _CACHE[key] = _solve(model, cluster, job, config)
+    return _CACHE[key]
+
+
+def _solve(
+    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config
+) -> tuple[float, list[int] | None] | None:
+    t = bound_tables(model, cluster, job, config)
+    if t is None or any(not k.options for k in t.kinds.values()):
+        return None
+    orders = rank_orders(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
+    lp = _Lp(t, orders, cluster, job)
+    seen = list(
+        shape_forms(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
+    )
+    counts = even_counts(model, config)
+    bound, best = 0.0, None
+    for _ in range(ROUNDS):
+        new = [f for f in chains(t, counts, job) if f not in seen]
+        seen += new
+        lp.add_forms(new if bound else seen)
+        value = lp.solve()
+        if value is None:
+            return math.inf, None
+        if math.isnan(value):  # no proof either way: keep what the earlier rounds proved
+            break
+        bound, rounded = max(bound, value), lp.counts()
+        best = rounded if rounded is not None else best
+        if rounded is None or rounded == counts:
+            break
+        counts = rounded
+    return bound, best
+
+
+def chains(t: Tables, counts: list[int], job: TrainingJob) -> list[Form]:
+    """The timeline's chains for ``counts`` layers per stage with every block's first
+    option (the tables' own numbers: no layout is built)."""
+    val = stage_values(t, counts)
+    opt = [_optimizer_seconds(t, r, counts) for r in range(t.config.pp)]
+    run = run_values(
+        t.config,
+        val,
+        opt,
+        num_microbatches=t.config.num_microbatches,
+        overlap=OVERLAPS[job.framework],
+        detail=False,
+    )
+    return run.forms
+
+
+def stage_values(t: Tables, counts: list[int]) -> dict[Prim, float]:
+    """Per-stage quantities (``costs.overlap.prims``) of ``counts`` layers per stage, each
+    block at its first option."""
+    out: dict[Prim, float] = {}
+    start = 0
+    for s, n in enumerate(counts):
+        kinds = Counter(t.layer_kinds[start : start + n])
+        start += n
+        blocks = [(t.kinds[k], c) for k, c in kinds.items()]
+        blocks += [(t.kinds[name], 1) for name in _fixed(t, s)]
+        row = [(k.options[0].row, c) for k, c in blocks]
+        out[("fwd", s)] = sum(r.fwd * c for r, c in row)
+        out[("bin", s)] = sum(r.bwd_input * c for r, c in row)
+        out[("bw", s)] = sum(r.bwd_weight * c for r, c in row)
+        moe = sum(r.moe_layers * c for r, c in row)
+        rerun = sum(r.moe_rerun * c for r, c in row)
+        fp, cb = t.forward_pair[s], t.combine[s]
+        for part, suffix in (("seconds", ""), ("ib", ".ib"), ("nvlink", ".nvl")):
+            out[("a2af" + suffix, s)] = getattr(fp, part) * moe
+            out[("a2ab" + suffix, s)] = 2 * getattr(cb, part) * moe + getattr(fp, part) * rerun
+            out[("p2p" + suffix, s)] = getattr(t.p2p[s], part)
+            out[("p2pb" + suffix, s)] = getattr(t.p2p_back[s], part)
+        layer_kinds = [(t.kinds[k], c) for k, c in kinds.items()]
+        for link, suffix in (("", ""), ("ib", ".ib"), ("nvl", ".nvl")):
+            for name, table, what in (("sync", "grad", "grad"), ("ag", "gather", "weight")):
+                out[(name + suffix, s)] = _collective(t, s, layer_kinds, link, table, what)
+            out[("rs" + suffix, s)] = _collective(t, s, layer_kinds, link, "reduce", "grad")
+    return out
+
+
+def _collective(
+    t: Tables, s: int, kinds: list[tuple[Any, int]], link: str, table: str, what: str
+) -> float:
+    fixed = (t.fixed_grad if what == "grad" else t.fixed_weight)[s]
+    total = 0.0
+    for part, fixed_bytes in zip(("dense", "expert"), fixed, strict=True):
+        a, c = getattr(t, f"{table}_{part}")[s].part(link)
+        nbytes = sum(getattr(k, f"{part}_{what}") * n for k, n in kinds) + fixed_bytes
+        total += a * nbytes + (c if nbytes > 0 or part == "dense" else 0.0)
+    return total
+
+
+def _fixed(t: Tables, s: int) -> list[str]:
+    S = t.config.stages
+    return (t.first_fixed if s == 0 else []) + (t.last_fixed if s == S - 1 else [])
+
+
+def _traffic(state: dict[str, float]) -> float:
+    return 2 * state["optimizer"] + state["grads"] + state["weights"] + 2 * state["ema"]
+
+
+def _optimizer_seconds(t: Tables, r: int, counts: list[int]) -> float:
+    chunks = set(t.ranks[r].chunks) if t.ranks else set(_chunks(t, r))
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    total = _traffic(t.fixed_state[r])
+    for c in chunks:
+        for k in t.layer_kinds[starts[c] : starts[c] + counts[c]]:
+            total += _traffic(t.kinds[k].state)
+    return total / t.opt_Bps
+
+
+def _chunks(t: Tables, r: int) -> list[int]:
+    orders = rank_orders(
+        t.config.schedule, t.config.pp, t.config.num_microbatches, t.config.virtual_stages
+    )
+    return orders[r].chunks
+
+
+class _Lp:
+    """The relaxation (see the module docstring), built with sparse rows."""
+
+    def __init__(self, t: Tables, orders: list[Any], cluster: ClusterSpec, job: TrainingJob):
+        self.t, self.orders = t, orders
+        self.overlap = OVERLAPS[job.framework]
+        self.s = pywraplp.Solver.CreateSolver("GLOP")
+        assert self.s is not None
+        self.vars: list[Any] = []
+        S = t.config.stages
+        kinds = Counter(t.layer_kinds)
+        self.y = [
+            {k: [self._var(n) for _ in t.kinds[k].options] for k, n in kinds.items()}
+            for _ in range(S)
+        ]
+        for k, n in kinds.items():
+            self._row({v: 1.0 for s in range(S) for v in self.y[s][k]}, n, n)
+        for s in range(1, S - 1):
+            self._row({v: 1.0 for k in kinds for v in self.y[s][k]}, 1, math.inf)
+        self.z = {
+            n: [self._var(1) for _ in t.kinds[n].options] for n in t.first_fixed + t.last_fixed
+        }
+        for vs in self.z.values():
+            self._row(dict.fromkeys(vs, 1.0), 1, 1)
+        self.prim = self._prims()
+        self._memory(memory_cap(cluster, job))
+        self.nonzeros = 0  # a deterministic measure of the work done
+        self.step = self._var(math.inf)
+        self.s.Objective().SetCoefficient(self.vars[self.step], 1.0)
+        self.s.Objective().SetMinimization()
+
+    # -- building blocks -----------------------------------------------------------------
+    def _var(self, upper: float) -> int:
+        up = self.s.infinity() if math.isinf(upper) else upper
+        self.vars.append(self.s.NumVar(0, up, ""))
+        return len(self.vars) - 1
+
+    def _row(self, lin: Lin, lo: float, hi: float) -> None:
+        """lo <= lin <= hi (the constant moved to the bounds)."""
+        const = lin.get(-1, 0.0)
+        inf = self.s.infinity()
+        row = self.s.Constraint(
+            -inf if math.isinf(lo) else lo - const, inf if math.isinf(hi) else hi - const
+        )
+        for i, c in lin.items():
+            if i >= 0 and c:
+                row.SetCoefficient(self.vars[i], c)
+
+    def _sum(self, s: int, value: Any, *, fixed: bool = True) -> Lin:
+        """Stage s's blocks' value(option) times their (fractional) counts."""
+        out: Lin = {}
+        for k, vs in self.y[s].items():
+            for v, o in zip(vs, self.t.kinds[k].options, strict=True):
+                out[v] = value(o)
+        if fixed:
+            for name in _fixed(self.t, s):
+                for v, o in zip(self.z[name], self.t.kinds[name].options, strict=True):
+                    out[v] = value(o)
+        return out
+
+    def _layers(self, s: int, value: Any) -> Lin:
+        """Stage s's layers' value(kind) times their (fractional) counts."""
+        return {v: value(self.t.kinds[k]) for k, vs in self.y[s].items() for v in vs}
+
+    # -- the model ---------------------------------------------------------------------
+    def _prims(self) -> dict[Prim, Lin]:
+        t, out = self.t, {}
+        for s in range(t.config.stages):
+            out[("fwd", s)] = self._sum(s, lambda o: o.row.fwd)
+            out[("bin", s)] = self._sum(s, lambda o: o.row.bwd_input)
+            out[("bw", s)] = self._sum(s, lambda o: o.row.bwd_weight)
+            moe = self._sum(s, lambda o: o.row.moe_layers)
+            rerun = self._sum(s, lambda o: o.row.moe_rerun)
+            fp, cb = t.forward_pair[s], t.combine[s]
+            for part, suffix in (("seconds", ""), ("ib", ".ib"), ("nvlink", ".nvl")):
+                f_, c_ = getattr(fp, part), getattr(cb, part)
+                out[("a2af" + suffix, s)] = _scale(moe, f_)
+                out[("a2ab" + suffix, s)] = _plus(_scale(moe, 2 * c_), _scale(rerun, f_))
+                out[("p2p" + suffix, s)] = {-1: getattr(t.p2p[s], part)}
+                out[("p2pb" + suffix, s)] = {-1: getattr(t.p2p_back[s], part)}
+            for link, suffix in (("", ""), ("ib", ".ib"), ("nvl", ".nvl")):
+                out[("sync" + suffix, s)] = self._collective(s, link, "grad", "grad")
+                out[("ag" + suffix, s)] = self._collective(s, link, "gather", "weight")
+                out[("rs" + suffix, s)] = self._collective(s, link, "reduce", "grad")
+        return out
+
+    def _collective(self, s: int, link: str, table: str, what: str) -> Lin:
+        t = self.t
+        fixed = (t.fixed_grad if what == "grad" else t.fixed_weight)[s]
+        total: Lin = {}
+        for part, fixed_bytes in zip(("dense", "expert"), fixed, strict=True):
+            a, c = getattr(t, f"{table}_{part}")[s].part(link)
+            attr = f"{part}_{what}"
+            lin = _scale(self._layers(s, lambda k, attr=attr: getattr(k, attr)), a)
+            # The dense latency as the CP-SAT model counts it; the expert one only when the
+            # stage surely holds experts, which is not known here.
+            lin[-1] = a * fixed_bytes + (c if part == "dense" else 0.0)
+            total = _plus(total, lin)
+        return total
+
+    def _memory(self, cap: float) -> None:
+        t = self.t
+        for r, order in enumerate(self.orders):
+            static: Lin = {-1: gpu_state(t.fixed_state[r]) + t.buffers}
+            for c in order.chunks:
+                static = _plus(static, self._layers(c, lambda k: gpu_state(k.state)))
+            saved = {c: self._sum(c, lambda o: o.saved) for c in order.chunks}
+            for counts, _ in order.levels:
+                level = dict(static)
+                for n, c in zip(counts, order.chunks, strict=True):
+                    if n:
+                        level = _plus(level, _scale(saved[c], n))
+                self._row(_scale(level, 1 / GiB), -math.inf, cap / GiB)
+
+    def _optimizer(self, r: int) -> Lin:
+        t = self.t
+        total: Lin = {-1: _traffic(t.fixed_state[r])}
+        for c in self.orders[r].chunks:
+            total = _plus(total, self._layers(c, lambda k: _traffic(k.state)))
+        return _scale(total, 1 / t.opt_Bps)
+
+    def add_forms(self, forms: list[Form]) -> None:
+        """step >= each chain, every task in it at least its first term (its compute and
+        what runs in series with it: ``costs.overlap.task_terms``)."""
+        for form in forms:
+            prims: dict[Prim, float] = {}
+            lin: Lin = {self.step: 1.0}
+            for key, c in form.items():
+                if key[0] == "task":
+                    for p, k in task_terms(key[1], self.overlap)[0].coeffs:
+                        prims[p] = prims.get(p, 0.0) + c * k
+                elif key[0] == "prim":
+                    prims[key[1]] = prims.get(key[1], 0.0) + c
+                else:
+                    lin = _plus(lin, _scale(self._optimizer(key[1]), -c))
+            for p, c in prims.items():
+                lin = _plus(lin, _scale(self.prim[p], -c))
+            self._row(lin, 0.0, math.inf)
+            self.nonzeros += len(lin)
+
+    def solve(self) -> float | None:
+        status = self.s.Solve()
+        if status == pywraplp.Solver.INFEASIBLE:
+            return None
+        if status != pywraplp.Solver.OPTIMAL:
+            return math.nan
+        return float(self.s.Objective().Value())
+
+    def counts(self) -> list[int] | None:
+        """Layers per stage, rounded to whole layers that add up (largest remainders), every
+        stage but the first and last keeping one."""
+        S = self.t.config.stages
+        frac = [
+            sum(self.vars[v].solution_value() for vs in self.y[s].values() for v in vs)
+            for s in range(S)
+        ]
+        total = len(self.t.layer_kinds)
+        low = [1 if 0 < s < S - 1 else 0 for s in range(S)]
+        base = [max(lo, math.floor(f + 1e-9)) for f, lo in zip(frac, low, strict=True)]
+        while sum(base) > total:
+            i = max((s for s in range(S) if base[s] > low[s]), key=lambda s: base[s] - frac[s])
+            base[i] -= 1
+        while sum(base) < total:
+            i = max(range(S), key=lambda s: frac[s] - base[s])
+            base[i] += 1
+        return base if sum(base) == total else None
+
+
+def _scale(lin: Lin, c: float) -> Lin:
+    return {i: c * x for i, x in lin.items()}
+
+
+def _plus(a: Lin, b: Lin) -> Lin:
+    out = dict(a)
+    for i, x in b.items():
+        out[i] = out.get(i, 0.0) + x
+    return out

@@ -1,0 +1,212 @@
+"""The timeline: every task starts at the longest chain to it, and every chain it reports
+bounds every layout of the same shape.
+
+The longest path is recomputed here with networkx over dependencies stated again from the
+schedules' op orders (a forward needs the previous stage's forward of its micro-batch, a
+backward its own forward and the next stage's backward, a weight-gradient op its
+input-gradient op), so a mistake in ``planner.timeline``'s own bookkeeping shows.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import networkx as nx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import planner
+from planner.costs.overlap import OVERLAPS, task_time, values
+from planner.estimate import step_run
+from planner.layout import Layout
+from planner.schedules import op_order
+from planner.timeline import form_value
+
+H100 = planner.load_cluster("h100", gpus=16)
+SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved", "dualpipe", "dualpipev"]
+
+
+def _layout(
+    model: planner.ModelSpec, schedule: str, pp: int, counts: list[int], **kw: Any
+) -> Layout:
+    v = 2 if schedule in ("interleaved", "dualpipev") else 1
+    return Layout.from_counts(
+        model,
+        counts=counts,
+        pp=pp,
+        schedule=schedule,
+        virtual_stages=v,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _longest_path_starts(layout: Layout, m: int, lengths: dict[Any, float]) -> dict[Any, float]:
+    """Start of every (rank, index) task by an independent longest-path computation."""
+    graph: nx.DiGraph[Any] = nx.DiGraph()
+    owner: dict[tuple[str, int, int, int], tuple[int, int]] = {}
+    tasks: dict[tuple[int, int], tuple[Any, ...]] = {}
+    for r in range(layout.pp):
+        order = op_order(
+            layout.schedule,
+            pp=layout.pp,
+            num_microbatches=m,
+            rank=r,
+            virtual_stages=layout.virtual_stages,
+        )
+        i = n = 0
+        while i < len(order):
+            group = order[i : i + 2] if order[i].paired else order[i : i + 1]
+            tasks[(r, n)] = tuple(group)
+            for op in group:
+                kind = "B" if op.kind in ("B", "BW") else op.kind
+                owner[(kind, op.microbatch, op.stage, op.direction)] = (r, n)
+            i += len(group)
+            n += 1
+    last = len(layout.stages) - 1
+    for (r, n), group in tasks.items():
+        graph.add_node((r, n))
+        if n:
+            graph.add_edge((r, n - 1), (r, n))
+        for op in group:
+            s, mb, d = op.stage, op.microbatch, op.direction
+            needs = []
+            if op.kind == "F" and s > 0:
+                needs.append(("F", mb, s - 1, d))
+            if op.kind == "W":
+                needs.append(("B", mb, s, d))
+            if op.kind in ("B", "BW"):
+                needs.append(("F", mb, s, d))
+                if s < last:
+                    needs.append(("B", mb, s + 1, d))
+            for need in needs:
+                if owner[need] != (r, n):
+                    graph.add_edge(owner[need], (r, n))
+    starts: dict[Any, float] = {}
+    for node in nx.topological_sort(graph):
+        starts[node] = max((starts[p] + lengths[p] for p in graph.predecessors(node)), default=0.0)
+    return starts
+
+
+CASES = st.fixed_dictionaries(
+    {
+        "schedule": st.sampled_from(SCHEDULES),
+        "pp": st.sampled_from([2, 4]),
+        "rounds": st.integers(1, 3),
+        "cuts": st.lists(st.integers(0, 100), min_size=8, max_size=8),
+        "model": st.sampled_from(["llama3-8b", "mixtral-8x7b"]),
+    }
+)
+
+
+def _case(case: dict[str, Any]) -> tuple[planner.ModelSpec, planner.TrainingJob, Layout]:
+    """A layout with uneven stages (the cuts split 24 layers), ZeRO-1, dp over the rest."""
+    model = planner.load_model(case["model"]).model_copy(update={"num_layers": 24})
+    schedule, pp = case["schedule"], case["pp"]
+    v = 2 if schedule in ("interleaved", "dualpipev") else 1
+    stages = pp * v
+    cuts = sorted({1 + c % 23 for c in case["cuts"]})
+    cuts = (cuts + list(range(1, 24)))[: stages - 1]
+    cuts = sorted(set(cuts))
+    while len(cuts) < stages - 1:
+        cuts.append(next(x for x in range(1, 24) if x not in cuts))
+        cuts.sort()
+    counts = [b - a for a, b in itertools.pairwise([0, *cuts, 24])]
+    dp = 16 // pp
+    m = 2 * pp * case["rounds"]
+    job = planner.TrainingJob(seq_len=1024, global_batch=m * dp)
+    ep = 2 if model.num_experts else 1
+    return model, job, _layout(model, schedule, pp, counts, dp=dp, ep=ep)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(CASES)
+def test_every_task_starts_at_the_longest_chain_to_it(case: dict[str, Any]) -> None:
+    model, job, layout = _case(case)
+    _, _, run = step_run(model, H100, job, layout)
+    lengths = {
+        (r, n): t.duration for r, rank in enumerate(run.ranks) for n, t in enumerate(rank.tasks)
+    }
+    starts = _longest_path_starts(layout, run.num_microbatches, lengths)
+    for r, rank in enumerate(run.ranks):
+        for n, t in enumerate(rank.tasks):
+            assert t.start == pytest.approx(starts[(r, n)], abs=1e-12), (r, n, t.name)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(CASES, CASES)
+def test_every_chain_bounds_every_layout_of_the_shape(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """A chain reported for one layout, priced with another layout's numbers, is never longer
+    than that layout's step: what lets the solver state the step as the largest of the chains
+    it has met and still prove a bound. Each rank's own chain prices to its end exactly."""
+    b = {**b, "schedule": a["schedule"], "pp": a["pp"], "rounds": a["rounds"], "model": a["model"]}
+    model, job, first = _case(a)
+    _, _, other_layout = _case(b)
+    _, times_a, run_a = step_run(model, H100, job, first)
+    _, times_b, run_b = step_run(model, H100, job, other_layout)
+    overlap = OVERLAPS[job.framework]
+
+    def price(times: Any, run: Any) -> Any:
+        val = values(times)
+        opt = {r: rank.optimizer for r, rank in enumerate(run.ranks)}
+
+        def length(key: Any) -> float:
+            return task_time(key, val, overlap)
+
+        def value(form: Any) -> float:
+            total = 0.0
+            for key, c in form.items():
+                if key[0] == "opt":
+                    total += c * opt[key[1]]
+                else:
+                    total += c * (length(key[1]) if key[0] == "task" else val[key[1]])
+            return total
+
+        return value
+
+    own = price(times_a, run_a)
+    for rank in run_a.ranks:
+        assert own(rank.form) == pytest.approx(rank.end, rel=1e-9)
+    other = price(times_b, run_b)
+    for form in run_a.forms:
+        assert other(form) <= run_b.step_s * (1 + 1e-9)
+
+
+def test_form_value_prices_a_chain_as_the_run_does() -> None:
+    model = planner.load_model("llama3-8b").model_copy(update={"num_layers": 8})
+    job = planner.TrainingJob(seq_len=1024, global_batch=32)
+    layout = _layout(model, "1f1b", 4, [1, 2, 2, 3], dp=4, zero=0)
+    _, times, run = step_run(model, H100, job, layout)
+    val = values(times)
+
+    def length(key: Any) -> float:
+        return task_time(key, val, OVERLAPS["megatron"])
+
+    for rank in run.ranks:
+        priced = form_value({k: c for k, c in rank.form.items() if k[0] != "opt"}, val, length, 0.0)
+        assert priced + rank.optimizer == pytest.approx(rank.end)
+
+
+def test_a_reduction_that_overlaps_the_backward_shares_the_nic_and_the_sms() -> None:
+    """ZeRO-0 all-reduces of large gradients over slow InfiniBand, overlapped with the last
+    backwards (Megatron-LM) versus run after them (the eager torch runtime): overlapping ends
+    sooner, but no sooner than the links and the SMs allow."""
+    model = planner.load_model("llama3-8b").model_copy(update={"num_layers": 8})
+    slow = H100.model_copy(update={"nic_Bps": H100.nic_Bps / 50})
+    job = planner.TrainingJob(seq_len=2048, global_batch=64)
+    layout = _layout(model, "1f1b", 2, [4, 4], dp=8, zero=0)
+    over = planner.evaluate(model, slow, job, layout)
+    serial = planner.evaluate(model, slow, job.model_copy(update={"framework": "torch"}), layout)
+    assert over.step_time_s < serial.step_time_s
+    _, times, run = step_run(model, slow, job, layout)
+    for rank in run.ranks:
+        ib = sum(times[s.stage].grad_sync.ib for s in rank.syncs)
+        assert rank.end >= ib + rank.optimizer - 1e-12
+    # Run after the backwards, the reductions are exposed in full.
+    _, _, alone = step_run(model, slow, job.model_copy(update={"framework": "torch"}), layout)
+    for rank in alone.ranks:
+        last = rank.tasks[-1].end
+        assert rank.end == pytest.approx(
+            last + sum(s.duration for s in rank.syncs) + rank.optimizer
+        )
