@@ -88,10 +88,17 @@ def degrees_bound(
     whatever its ZeRO stage, schedule or EMA placement: the mean rank's share of every
     block's cheapest compute, with no communication in series (DualPipe could hide it) and
     the optimizer step of the most sharded state (``config`` should be the one with the
-    highest ZeRO stage). None when the degrees do not divide the model. Cheaper than
-    ``lower_bound`` and never above it for any configuration it stands for."""
+    highest ZeRO stage). None when the degrees do not divide the model, or when even that
+    most sharded state is over the cap. Cheaper than ``lower_bound`` and never above it for
+    any configuration it stands for."""
     t = bound_tables(model, cluster, job, config)
     if t is None or any(not k.options for k in t.kinds.values()):
+        return None
+    # The leanest of the configurations: one copy of the model (no DualPipe), the EMA off the
+    # GPU. If even its state is over the cap, none of them fits.
+    lean = dataclasses.replace(config, schedule="1f1b", virtual_stages=1, ema="host")
+    lean_tables = bound_tables(model, cluster, job, lean)
+    if lean_tables is not None and not _fits_at_all(lean_tables, cluster, job, lean):
         return None
     count = Counter(t.layer_kinds + t.first_fixed + t.last_fixed)
     opts = {b: t.kinds[b].options for b in count}

@@ -23,6 +23,7 @@ import math
 from collections import Counter
 from typing import Any
 
+import numpy as np
 from ortools.linear_solver import pywraplp
 
 from planner.costs.memory import memory_cap
@@ -208,6 +209,8 @@ class _Lp:
         for vs in self.z.values():
             self._row(dict.fromkeys(vs, 1.0), 1, 1)
         self.prim = self._prims()
+        self._compact()
+        self.task_cache: dict[Any, list[tuple[int, np.ndarray]]] = {}
         self._memory(memory_cap(cluster, job))
         self.nonzeros = 0  # a deterministic measure of the work done
         self.step = self._var(math.inf)
@@ -304,22 +307,63 @@ class _Lp:
             total = _plus(total, self._layers(c, lambda k: _traffic(k.state)))
         return _scale(total, 1 / t.opt_Bps)
 
+    def _compact(self) -> None:
+        """Each stage's quantities as one matrix over the stage's variables, so a chain's
+        row is a few small products rather than a sum of dictionaries."""
+        by_stage: dict[int, list[Prim]] = {}
+        for p in self.prim:
+            by_stage.setdefault(p[1], []).append(p)
+        self.stage_vars: dict[int, list[int]] = {}
+        self.stage_rows: dict[int, tuple[dict[str, int], np.ndarray, np.ndarray]] = {}
+        for stage, names in by_stage.items():
+            cols = sorted({i for p in names for i in self.prim[p] if i >= 0})
+            where = {i: j for j, i in enumerate(cols)}
+            matrix = np.zeros((len(names), len(cols)))
+            const = np.zeros(len(names))
+            for row, p in enumerate(names):
+                for i, x in self.prim[p].items():
+                    if i >= 0:
+                        matrix[row, where[i]] = x
+                    else:
+                        const[row] = x
+            self.stage_vars[stage] = cols
+            self.stage_rows[stage] = ({p[0]: r for r, p in enumerate(names)}, matrix, const)
+
+    def _task_weights(self, key: Any) -> list[tuple[int, np.ndarray]]:
+        """A task's first term (its compute and what runs in series with it:
+        ``costs.overlap.task_terms``) as a weight on each stage's quantities."""
+        if key not in self.task_cache:
+            weights: dict[int, np.ndarray] = {}
+            for p, k in task_terms(key, self.overlap)[0].coeffs:
+                index, matrix, _ = self.stage_rows[p[1]]
+                weights.setdefault(p[1], np.zeros(matrix.shape[0]))[index[p[0]]] += k
+            self.task_cache[key] = list(weights.items())
+        return self.task_cache[key]
+
     def add_forms(self, forms: list[Form]) -> None:
-        """step >= each chain, every task in it at least its first term (its compute and
-        what runs in series with it: ``costs.overlap.task_terms``)."""
+        """step >= each chain, every task in it at least its first term."""
         for form in forms:
-            prims: dict[Prim, float] = {}
+            weights: dict[int, np.ndarray] = {}
             lin: Lin = {self.step: 1.0}
             for key, c in form.items():
                 if key[0] == "task":
-                    for p, k in task_terms(key[1], self.overlap)[0].coeffs:
-                        prims[p] = prims.get(p, 0.0) + c * k
+                    for stage, w in self._task_weights(key[1]):
+                        if stage in weights:
+                            weights[stage] += c * w
+                        else:
+                            weights[stage] = c * w
                 elif key[0] == "prim":
-                    prims[key[1]] = prims.get(key[1], 0.0) + c
+                    index, matrix, _ = self.stage_rows[key[1][1]]
+                    w = weights.setdefault(key[1][1], np.zeros(matrix.shape[0]))
+                    w[index[key[1][0]]] += c
                 else:
-                    lin = _plus(lin, _scale(self._optimizer(key[1]), -c))
-            for p, c in prims.items():
-                lin = _plus(lin, _scale(self.prim[p], -c))
+                    _add_into(lin, self._optimizer(key[1]), -c)
+            for stage, w in weights.items():
+                _, matrix, const = self.stage_rows[stage]
+                row = w @ matrix
+                for i, x in zip(self.stage_vars[stage], row.tolist(), strict=True):
+                    lin[i] = lin.get(i, 0.0) - x
+                lin[-1] = lin.get(-1, 0.0) - float(w @ const)
             self._row(lin, 0.0, math.inf)
             self.nonzeros += len(lin)
 
@@ -353,6 +397,12 @@ class _Lp:
 
 def _scale(lin: Lin, c: float) -> Lin:
     return {i: c * x for i, x in lin.items()}
+
+
+def _add_into(lin: Lin, other: Lin, c: float) -> None:
+    """lin += c * other, in place."""
+    for i, x in other.items():
+        lin[i] = lin.get(i, 0.0) + c * x
 
 
 def _plus(a: Lin, b: Lin) -> Lin:

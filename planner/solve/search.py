@@ -26,7 +26,7 @@ Dominance rules applied before solving (each says why it loses nothing):
   unless the average rank's share times the GPUs of a node exceeds the node's RAM (then the
   HBM variant is searched too; the model checks the heaviest rank's host RAM either way).
 
-What the search explores is decided by a deterministic budget, half of ``time_limit_s``:
+What the search explores is decided by a deterministic budget, 40% of ``time_limit_s``:
 CP-SAT's own deterministic time (one worker, interleaved search) plus a fixed charge for each
 piece of Python work (a timeline run per task it holds, a relaxation per row, a bound per
 configuration; ``Budget``), so the same inputs give the same plan on a loaded or an idle
@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.costs.comm import Network
+from planner.costs.memory import stage_memory, usable_peak_bytes
 from planner.errors import PlannerError
 from planner.estimate import Estimate, evaluate, step_run
 from planner.layout import Layout, parse_recompute
@@ -62,25 +63,27 @@ from planner.solve.model import StageModel
 from planner.solve.result import Alternative, Plan
 from planner.solve.space import TARGETS, enumerate_configs, for_target
 from planner.solve.tables import Config, build, choice_name, even_counts, rank_orders
-from planner.solve.warm import warm_start
+from planner.solve.warm import balanced, warm_start
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 from planner.timeline import shape_forms
 
 log = logging.getLogger(__name__)
 
-DETERMINISTIC_SHARE = 0.5  # of time_limit_s: the budget (see the module docstring)
+DETERMINISTIC_SHARE = 0.4  # of time_limit_s: the budget (see the module docstring)
 # Deterministic charges for Python work, in seconds of budget, fitted to times measured on
 # this project's 2-core reference machine (an op is one forward or backward of one
 # micro-batch on one stage, ``_order_size``): a bound per configuration; a relaxation (its
 # timeline runs and linear program); costing a layout (its memory and stage tables per
 # block, then the timeline); building a CP-SAT model and stating its chains.
-SECONDS_PER_BOUND = 1e-3
-SECONDS_PER_RELAXATION = 3e-3
-SECONDS_PER_RELAXATION_OP = 8e-6
-SECONDS_PER_BLOCK = 2e-4
+SECONDS_PER_BOUND = 2e-3
+SECONDS_PER_RELAXATION = 5e-3
+SECONDS_PER_RELAXATION_OP = 1e-5
+SECONDS_PER_RELAXATION_STAGE2 = 1.3e-4  # its chains span every stage: per stage squared
+SECONDS_PER_BLOCK = 8e-4
+SECONDS_PER_MEMORY_BLOCK = 3e-4
 SECONDS_PER_TIMELINE_OP = 3e-6
 SECONDS_PER_MODEL_OP = 1e-5
-QUICK_SHARE = 0.3  # of the budget, at most, spent (with the rest) on layouts before proofs
+QUICK_SHARE = 0.4  # of the budget left after the bounds, at most, for layouts before proofs
 
 
 @dataclass
@@ -126,16 +129,23 @@ def plan(
     network = Network.of(cluster)
     configs = list(enumerate_configs(model, cluster, job, space))
     if job.ema and space.ema is None:
-        # The EMA goes to host RAM (no HBM, no step time) unless the host cannot hold it.
+        # The EMA goes to host RAM (no HBM, no step time) unless the host cannot hold it;
+        # what a rank keeps there depends on its degrees, ZeRO stage and DualPipe's copies.
+        crowded: dict[tuple[object, ...], bool] = {}
+        for c in configs:
+            holds = (c.tp, c.pp, c.dp, c.ep, c.zero, c.schedule == "dualpipe")
+            if holds not in crowded:
+                t = bound_tables(model, cluster, job, c)
+                crowded[holds] = t is not None and not host_fits(t, cluster, c)
         configs += [
             dataclasses.replace(c, ema="hbm")
             for c in configs
-            if (t := bound_tables(model, cluster, job, c)) is not None
-            and not host_fits(t, cluster, c)
+            if crowded[(c.tp, c.pp, c.dp, c.ep, c.zero, c.schedule == "dualpipe")]
         ]
     budget = Budget(DETERMINISTIC_SHARE * time_limit_s, started + time_limit_s)
     found: list[tuple[float, Config, Layout]] = []
     pending: list[tuple[float, Config]] = []  # not closed yet: (bound, config)
+    relaxed: set[Config] = set()  # configurations whose relaxation was charged
 
     def best() -> float:
         return found[0][0] if found else math.inf
@@ -161,16 +171,22 @@ def plan(
         bound = degrees_bound(model, cluster, job, rep)
         if bound is not None:
             queue.append((bound, (_key(rep), 0), 0, members))
-    # Layouts early, so bounds prune: each degrees' configuration with the lowest bound
-    # gets its even layout costed with the fastest recompute that fits, in order of bound,
-    # within ``QUICK_SHARE`` of the budget. Their members' own bounds join the line.
-    queue.sort(key=lambda e: (e[0], e[1]))
+    # Layouts early, so bounds prune: in order of bound, each set of degrees' configuration
+    # with the lowest bound of each schedule gets a layout costed (stages even in time, the
+    # fastest recompute that fits), within ``QUICK_SHARE`` of the budget left. Their
+    # members' own bounds join the line.
+    # In order of the bound with the pipeline's fill and drain added as if the stages were
+    # even (an order only: nothing is proven with it).
+    queue.sort(key=lambda e: (e[0] * _fill(e[3][0]), e[1]))
     rest: list[tuple[float, tuple[object, ...], int, Any]] = []
+    quick_until = budget.spent + QUICK_SHARE * max(0.0, budget.limit - budget.spent)
     for index, (bound, _, _, members) in enumerate(queue):
-        spent = budget.spent >= QUICK_SHARE * budget.limit or budget.left() <= 0
-        if spent or bound >= best() * (1 - 1e-9):
+        if budget.spent >= quick_until or budget.left() <= 0:
             rest += queue[index:]  # the rest keep their tier-0 entries
             break
+        if bound >= best() * (1 - 1e-9):
+            rest.append(queue[index])
+            continue
         own = []
         for config in members:
             budget.charge(SECONDS_PER_BOUND)
@@ -178,9 +194,13 @@ def plan(
             if value is not None:
                 own.append((max(bound, value), (_key(config), 1), 1, config))
         rest += own
-        if own:
-            first_bound, _, _, config = min(own, key=lambda e: (e[0], e[1]))
-            if first_bound < best():
+        # One configuration per schedule: the bound alone cannot tell a schedule's bubble
+        # or memory, which decide which even layout is fast.
+        firsts: dict[str, tuple[float, tuple[object, ...], int, Any]] = {}
+        for entry in sorted(own, key=lambda e: (e[0], e[1])):
+            firsts.setdefault(entry[3].schedule, entry)
+        for first_bound, _, _, config in sorted(firsts.values(), key=lambda e: (e[0], e[1])):
+            if first_bound < best() and budget.spent < quick_until:
                 even = _quick(model, cluster, job, space, config, budget)
                 if even is not None:
                     keep(even[0], config, even[1])
@@ -193,6 +213,9 @@ def plan(
         if _order_size(config) * SECONDS_PER_OP > budget.wall_left():
             pending.append((bound, config))
             return False
+        if config not in relaxed:  # its warm start solves the relaxation
+            relaxed.add(config)
+            budget.charge(_relaxation_charge(config))
         out = solve_config(
             model,
             cluster,
@@ -235,14 +258,13 @@ def plan(
                 if cheap is not None:
                     heapq.heappush(queue, (max(bound, cheap), (_key(config), 1), 1, config))
         elif tier == 1:
-            relaxed = None
+            lifted = None
             if _order_size(item) <= RELAXATION_OPS and _relaxation_may_prune(item, bound, best()):
-                budget.charge(
-                    SECONDS_PER_RELAXATION + _order_size(item) * SECONDS_PER_RELAXATION_OP
-                )
-                relaxed = lp_bound(model, cluster, job, item)
-            if relaxed != -math.inf:  # None: no relaxation for this one; keep the cheap bound
-                heapq.heappush(queue, (max(bound, relaxed or bound), (key[0], 2), 2, item))
+                budget.charge(_relaxation_charge(item))
+                relaxed.add(item)
+                lifted = lp_bound(model, cluster, job, item)
+            if lifted != -math.inf:  # None: no relaxation for this one; keep the cheap bound
+                heapq.heappush(queue, (max(bound, lifted or bound), (key[0], 2), 2, item))
         else:
             attempt(bound, item, min(quick, budget.left()))
     for bound, _, tier, item in queue:
@@ -368,8 +390,8 @@ def _quick(
     config: Config,
     budget: Budget,
 ) -> tuple[float, Layout] | None:
-    """The even layout of ``config`` with the fastest recompute choice every layer can take
-    (in the space) that fits, and its step time; None when none fits."""
+    """A layout of ``config`` with stages even in time and the fastest recompute choice every
+    layer can take (in the space) that fits, and its step time; None when none fits."""
     t = bound_tables(model, cluster, job, config)
     if t is None:
         return None
@@ -384,17 +406,40 @@ def _quick(
             next(o.time for o in t.kinds[k].options if o.name == n) for k in set(t.layer_kinds)
         ),
     )
-    counts = even_counts(model, config)
-    for name in ordered:
-        budget.charge(_costing(model, config))
-        try:
-            layout = config.layout(model, counts, _uniform(model, name))
+    # Stages even in time, the embedding's and head's own work counted (``warm.balanced``),
+    # unless the target launcher runs even layer counts only.
+    counts = balanced(t, lambda o: o.time)
+    if TARGETS.get(space.target, {}).get("even_stages"):
+        counts = even_counts(model, config)
+    cap = usable_peak_bytes(cluster, job)
+    blocks = model.num_layers + model.num_mtp_layers + 2
+
+    def fits(name: str) -> Layout | None:
+        """The layout with ``name`` for every layer when its memory alone fits."""
+        budget.charge(blocks * SECONDS_PER_MEMORY_BLOCK)
+        layout = config.layout(model, counts, _uniform(model, name))
+        memory = stage_memory(model, job, layout, num_microbatches=config.num_microbatches)
+        return layout if max(s.peak_bytes for s in memory) <= cap else None
+
+    try:
+        if not ordered or fits(ordered[-1]) is None:
+            return None  # the leanest choice does not fit: no choice does
+        for name in ordered:  # fastest first
+            layout = fits(name)
+            if layout is None:
+                continue
+            budget.charge(_costing(model, config))
             est = evaluate(model, cluster, job, layout)
-        except PlannerError:
-            return None
-        if est.fits and _host_ok(job, cluster, layout, est):
-            return est.step_time_s, layout
+            if est.fits and _host_ok(job, cluster, layout, est):
+                return est.step_time_s, layout
+    except PlannerError:
+        return None
     return None
+
+
+def _fill(config: Config) -> float:
+    """1 + (pp - 1) / m: 1F1B's step over its busiest rank's work with even stages."""
+    return 1 + (config.pp - 1) / config.num_microbatches
 
 
 def _relaxation_may_prune(config: Config, bound: float, best: float) -> bool:
@@ -445,6 +490,15 @@ def _costing(model: ModelSpec, config: Config) -> float:
     """The charge for costing one layout of ``config`` (``step_run``)."""
     blocks = model.num_layers + model.num_mtp_layers + 2
     return blocks * SECONDS_PER_BLOCK + _order_size(config) * SECONDS_PER_TIMELINE_OP
+
+
+def _relaxation_charge(config: Config) -> float:
+    """The charge for a configuration's relaxation (``lp_bound``)."""
+    return (
+        SECONDS_PER_RELAXATION
+        + _order_size(config) * SECONDS_PER_RELAXATION_OP
+        + config.stages**2 * SECONDS_PER_RELAXATION_STAGE2
+    )
 
 
 def _order_size(c: Config) -> int:

@@ -33,10 +33,10 @@ def warm_start(
             for k in set(tables.layer_kinds)
         ),
     )
-    by_time = _balanced(tables, lambda o: o.time)
+    by_time = balanced(tables, lambda o: o.time)
     # A second partition for tight memory: balance what each stage holds (its state and the
     # leanest option's activations), with the leanest option everywhere.
-    by_memory = _balanced(tables, lambda o: o.saved, state=True)
+    by_memory = balanced(tables, lambda o: o.saved, state=True)
     partitions = [p for p in (ranks_even, by_time) if p is not None]
     candidates = [(p, name) for name in ordered for p in partitions]
     if ordered and by_memory != by_time:
@@ -73,7 +73,7 @@ def warm_start(
     return None, spent
 
 
-def _balanced(tables: Tables, cost: Callable[[Option], float], *, state: bool = False) -> list[int]:
+def balanced(tables: Tables, cost: Callable[[Option], float], *, state: bool = False) -> list[int]:
     """Layers per stage so every stage gets about the same total of ``cost`` (the least over
     a block's options, plus its state bytes when ``state``), the embedding's and head's own
     counted on the first and last stage; every stage but the first and last keeps a layer."""
