@@ -102,6 +102,7 @@ def case(row: dict[str, int | float]) -> tuple[ModelSpec, TrainingJob, Layout, i
         activation_dtype="fp16",
         flash_attention=False,
         sequence_parallel=False,
+        framework="deepspeed",  # Megatron-DeepSpeed: tensor-parallel comm not overlapped
     )
     layout = Layout.uniform(
         model,

@@ -307,7 +307,7 @@ def _evaluate(args: argparse.Namespace) -> None:
         return
     _print_memory(model.name, layout, est, job.memory_margin)
     if args.command == "evaluate":
-        _print_time(est)
+        _print_time(est, job.framework)
 
 
 def _simulate(args: argparse.Namespace) -> None:
@@ -385,7 +385,7 @@ def _plan(args: argparse.Namespace) -> None:
     lay = result.layout
     layers = [sum(b.block.startswith("layer.") for b in s.blocks) for s in lay.stages]
     _print_memory(model.name, lay, result.estimate, job.memory_margin)
-    _print_time(result.estimate)
+    _print_time(result.estimate, (result.job or job).framework)
     gap = (
         f"gap {result.gap:.1%} to the proven bound {result.lower_bound_s:.3f} s"
         if result.gap
@@ -517,7 +517,7 @@ def _export(args: argparse.Namespace) -> None:
     print(out.summary(), file=sys.stderr)
 
 
-def _print_time(est: Estimate) -> None:
+def _print_time(est: Estimate, framework: str) -> None:
     console = Console(width=max(Console().width, 100))
     table = Table(title=f"step time: {est.step_time_s:.3f} s")
     table.add_column("part")
@@ -531,9 +531,10 @@ def _print_time(est: Estimate) -> None:
         f"{est.tokens_per_s:,.0f} tokens/s, {est.tflops_per_gpu:.0f} model TFLOP/s per GPU, MFU "
         f"{est.mfu:.1%} (6 x active matmul parameters + causal attention per token, against "
         f"the dense BF16 peak). Includes compute at the machine catalog's efficiencies, recompute, "
-        f"tensor-parallel and expert all-to-all communication, pipeline sends and bubble, "
-        f"exposed gradient reduction and the optimizer step; ignores stragglers, failures, "
-        f"data loading and checkpointing."
+        f"the tensor-parallel and expert all-to-all communication {framework} leaves exposed, "
+        f"pipeline sends and bubble, links and SMs shared by overlapped collectives, exposed "
+        f"gradient reduction and the optimizer step; ignores stragglers, failures, data "
+        f"loading and checkpointing."
     )
 
 

@@ -108,19 +108,7 @@ def _pinned_objective(
     from planner.solve.model import StageModel
     from planner.solve.tables import Config, build
 
-    m = job.global_batch // (layout.dp * layout.micro_batch)
-    config = Config(
-        layout.tp,
-        layout.pp,
-        layout.dp,
-        layout.ep,
-        layout.zero,
-        layout.micro_batch,
-        layout.schedule,
-        layout.virtual_stages,
-        layout.ema,
-        m,
-    )
+    config = Config.of(layout, job.global_batch // (layout.dp * layout.micro_batch))
     sm = StageModel(build(model, cluster, job, config, Network.of(cluster)), cluster, job)
     counts = [sum(b.block.startswith("layer.") for b in s.blocks) for s in layout.stages]
     sm.fix(counts)

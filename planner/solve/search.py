@@ -390,8 +390,9 @@ def _quick(
     config: Config,
     budget: Budget,
 ) -> tuple[float, Layout] | None:
-    """A layout of ``config`` with stages even in time and the fastest recompute choice every
-    layer can take (in the space) that fits, and its step time; None when none fits."""
+    """The faster of two layouts of ``config`` (even layer counts; stages even in time),
+    each with the fastest recompute choice every layer can take (in the space) that fits,
+    and its step time; None when none fits."""
     t = bound_tables(model, cluster, job, config)
     if t is None:
         return None
@@ -406,35 +407,40 @@ def _quick(
             next(o.time for o in t.kinds[k].options if o.name == n) for k in set(t.layer_kinds)
         ),
     )
-    # Stages even in time, the embedding's and head's own work counted (``warm.balanced``),
-    # unless the target launcher runs even layer counts only.
-    counts = balanced(t, lambda o: o.time)
-    if TARGETS.get(space.target, {}).get("even_stages"):
-        counts = even_counts(model, config)
+    # Two partitions: even layer counts, and stages even in time with the embedding's and
+    # head's own work counted (``warm.balanced``), unless the target launcher runs even
+    # layer counts only.
+    partitions = [even_counts(model, config)]
+    if not TARGETS.get(space.target, {}).get("even_stages"):
+        partitions.append(balanced(t, lambda o: o.time))
     cap = usable_peak_bytes(cluster, job)
     blocks = model.num_layers + model.num_mtp_layers + 2
 
-    def fits(name: str) -> Layout | None:
+    def fits(counts: list[int], name: str) -> Layout | None:
         """The layout with ``name`` for every layer when its memory alone fits."""
         budget.charge(blocks * SECONDS_PER_MEMORY_BLOCK)
         layout = config.layout(model, counts, _uniform(model, name))
         memory = stage_memory(model, job, layout, num_microbatches=config.num_microbatches)
         return layout if max(s.peak_bytes for s in memory) <= cap else None
 
-    try:
-        if not ordered or fits(ordered[-1]) is None:
-            return None  # the leanest choice does not fit: no choice does
-        for name in ordered:  # fastest first
-            layout = fits(name)
-            if layout is None:
-                continue
-            budget.charge(_costing(model, config))
-            est = evaluate(model, cluster, job, layout)
-            if est.fits and _host_ok(job, cluster, layout, est):
-                return est.step_time_s, layout
-    except PlannerError:
-        return None
-    return None
+    best: tuple[float, Layout] | None = None
+    for counts in dict.fromkeys(map(tuple, partitions)):
+        try:
+            if not ordered or fits(list(counts), ordered[-1]) is None:
+                continue  # the leanest choice does not fit: no choice does
+            for name in ordered:  # fastest first
+                layout = fits(list(counts), name)
+                if layout is None:
+                    continue
+                budget.charge(_costing(model, config))
+                est = evaluate(model, cluster, job, layout)
+                if est.fits and _host_ok(job, cluster, layout, est):
+                    if best is None or est.step_time_s < best[0]:
+                        best = (est.step_time_s, layout)
+                    break
+        except PlannerError:
+            continue
+    return best
 
 
 def _fill(config: Config) -> float:

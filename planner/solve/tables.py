@@ -64,6 +64,22 @@ class Config:
     def stages(self) -> int:
         return self.pp * self.virtual_stages
 
+    @classmethod
+    def of(cls, layout: Layout, num_microbatches: int) -> Config:
+        """The outer decisions of ``layout``."""
+        return cls(
+            layout.tp,
+            layout.pp,
+            layout.dp,
+            layout.ep,
+            layout.zero,
+            layout.micro_batch,
+            layout.schedule,
+            layout.virtual_stages,
+            layout.ema,
+            num_microbatches,
+        )
+
     def layout(self, model: ModelSpec, counts: list[int], recompute: dict[str, str]) -> Layout:
         return Layout.from_counts(
             model,
@@ -535,20 +551,13 @@ def rank_orders(schedule: str, pp: int, m: int, v: int) -> list[RankOrder]:
 
 @functools.lru_cache(maxsize=4096)
 def _rank_order(schedule: str, pp: int, m: int, v: int, rank: int) -> RankOrder:
+    from planner.timeline import program  # the one place a rank's ops become tasks
+
     order = op_order(schedule, pp=pp, num_microbatches=m, rank=rank, virtual_stages=v)
     chunks = list(dict.fromkeys(o.stage for o in order))
-    tasks: list[tuple[Any, ...]] = []
-    i = 0
-    while i < len(order):
-        op = order[i]
-        if op.paired:
-            nxt = order[i + 1]
-            tasks.append(("pair", op.stage, nxt.stage, nxt.kind))
-            i += 2
-        else:
-            tasks.append((op.kind, op.stage))
-            i += 1
-    return RankOrder(chunks=chunks, tasks=Counter(tasks), levels=_levels(order, chunks))
+    prog = program(schedule, pp, m, v)
+    tasks = Counter(prog.key[g] for g in prog.by_rank[rank])
+    return RankOrder(chunks=chunks, tasks=tasks, levels=_levels(order, chunks))
 
 
 def _levels(order: list[Op], chunks: list[int]) -> list[tuple[tuple[int, ...], int | None]]:
