@@ -1,0 +1,1035 @@
+"""The planner's plans against layouts that experts published for the same jobs.
+
+For each job it prints, with units:
+
+- the plan (``planner.plan``, free search): its simulated step time
+  (``planner.simulate(...).step_time_s``), its own estimate (``plan.estimate.step_time_s``) and
+  their relative difference, and its memory peak against the cap and HBM;
+- each expert layout (a ``planner.Layout`` stating the published recipe): the same figures,
+  from ``planner.simulate`` and ``planner.evaluate``; a layout whose predicted peak is over the
+  memory cap is marked as not fitting, and it is still simulated;
+- the planner's best within that expert's own degrees (``planner.plan`` with ``tp``, ``pp``,
+  ``dp``, ``ep`` and the schedule pinned in a ``SearchSpace``: "what is the best I can do with
+  my degrees");
+- where the source publishes one, the measured step time (a published throughput converted to
+  seconds per step, with the conversion printed) and the error of each prediction of that
+  layout against it;
+- a verdict: is the plan at least as fast as every expert layout that fits, under simulate,
+  and do the plan's estimate and its simulation agree within 1%.
+
+A summary at the end counts the jobs that meet each target. Today's planner is expected to
+miss some: this measures, it does not tune. Every golden figure below is typed from the
+source named next to it (paper and table or section, or a framework's published file and its
+path); none comes from this code's output.
+
+Conventions for measured step times. A source that publishes tokens per second gives the step
+directly (tokens per step / (tokens/s/GPU x GPUs)). A source that publishes FLOP/s is converted
+back with that source's own FLOP count where it states one (Narayanan et al.'s equation (3);
+Megatron-LM's ``num_floating_point_operations``), and otherwise with the planner's MFU
+convention (``planner.estimate.model_flops_per_token``), as for Llama 3, whose paper does not
+state its FLOP count. Where a source leaves a setting out (micro-batch size, virtual stages,
+recompute, ZeRO stage), the layout's ``assumed`` note says what was taken.
+
+Jobs (``--only`` takes these names):
+
+- deepseek-v3-2048-h800, deepseek-v3-1024-h800 (a reference layout derived from the former);
+- llama3-405b-16384-h100, llama3-405b-8192-h100;
+- llama3-70b-512-h100 (a reference layout weak-scaled from llama3-70b-64-h100's), and
+  llama3-70b-64-h100;
+- mixtral-8x7b-64-h100;
+- gpt3-175b-1024-a100, gpt3-175b-384-a100, gpt3-175b-1536-a100;
+- deepseek-v3-1024-h100.
+
+Run: ``.venv/bin/python benchmarks/plan_quality.py [--time-limit SECONDS] [--only NAME ...]
+[--json]`` (one plan() call per job and one per expert layout, each up to ``--time-limit`` seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import planner
+from planner.estimate import model_flops_per_token
+
+GiB = 2**30
+AGREE = 0.01  # estimate vs simulation: the 1% target
+SAME = 1e-9  # relative slack for "at least as fast" (float noise only)
+
+# ---------------------------------------------------------------------------------------------
+# Measured step times: each conversion returns (seconds per step, the conversion written out).
+
+Converter = Callable[
+    [planner.ModelSpec, planner.ClusterSpec, planner.TrainingJob], tuple[float, str]
+]
+
+
+def gpu_hours_per_tokens(gpu_hours: float, tokens: float, text: str) -> Converter:
+    """A published cost in GPU hours per ``tokens`` training tokens."""
+
+    def convert(
+        model: planner.ModelSpec, cluster: planner.ClusterSpec, job: planner.TrainingJob
+    ) -> tuple[float, str]:
+        step = gpu_hours * 3600 * job.tokens_per_step / tokens / cluster.num_gpus
+        return step, (
+            f"{text}: {gpu_hours:,.0f} GPU h x 3600 s/h x {job.tokens_per_step:,} tokens/step "
+            f"/ {tokens:.0e} tokens / {cluster.num_gpus:,} GPUs = {step:.2f} s"
+        )
+
+    return convert
+
+
+def tokens_per_s_per_gpu(rate: float, text: str) -> Converter:
+    """A published throughput in tokens per second per GPU."""
+
+    def convert(
+        model: planner.ModelSpec, cluster: planner.ClusterSpec, job: planner.TrainingJob
+    ) -> tuple[float, str]:
+        step = job.tokens_per_step / (rate * cluster.num_gpus)
+        return step, (
+            f"{text}: {job.tokens_per_step:,} tokens/step / ({rate:,.0f} tokens/s/GPU x "
+            f"{cluster.num_gpus:,} GPUs) = {step:.2f} s"
+        )
+
+    return convert
+
+
+def tflops_planner_convention(tflops: float, text: str) -> Converter:
+    """A published model TFLOP/s per GPU whose source states no FLOP count: converted back with
+    the planner's MFU convention (``planner.estimate.model_flops_per_token``)."""
+
+    def convert(
+        model: planner.ModelSpec, cluster: planner.ClusterSpec, job: planner.TrainingJob
+    ) -> tuple[float, str]:
+        per_token = model_flops_per_token(model, job.seq_len)
+        step = per_token * job.tokens_per_step / (tflops * 1e12 * cluster.num_gpus)
+        return step, (
+            f"{text}: {per_token:.4g} FLOP/token (the planner's MFU convention, "
+            f"planner.estimate.model_flops_per_token; the source states none) x "
+            f"{job.tokens_per_step:,} tokens/step / ({tflops:g} TFLOP/s/GPU x "
+            f"{cluster.num_gpus:,} GPUs) = {step:.2f} s"
+        )
+
+    return convert
+
+
+def tflops_narayanan_eq3(tflops: float, vocab: int, text: str) -> Converter:
+    """Narayanan et al. SC'21 (arXiv 2104.04473) section 5.1, equation (3): FLOPs per
+    iteration F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)), counting the GEMMs of forward,
+    backward and the recompute forward pass (the paper's runs recompute activations). The
+    paper's TFLOP/s per GPU is F / (iteration time x GPUs), so the step is F / (X x n)."""
+
+    def convert(
+        model: planner.ModelSpec, cluster: planner.ClusterSpec, job: planner.TrainingJob
+    ) -> tuple[float, str]:
+        b, s, layers, h = job.global_batch, job.seq_len, model.num_layers, model.hidden_size
+        flops = 96 * b * s * layers * h**2 * (1 + s / (6 * h) + vocab / (16 * layers * h))
+        step = flops / (tflops * 1e12 * cluster.num_gpus)
+        return step, (
+            f"{text}: F = 96 B s l h^2 (1 + s/6h + V/16lh) with B={b} sequences, s={s} "
+            f"tokens, l={layers} layers, h={h} elements, V={vocab} tokens (the paper's eq. (3)) "
+            f"= {flops:.4g} FLOP/step; / ({tflops:g} "
+            f"TFLOP/s/GPU x {cluster.num_gpus:,} GPUs) = {step:.2f} s"
+        )
+
+    return convert
+
+
+def tflops_megatron(tflops: float, padded_vocab: int, text: str) -> Converter:
+    """A TFLOP/s figure Megatron-LM reports. Its FLOP count (megatron/training/training.py,
+    num_floating_point_operations, tags core_r0.9.0 and core_r0.10.0) per step is
+    12 B s L h^2 [ (1 + g/a + s/h) (d a / h) + (f/h) k (3/2 if SwiGLU) + V / (2 L h) ] with g
+    query groups, a heads, d the head dim, f the expert (or MLP) width, k experts per token and
+    V the padded vocabulary: no causal halving of attention, no recompute."""
+
+    def convert(
+        model: planner.ModelSpec, cluster: planner.ClusterSpec, job: planner.TrainingJob
+    ) -> tuple[float, str]:
+        b, s, layers, h = job.global_batch, job.seq_len, model.num_layers, model.hidden_size
+        a, g, d = model.num_attention_heads, model.num_kv_heads, model.head_dim
+        f = model.moe_ffn_hidden_size or model.ffn_hidden_size
+        k = model.experts_per_token or 1
+        glu = 1.5 if model.mlp == "swiglu" else 1.0
+        bracket = (
+            (1 + g / a + s / h) * (d * a / h) + (f / h) * k * glu + padded_vocab / (2 * layers * h)
+        )
+        flops = 12 * b * s * layers * h * h * bracket
+        step = flops / (tflops * 1e12 * cluster.num_gpus)
+        return step, (
+            f"{text}: Megatron-LM's count 12 B s L h^2 [(1 + g/a + s/h) da/h + (f/h) k 3/2 + "
+            f"V/2Lh] with B={b} sequences, s={s} tokens, L={layers} layers, h={h} elements, "
+            f"a={a} heads, g={g} query groups, d={d} elements, f={f} elements, k={k} experts, "
+            f"V={padded_vocab} tokens = {flops:.4g} FLOP/step; / ({tflops:g} TFLOP/s/GPU x "
+            f"{cluster.num_gpus:,} GPUs) = {step:.2f} s"
+        )
+
+    return convert
+
+
+# ---------------------------------------------------------------------------------------------
+# The jobs and their expert layouts.
+
+
+@dataclass(frozen=True)
+class Expert:
+    """One expert layout: how to state it, where it comes from, what it measured."""
+
+    name: str
+    source: str
+    build: Callable[[planner.ModelSpec], planner.Layout]
+    kind: str = "published"  # "published": a run the source reports; "reference": derived
+    assumed: str = ""  # settings the source leaves out, and what was taken
+    measured: Converter | None = None
+    pin_virtual_stages: bool = False  # the source states the virtual stages: keep them pinned
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    model: str
+    gpu: str
+    gpus: int
+    job: planner.TrainingJob
+    source: str
+    experts: list[Expert] = field(default_factory=list)
+    note: str = ""
+
+
+DEEPSEEK_REPORT = (
+    "DeepSeek-V3 Technical Report (arXiv 2412.19437): section 3.2 (16-way pipeline "
+    "parallelism with DualPipe, 64-way expert parallelism spanning 8 nodes, ZeRO-1 data "
+    "parallelism, no tensor parallelism), 3.2.3 (recompute of RMSNorm and MLA "
+    "up-projections), 3.3 (FP8 GEMMs; BF16 AdamW moments), 4.2 (sequence 4096, batch 15360)"
+)
+LLAMA3_TABLE4 = (
+    "Llama 3 Herd of Models (arXiv 2407.21783) Table 4 ('Scaling configurations and MFU for "
+    "each stage of Llama 3 405B pre-training') and section 3.3.2"
+)
+LLAMA3_ASSUMED = (
+    "Table 4 gives TP 8, CP 1, PP 16; section 3.3.2: an interleaved schedule with V stages per "
+    "pipeline rank, 'we reduce one Transformer layer each from the first and the last stages' "
+    "so that 'the first model chunk on the first stage has only the embedding, and the last "
+    "model chunk on the last stage has only output projection and loss'; V is not stated: "
+    "126 = 16 x 8 - 2 layers fit one layer per chunk, so V = 8 (an inference); FSDP that "
+    "shards optimizer states and gradients but not the weights = ZeRO-2; 'without activation "
+    "checkpointing' = recompute none; micro-batch size not stated: 1"
+)
+NARAYANAN = (
+    "Narayanan et al., 'Efficient Large-Scale Language Model Training on GPU Clusters Using "
+    "Megatron-LM', SC'21 (arXiv 2104.04473)"
+)
+NARAYANAN_PTDP = (
+    "tensor-parallel size 8 ('t=8 in our experiments', section 4.1); interleaved schedule "
+    "('we use the interleaved pipeline schedule', section 5.1) with virtual stages not stated: "
+    "2 assumed (the planner's best within these degrees may choose others); full activation "
+    "recomputation (equation (3) 'assumes activation recomputation'); no distributed optimizer "
+    "in Megatron-LM of 2021: ZeRO-0"
+)
+MEGATRON_MOE = (
+    "Megatron-LM megatron/core/transformer/moe/README.md at tag core_r0.10.0 (this text since "
+    "commit c230e0d7, 'Update MoE Doc', 2024-11-21): 'Reference Best Parallel Mapping' table, row "
+    "'Mixtral 8x7B(Dropless)': 32K vocab, All-to-All dispatcher, BF16, 64 GPUs, seq 4096, TP 1, "
+    "EP 8, PP 4, VP 8, MBS 1, GBS 256 (8xH100 80GB HBM3 servers); headline: 'This boosts "
+    "Mixtral 8X7B bf16 training to achieve 468 TFLOPS as of MCore v0.9'"
+)
+BRIDGE_ARCHIVE = (
+    "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md, '25.11 NeMo Container', "
+    "Pre-Training, System DGX-H100, row LLAMA3_70B: 64 GPUs, FP8-CS, GBS 128, MBS 1, seq 8192, "
+    "FSDP 0, TP 4, PP 8, CP 1, VP 5, EP 1, GA 64: 1602 tokens/s/GPU, 719 model TFLOP/s/GPU; "
+    "preset LLAMA3_70B_PRETRAIN_CONFIG_H100_FP8_CS in "
+    "scripts/performance/configs/llama/llama3_workload_base_configs.py (commit 6ef21f81; the "
+    "same file's H100 BF16 preset uses CP 2, which the planner cannot state)"
+)
+BRIDGE_DSV3 = (
+    "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md at commit fa0315ae ('update 25.09 "
+    "performance summary', 2025-10-10), '25.09 NeMo Container', System DGX-H100, row "
+    "'DeepSeekV3 (dropless)': 1024 GPUs, GBS 8192, MBS 1, seq 4096, FSDP 0, TP 2, PP 8, CP 1, "
+    "VP 4, EP 64, GA 128: 1297 tokens/s/GPU, 338 (330) model TFLOP/s/GPU; recipe "
+    "scripts/performance/configs/deepseek/deepseek_v3_llm_pretrain.yaml at the same commit "
+    "(h100 num_gpus_1024: etp 1; recompute_granularity 'selective'; "
+    "pipeline_model_parallel_layout 'Et|(tt|)*30mL')"
+)
+
+
+def _deepseek_recipe(dp: int) -> Callable[[planner.ModelSpec], planner.Layout]:
+    def build(model: planner.ModelSpec) -> planner.Layout:
+        return planner.Layout.uniform(
+            model,
+            pp=16,
+            tp=1,
+            dp=dp,
+            ep=64,
+            zero=1,
+            micro_batch=1,
+            schedule="dualpipe",
+            recompute="layernorm+mla_up_proj",
+        )
+
+    return build
+
+
+def _llama405_recipe(dp: int) -> Callable[[planner.ModelSpec], planner.Layout]:
+    def build(model: planner.ModelSpec) -> planner.Layout:
+        # 128 chunks (16 ranks x V 8): the embedding alone, 126 single layers, the head alone.
+        return planner.Layout.from_counts(
+            model,
+            counts=[0] + [1] * 126 + [0],
+            pp=16,
+            tp=8,
+            dp=dp,
+            zero=2,
+            micro_batch=1,
+            schedule="interleaved",
+            virtual_stages=8,
+            recompute="none",
+        )
+
+    return build
+
+
+def _llama70_recipe(dp: int) -> Callable[[planner.ModelSpec], planner.Layout]:
+    def build(model: planner.ModelSpec) -> planner.Layout:
+        return planner.Layout.uniform(
+            model,
+            tp=4,
+            pp=8,
+            dp=dp,
+            zero=1,
+            micro_batch=1,
+            schedule="interleaved",
+            virtual_stages=5,
+            recompute="none",
+        )
+
+    return build
+
+
+def _gpt3_ptdp(pp: int, dp: int) -> Callable[[planner.ModelSpec], planner.Layout]:
+    def build(model: planner.ModelSpec) -> planner.Layout:
+        return planner.Layout.uniform(
+            model,
+            tp=8,
+            pp=pp,
+            dp=dp,
+            zero=0,
+            micro_batch=1,
+            schedule="interleaved",
+            virtual_stages=2,
+            recompute="full",
+        )
+
+    return build
+
+
+def _gpt3_zero3(dp: int, micro_batch: int) -> Callable[[planner.ModelSpec], planner.Layout]:
+    def build(model: planner.ModelSpec) -> planner.Layout:
+        return planner.Layout.uniform(
+            model, tp=1, pp=1, dp=dp, zero=3, micro_batch=micro_batch, recompute="full"
+        )
+
+    return build
+
+
+def _mixtral_8x7b(model: planner.ModelSpec) -> planner.Layout:
+    return planner.Layout.uniform(
+        model,
+        tp=1,
+        pp=4,
+        dp=16,
+        ep=8,
+        zero=1,
+        micro_batch=1,
+        schedule="interleaved",
+        virtual_stages=8,
+        recompute="none",
+    )
+
+
+def _deepseek_h100(model: planner.ModelSpec) -> planner.Layout:
+    # 'Et|(tt|)*30mL': embedding + 1 layer, 30 chunks of 2 layers, then MTP + loss alone.
+    return planner.Layout.from_counts(
+        model,
+        counts=[1] + [2] * 30 + [0],
+        pp=8,
+        tp=2,
+        dp=64,
+        ep=64,
+        zero=1,
+        micro_batch=1,
+        schedule="interleaved",
+        virtual_stages=4,
+        recompute="selective",
+    )
+
+
+def _gpt3_table2(gpus: int, zero3_mb: int, ptdp_tflops: float, zero3_tflops: float) -> Job:
+    return Job(
+        name=f"gpt3-175b-{gpus}-a100",
+        model="gpt3-175b",
+        gpu="a100",
+        gpus=gpus,
+        job=planner.TrainingJob(seq_len=2048, global_batch=1536),
+        source=f"{NARAYANAN}, Table 2 (PTD-P vs ZeRO-3, 174.6B GPT-3, batch 1536, {gpus} GPUs)",
+        experts=[
+            Expert(
+                name=f"PTD-P, model-parallel size 96 = t8 x p12, dp {gpus // 96}",
+                source=f"{NARAYANAN}, Table 2, PTD Parallelism row for {gpus} GPUs: "
+                f"model-parallel size 96, batch 1536, microbatch 1, {ptdp_tflops:g} TFLOP/s/GPU",
+                build=_gpt3_ptdp(pp=12, dp=gpus // 96),
+                assumed="model-parallel size 96 read as t 8 x p 12 with " + NARAYANAN_PTDP,
+                measured=tflops_narayanan_eq3(
+                    ptdp_tflops, 51200, f"Table 2: {ptdp_tflops:g} TFLOP/s/GPU"
+                ),
+            ),
+            Expert(
+                name=f"ZeRO-3 without model parallelism, dp {gpus}",
+                source=f"{NARAYANAN}, Table 2, 'ZeRO-3 without Model Parallelism' row for "
+                f"{gpus} GPUs: model-parallel size 1, batch 1536, microbatch {zero3_mb}, "
+                f"{zero3_tflops:g} TFLOP/s/GPU (DeepSpeed ZeRO-3 in Megatron-LM, section 5.2)",
+                build=_gpt3_zero3(dp=gpus, micro_batch=zero3_mb),
+                assumed="full activation recomputation (the TFLOP/s column uses equation (3), "
+                "which counts the recompute forward pass)",
+                measured=tflops_narayanan_eq3(
+                    zero3_tflops, 51200, f"Table 2: {zero3_tflops:g} TFLOP/s/GPU"
+                ),
+            ),
+        ],
+        note="The planner's gpt3-175b is Brown et al.'s shape with GPT-2's vocabulary (50257, "
+        "tied); the paper pads to V = 51,200, which only its FLOP count uses here.",
+    )
+
+
+JOBS: list[Job] = [
+    Job(
+        name="deepseek-v3-2048-h800",
+        model="deepseek-v3",
+        gpu="h800",
+        gpus=2048,
+        job=planner.TrainingJob(
+            seq_len=4096, global_batch=15360, compute_dtype="fp8", moment_dtype="bf16"
+        ),
+        source=DEEPSEEK_REPORT,
+        experts=[
+            Expert(
+                name="DeepSeek-V3 recipe: DualPipe pp16, ep64 over 8 nodes, ZeRO-1, tp1",
+                source=DEEPSEEK_REPORT + "; section 1: 'each trillion tokens requires only 180K "
+                "H800 GPU hours, i.e., 3.7 days on our cluster with 2048 H800 GPUs'",
+                build=_deepseek_recipe(dp=128),
+                assumed="micro-batch size not stated: 1; layers split as evenly as possible "
+                "(the report does not give its split); the model saves every activation in "
+                "BF16 where DeepSeek cached several in FP8 (report section 3.3), so this "
+                "recipe's memory is over-predicted",
+                measured=gpu_hours_per_tokens(180e3, 1e12, "180K H800 GPU hours per 1T tokens"),
+            )
+        ],
+    ),
+    Job(
+        name="deepseek-v3-1024-h800",
+        model="deepseek-v3",
+        gpu="h800",
+        gpus=1024,
+        job=planner.TrainingJob(
+            seq_len=4096, global_batch=4096, compute_dtype="fp8", moment_dtype="bf16"
+        ),
+        source="reference job: DeepSeek-V3's recipe on half the GPUs with a smaller batch",
+        experts=[
+            Expert(
+                name="DeepSeek-V3 recipe on 1024 GPUs: DualPipe pp16, ep64, ZeRO-1, dp64",
+                source="derived from " + DEEPSEEK_REPORT + " (the same recipe with dp 64); "
+                "not a published run",
+                build=_deepseek_recipe(dp=64),
+                kind="reference",
+                assumed="micro-batch size 1; no measured figure exists for this job",
+            )
+        ],
+    ),
+    Job(
+        name="llama3-405b-16384-h100",
+        model="llama3-405b",
+        gpu="h100",
+        gpus=16384,
+        job=planner.TrainingJob(seq_len=8192, global_batch=2048),
+        source=LLAMA3_TABLE4 + ", row 16,384 GPUs: TP 8, CP 1, PP 16, DP 128, seq 8,192, "
+        "batch size/DP 16, 16M tokens/batch, 400 TFLOP/s/GPU, BF16 MFU 41%",
+        experts=[
+            Expert(
+                name="Llama 3 405B: tp8 pp16 dp128, interleaved V8, FSDP (ZeRO-2)",
+                source=LLAMA3_TABLE4 + ", row 16,384 GPUs",
+                build=_llama405_recipe(dp=128),
+                assumed=LLAMA3_ASSUMED,
+                measured=tflops_planner_convention(400, "Table 4: 400 TFLOP/s/GPU"),
+            )
+        ],
+    ),
+    Job(
+        name="llama3-70b-512-h100",
+        model="llama3-70b",
+        gpu="h100",
+        gpus=512,
+        job=planner.TrainingJob(seq_len=8192, global_batch=1024, compute_dtype="fp8"),
+        source="reference job: NVIDIA's published Llama 3 70B H100 recipe (64 GPUs, "
+        "llama3-70b-64-h100) weak-scaled to 512 GPUs: the same per-replica work (64 "
+        "micro-batches of 1 sequence per data-parallel replica), dp 16, global batch 1024",
+        experts=[
+            Expert(
+                name="Megatron-Bridge H100 FP8 preset weak-scaled: tp4 pp8 vp5 cp1, dp16",
+                source="derived from " + BRIDGE_ARCHIVE,
+                build=_llama70_recipe(dp=16),
+                kind="reference",
+                assumed="published at 64 GPUs only (that measurement is job llama3-70b-64-h100 "
+                "and is not applied here); distributed optimizer (ZeRO-1, the recipe default "
+                "use_distributed_optimizer=True); recompute none (the preset sets none); layers "
+                "split evenly, 2 per chunk",
+                pin_virtual_stages=True,
+            )
+        ],
+        note="The Llama 3 paper trained its 70B model but publishes no layout for it; NVIDIA's "
+        "tables publish 64-GPU runs. The planner has no context parallelism yet, so the CP 1 "
+        "preset (FP8 current scaling) is the one used.",
+    ),
+    Job(
+        name="mixtral-8x7b-64-h100",
+        model="mixtral-8x7b",
+        gpu="h100",
+        gpus=64,
+        job=planner.TrainingJob(seq_len=4096, global_batch=256),
+        source=MEGATRON_MOE,
+        experts=[
+            Expert(
+                name="Megatron-Core MoE reference mapping: tp1 ep8 pp4 vp8 mb1, dp16",
+                source=MEGATRON_MOE,
+                build=_mixtral_8x7b,
+                assumed="the table is labelled 'reference parallel mappings of MCore v0.8' and "
+                "the 468 TFLOPS headline 'as of MCore v0.9' does not name its mapping: taken "
+                "as this row's; distributed optimizer (ZeRO-1, the README's quick start); "
+                "recompute none (none listed); dropless routing, balanced load assumed",
+                measured=tflops_megatron(468, 32000, "MoE README: 468 TFLOP/s/GPU"),
+                pin_virtual_stages=True,
+            )
+        ],
+    ),
+    Job(
+        name="gpt3-175b-1024-a100",
+        model="gpt3-175b",
+        gpu="a100",
+        gpus=1024,
+        job=planner.TrainingJob(seq_len=2048, global_batch=1536),
+        source=NARAYANAN + ", section 5.1 (Training Time Estimates): 'On n = 1024 A100 GPUs "
+        "using batch size 1536, we achieve X = 140 teraFLOP/s per GPU' for GPT-3 175B (Table 1 "
+        "has no 175B row: its nearest is 145.6B on 1536 GPUs, t 8, p 8)",
+        experts=[
+            Expert(
+                name="Megatron-LM PTD-P: t8 p8 dp16, interleaved, full recompute",
+                source=NARAYANAN + ", section 5.1",
+                build=_gpt3_ptdp(pp=8, dp=16),
+                assumed="section 5.1 does not state this run's (t, p): t 8 (section 4.1) and "
+                "p 8 (dividing 96 layers and 1024 GPUs, as Table 1's 145.6B row on the same "
+                "hidden size) assumed; micro-batch 1 (Table 2's PTD-P rows); " + NARAYANAN_PTDP,
+                measured=tflops_narayanan_eq3(140, 51200, "section 5.1: 140 TFLOP/s/GPU"),
+            )
+        ],
+        note="The planner's gpt3-175b is Brown et al.'s shape with GPT-2's vocabulary (50257, "
+        "tied); the paper pads to V = 51,200, which only its FLOP count uses here.",
+    ),
+    Job(
+        name="llama3-405b-8192-h100",
+        model="llama3-405b",
+        gpu="h100",
+        gpus=8192,
+        job=planner.TrainingJob(seq_len=8192, global_batch=2048),
+        source=LLAMA3_TABLE4 + ", row 8,192 GPUs: TP 8, CP 1, PP 16, DP 64, seq 8,192, "
+        "batch size/DP 32, 16M tokens/batch, 430 TFLOP/s/GPU, BF16 MFU 43%",
+        experts=[
+            Expert(
+                name="Llama 3 405B: tp8 pp16 dp64, interleaved V8, FSDP (ZeRO-2)",
+                source=LLAMA3_TABLE4 + ", row 8,192 GPUs",
+                build=_llama405_recipe(dp=64),
+                assumed=LLAMA3_ASSUMED,
+                measured=tflops_planner_convention(430, "Table 4: 430 TFLOP/s/GPU"),
+            )
+        ],
+    ),
+    Job(
+        name="llama3-70b-64-h100",
+        model="llama3-70b",
+        gpu="h100",
+        gpus=64,
+        job=planner.TrainingJob(seq_len=8192, global_batch=128, compute_dtype="fp8"),
+        source=BRIDGE_ARCHIVE,
+        experts=[
+            Expert(
+                name="Megatron-Bridge H100 FP8-CS preset: tp4 pp8 vp5 cp1 mb1, dp2",
+                source=BRIDGE_ARCHIVE,
+                build=_llama70_recipe(dp=2),
+                assumed="distributed optimizer (ZeRO-1, the recipe default); recompute none; "
+                "layers split evenly, 2 per chunk; FP8 current scaling taken as the planner's "
+                "FP8 GEMMs",
+                measured=tokens_per_s_per_gpu(1602, "25.11 DGX-H100 row: 1602 tokens/s/GPU"),
+                pin_virtual_stages=True,
+            )
+        ],
+    ),
+    Job(
+        name="deepseek-v3-1024-h100",
+        model="deepseek-v3",
+        gpu="h100",
+        gpus=1024,
+        job=planner.TrainingJob(seq_len=4096, global_batch=8192, compute_dtype="fp8"),
+        source=BRIDGE_DSV3,
+        experts=[
+            Expert(
+                name="Megatron-Bridge H100 preset: tp2 pp8 vp4 ep64 etp1 mb1, dp64",
+                source=BRIDGE_DSV3,
+                build=_deepseek_h100,
+                assumed="the 25.09 row states no precision; the page's note ties its "
+                "parenthesised figures to FP8 quantisation granularities, so FP8 is taken; "
+                "distributed optimizer (ZeRO-1); 'selective' recompute = Megatron's default "
+                "core attention; FP32 moments (Megatron's default); the page says it "
+                "force-balances the experts' tokens (balanced load, as modelled)",
+                measured=tokens_per_s_per_gpu(1297, "25.09 DGX-H100 row: 1297 tokens/s/GPU"),
+                pin_virtual_stages=True,
+            )
+        ],
+    ),
+    _gpt3_table2(384, zero3_mb=4, ptdp_tflops=153, zero3_tflops=144),
+    _gpt3_table2(1536, zero3_mb=1, ptdp_tflops=141, zero3_tflops=44),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Running one job.
+
+
+def describe(layout: planner.Layout) -> str:
+    """Degrees, schedule, stage sizes and recompute in one line."""
+    layers = []
+    recompute: Counter[str] = Counter()
+    for stage in layout.stages:
+        count = 0
+        for block in stage.blocks:
+            if block.block.startswith("layer."):
+                count += 1
+                recompute[block.recompute] += 1
+        layers.append(count)
+    total = sum(recompute.values())
+    rec = ", ".join(f"{k} on {n}/{total} layers" for k, n in recompute.most_common())
+    low, high = min(layers), max(layers)
+    split = f"{low} layers per chunk" if low == high else f"{low}-{high} layers per chunk"
+    v = f" v{layout.virtual_stages}" if layout.virtual_stages > 1 else ""
+    return (
+        f"tp{layout.tp} pp{layout.pp} dp{layout.dp} ep{layout.ep} ZeRO-{layout.zero} "
+        f"mb{layout.micro_batch} {layout.schedule}{v}, {split}, recompute {rec}"
+    )
+
+
+def cap_bytes(est: planner.Estimate) -> int:
+    """The planner's memory cap for a rank's peak (usable HBM less its margin where the
+    estimate states one, else nominal HBM)."""
+    return int(getattr(est, "cap_bytes", est.hbm_bytes))
+
+
+def cost(
+    model: planner.ModelSpec,
+    cluster: planner.ClusterSpec,
+    job: planner.TrainingJob,
+    layout: planner.Layout,
+    estimate: planner.Estimate | None = None,
+) -> dict[str, Any]:
+    """Simulate and evaluate one layout: step times (s), their difference, memory (GiB)."""
+    est = estimate if estimate is not None else planner.evaluate(model, cluster, job, layout)
+    sim = planner.simulate(model, cluster, job, layout)
+    sim_peak = max(sim.peak_bytes)
+    cap = cap_bytes(est)
+    return {
+        "layout": describe(layout),
+        "simulate_s": sim.step_time_s,
+        "estimate_s": est.step_time_s,
+        "estimate_vs_simulate": est.step_time_s / sim.step_time_s - 1,
+        "peak_gib": est.peak_bytes / GiB,
+        "simulate_peak_gib": sim_peak / GiB,
+        "cap_gib": cap / GiB,
+        "hbm_gib": est.hbm_bytes / GiB,
+        "fits": bool(est.fits) and sim_peak <= cap,
+        "mfu": est.mfu,
+    }
+
+
+def run_plan(
+    model: planner.ModelSpec,
+    cluster: planner.ClusterSpec,
+    job: planner.TrainingJob,
+    space: planner.SearchSpace | None,
+    time_limit: float,
+    *,
+    explain: bool,
+) -> dict[str, Any]:
+    """plan(), then simulate its layout; a PlannerError or an infeasible answer is reported."""
+    started = time.perf_counter()
+    try:
+        plan = planner.plan(
+            model, cluster, job, space, time_limit_s=time_limit, explain_infeasible=explain
+        )
+    except planner.PlannerError as exc:
+        return {"status": "error", "error": str(exc), "wall_s": time.perf_counter() - started}
+    wall = time.perf_counter() - started
+    out: dict[str, Any] = {"status": plan.status, "gap": plan.gap, "wall_s": wall}
+    if plan.status == "infeasible" or plan.layout is None or plan.estimate is None:
+        out["status"] = "infeasible"
+        if plan.explanation is not None:
+            out["error"] = plan.explanation.summary
+        return out
+    out.update(cost(model, cluster, job, plan.layout, plan.estimate))
+    return out
+
+
+def pinned_space(layout: planner.Layout, expert: Expert) -> planner.SearchSpace:
+    """The expert's own degrees and schedule; ZeRO, micro-batch, recompute (and virtual stages
+    the source leaves unstated) are the planner's to choose."""
+    return planner.SearchSpace(
+        tp=[layout.tp],
+        pp=[layout.pp],
+        dp=[layout.dp],
+        ep=[layout.ep],
+        schedules=[layout.schedule],
+        virtual_stages=[layout.virtual_stages] if expert.pin_virtual_stages else None,
+    )
+
+
+def run_job(spec: Job, time_limit: float) -> dict[str, Any]:
+    model = planner.load_model(spec.model)
+    cluster = planner.load_cluster(spec.gpu, gpus=spec.gpus)
+    job = spec.job
+    result: dict[str, Any] = {
+        "name": spec.name,
+        "model": spec.model,
+        "cluster": f"{spec.gpus} x {spec.gpu}",
+        "job": {
+            "seq_len": job.seq_len,
+            "global_batch": job.global_batch,
+            "tokens_per_step": job.tokens_per_step,
+            "compute_dtype": job.compute_dtype,
+            "moment_dtype": job.moment_dtype,
+        },
+        "source": spec.source,
+        "note": spec.note,
+        "plan": run_plan(model, cluster, job, None, time_limit, explain=True),
+        "experts": [],
+    }
+    for expert in spec.experts:
+        row: dict[str, Any] = {
+            "name": expert.name,
+            "kind": expert.kind,
+            "source": expert.source,
+            "assumed": expert.assumed,
+        }
+        try:
+            layout = expert.build(model)
+            row.update(cost(model, cluster, job, layout))
+        except planner.PlannerError as exc:
+            row["error"] = str(exc)
+            result["experts"].append(row)
+            continue
+        if expert.measured is not None:
+            step, how = expert.measured(model, cluster, job)
+            row["measured_s"] = step
+            row["measured_how"] = how
+            row["estimate_error"] = row["estimate_s"] / step - 1
+            row["simulate_error"] = row["simulate_s"] / step - 1
+        try:
+            space = pinned_space(layout, expert)
+        except planner.PlannerError as exc:
+            row["best_within_degrees"] = {"status": "error", "error": str(exc), "wall_s": 0.0}
+        else:
+            row["best_within_degrees"] = run_plan(
+                model, cluster, job, space, time_limit, explain=False
+            )
+        result["experts"].append(row)
+    result["verdict"] = verdict(result)
+    return result
+
+
+def verdict(result: dict[str, Any]) -> dict[str, Any]:
+    plan = result["plan"]
+    fitting = [e for e in result["experts"] if e.get("fits")]
+    has_plan = "simulate_s" in plan
+    out: dict[str, Any] = {"expert_layouts": len(result["experts"]), "fitting": len(fitting)}
+    if not has_plan:
+        out["at_least_as_fast"] = False
+        out["agree_1pct"] = False
+        out["why"] = f"no plan ({plan['status']})"
+        return out
+    if fitting:
+        fastest = min(e["simulate_s"] for e in fitting)
+        out["fastest_fitting_expert_s"] = fastest
+        out["at_least_as_fast"] = plan["simulate_s"] <= fastest * (1 + SAME)
+        out["plan_vs_fastest_expert"] = plan["simulate_s"] / fastest - 1
+    else:
+        out["at_least_as_fast"] = None  # nothing to compare with
+    every = [e for e in result["experts"] if "simulate_s" in e]
+    if every:
+        out["plan_vs_fastest_expert_any"] = (
+            plan["simulate_s"] / min(e["simulate_s"] for e in every) - 1
+        )
+    out["agree_1pct"] = abs(plan["estimate_vs_simulate"]) <= AGREE
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Printing.
+
+
+def fmt_costed(row: dict[str, Any]) -> str:
+    fits = "fits" if row["fits"] else "DOES NOT FIT"
+    peak = f"peak {row['peak_gib']:.1f} GiB"
+    if abs(row["simulate_peak_gib"] - row["peak_gib"]) > 0.05:
+        peak += f" (simulated {row['simulate_peak_gib']:.1f} GiB)"
+    return (
+        f"simulate {row['simulate_s']:.3f} s, estimate {row['estimate_s']:.3f} s "
+        f"({row['estimate_vs_simulate']:+.2%} vs simulate); {peak} vs cap "
+        f"{row['cap_gib']:.1f} GiB of {row['hbm_gib']:.0f} GiB HBM: {fits}; MFU {row['mfu']:.1%}"
+    )
+
+
+def fmt_plan(label: str, plan: dict[str, Any], indent: str = "  ") -> list[str]:
+    if "simulate_s" not in plan:
+        why = f": {plan['error']}" if plan.get("error") else ""
+        status = "NO PLAN (PlannerError)" if plan["status"] == "error" else plan["status"].upper()
+        return [f"{indent}{label}: {status} after {plan['wall_s']:.1f} s{why}"]
+    gap = f", gap {plan['gap']:.1%}" if plan.get("gap") is not None else ""
+    return [
+        f"{indent}{label} [{plan['status']}{gap}, {plan['wall_s']:.1f} s wall]: {plan['layout']}",
+        f"{indent}  {fmt_costed(plan)}",
+    ]
+
+
+def print_job(res: dict[str, Any]) -> None:
+    j = res["job"]
+    print(
+        f"\n== {res['name']}: {res['model']} on {res['cluster']} (seq {j['seq_len']} tokens, "
+        f"global batch {j['global_batch']} sequences = {j['tokens_per_step']:,} tokens, "
+        f"{j['compute_dtype']} GEMMs, {j['moment_dtype']} moments) =="
+    )
+    print(f"  source: {res['source']}")
+    if res["note"]:
+        print(f"  note: {res['note']}")
+    for line in fmt_plan("plan", res["plan"]):
+        print(line)
+    for e in res["experts"]:
+        print(f"  expert [{e['kind']}] {e['name']}")
+        print(f"    source: {'as the job' if e['source'] == res['source'] else e['source']}")
+        if e["assumed"]:
+            print(f"    assumed: {e['assumed']}")
+        if "error" in e:
+            print(f"    cannot be stated or costed: {e['error']}")
+            continue
+        print(f"    layout: {e['layout']}")
+        print(f"    {fmt_costed(e)}")
+        if "measured_s" in e:
+            print(f"    measured {e['measured_s']:.3f} s/step ({e['measured_how']})")
+            print(
+                f"    error against measured: estimate {e['estimate_error']:+.1%}, simulate "
+                f"{e['simulate_error']:+.1%}"
+            )
+        else:
+            print("    measured: none published for this job")
+        best = e.get("best_within_degrees")
+        if best is not None:
+            for line in fmt_plan("planner's best within these degrees", best, "    "):
+                print(line)
+            if "simulate_s" in best:
+                print(
+                    f"      vs this expert layout under simulate: "
+                    f"{best['simulate_s'] / e['simulate_s'] - 1:+.1%}"
+                )
+    v = res["verdict"]
+    plan = res["plan"]
+    if "simulate_s" not in plan:
+        why = "PlannerError" if plan["status"] == "error" else plan["status"]
+        print(f"  VERDICT: no plan ({why}): both targets missed")
+        return
+    if v["at_least_as_fast"] is None:
+        fast = "no expert layout fits, nothing to compare under the target"
+    else:
+        word = "yes" if v["at_least_as_fast"] else "NO"
+        fast = (
+            f"{word}, {plan['simulate_s']:.3f} s vs {v['fastest_fitting_expert_s']:.3f} s "
+            f"({v['plan_vs_fastest_expert']:+.1%}) over {v['fitting']} of "
+            f"{v['expert_layouts']} expert layouts that fit"
+        )
+    if "plan_vs_fastest_expert_any" in v:
+        fast += (
+            f"; against every expert layout, fitting or not: {v['plan_vs_fastest_expert_any']:+.1%}"
+        )
+    agree = "yes" if v["agree_1pct"] else "NO"
+    print(f"  VERDICT: plan at least as fast as every fitting expert layout (simulate): {fast}")
+    print(
+        f"  VERDICT: plan's estimate within 1% of its simulation: {agree} "
+        f"({plan['estimate_vs_simulate']:+.2%})"
+    )
+
+
+def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
+    n = len(results)
+    with_plan = [r for r in results if "simulate_s" in r["plan"]]
+    # Jobs with at least one expert layout that fits: the target applies; no plan is a miss.
+    compared = [r for r in results if r["verdict"].get("fitting", 0) > 0]
+    fast = [r for r in compared if r["verdict"].get("at_least_as_fast")]
+    agree = [r for r in results if r["verdict"].get("agree_1pct")]
+    experts = [e for r in results for e in r["experts"] if "simulate_s" in e]
+    fitting = [e for e in experts if e["fits"]]
+    best_cmp = [e for e in fitting if "simulate_s" in (e.get("best_within_degrees") or {})]
+    best_ok = [
+        e
+        for e in best_cmp
+        if e["best_within_degrees"]["simulate_s"] <= e["simulate_s"] * (1 + SAME)
+    ]
+    measured = [e for e in experts if "measured_s" in e]
+    return {
+        "jobs": n,
+        "jobs_with_plan": len(with_plan),
+        "plan_at_least_as_fast": len(fast),
+        "jobs_compared": len(compared),
+        "jobs_no_fitting_expert": len(results) - len(compared),
+        "plan_agrees_1pct": len(agree),
+        "expert_layouts": len(experts),
+        "expert_layouts_fit": len(fitting),
+        "experts_agree_1pct": len([e for e in experts if abs(e["estimate_vs_simulate"]) <= AGREE]),
+        "best_within_degrees_compared": len(best_cmp),
+        "best_within_degrees_at_least_as_fast": len(best_ok),
+        "measured_layouts": len(measured),
+        "mean_abs_estimate_error": (
+            sum(abs(e["estimate_error"]) for e in measured) / len(measured) if measured else None
+        ),
+        "mean_abs_simulate_error": (
+            sum(abs(e["simulate_error"]) for e in measured) / len(measured) if measured else None
+        ),
+    }
+
+
+def print_summary(results: list[dict[str, Any]], summary: dict[str, Any], wall: float) -> None:
+    print("\n== Table (step times in seconds; differences in %) ==")
+    print(
+        "plan sim / plan est: the plan's simulated and estimated step; est-sim: their difference; "
+        "expert sim: each expert layout's simulated step; fits: within the memory cap; measured: "
+        "the published step; best@deg: the planner's best within that expert's degrees "
+        "(simulated); fast: plan at least as fast as every fitting expert layout; 1%: plan's "
+        "estimate within 1% of its simulation"
+    )
+    head = (
+        f"{'job':<24} {'plan sim':>9} {'plan est':>9} {'est-sim':>8} {'expert sim':>11} "
+        f"{'fits':>5} {'measured':>9} {'best@deg':>9} {'fast':>5} {'1%':>4}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        p, v = r["plan"], r["verdict"]
+        psim = f"{p['simulate_s']:.3f}" if "simulate_s" in p else p["status"][:9]
+        pest = f"{p['estimate_s']:.3f}" if "simulate_s" in p else "-"
+        diff = f"{p['estimate_vs_simulate']:+.2%}" if "simulate_s" in p else "-"
+        fast = {True: "yes", False: "NO", None: "n/a"}[v.get("at_least_as_fast")]
+        agree = "yes" if v.get("agree_1pct") else "NO"
+        experts = r["experts"] or [{}]
+        for i, e in enumerate(experts):
+            esim = f"{e['simulate_s']:.3f}" if "simulate_s" in e else "error"
+            fits = ("yes" if e.get("fits") else "NO") if "simulate_s" in e else "-"
+            meas = f"{e['measured_s']:.3f}" if "measured_s" in e else "-"
+            best = e.get("best_within_degrees") or {}
+            bsim = (
+                f"{best['simulate_s']:.3f}" if "simulate_s" in best else best.get("status", "-")[:9]
+            )
+            if i == 0:
+                print(
+                    f"{r['name']:<24} {psim:>9} {pest:>9} {diff:>8} {esim:>11} {fits:>5} "
+                    f"{meas:>9} {bsim:>9} {fast:>5} {agree:>4}"
+                )
+            else:
+                print(
+                    f"{'':<24} {'':>9} {'':>9} {'':>8} {esim:>11} {fits:>5} {meas:>9} "
+                    f"{bsim:>9} {'':>5} {'':>4}"
+                )
+    s = summary
+    print("\n== Summary ==")
+    print(
+        f"- plan at least as fast as every fitting expert layout (simulate): "
+        f"{s['plan_at_least_as_fast']} of {s['jobs_compared']} jobs with a fitting expert layout "
+        f"({s['jobs_no_fitting_expert']} jobs have none that fits, so the target does not apply; "
+        f"{s['jobs'] - s['jobs_with_plan']} of {s['jobs']} jobs got no plan)"
+    )
+    print(
+        f"- plan's estimate within 1% of its simulation: {s['plan_agrees_1pct']} of "
+        f"{s['jobs']} jobs"
+    )
+    print(
+        f"- expert layouts that fit the planner's memory cap: {s['expert_layouts_fit']} of "
+        f"{s['expert_layouts']}; their estimate within 1% of simulation: "
+        f"{s['experts_agree_1pct']} of {s['expert_layouts']}"
+    )
+    print(
+        f"- planner's best within an expert's degrees at least as fast as that (fitting) expert "
+        f"layout: {s['best_within_degrees_at_least_as_fast']} of "
+        f"{s['best_within_degrees_compared']}"
+    )
+    if s["measured_layouts"]:
+        print(
+            f"- against measured step times ({s['measured_layouts']} layouts): mean |error| "
+            f"estimate {s['mean_abs_estimate_error']:.1%}, simulate "
+            f"{s['mean_abs_simulate_error']:.1%}"
+        )
+    print(f"- wall time {wall:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--time-limit", type=float, default=10.0, help="seconds per plan() call (default 10)"
+    )
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these jobs")
+    parser.add_argument("--json", action="store_true", help="print JSON for machines")
+    args = parser.parse_args(argv)
+    names = [j.name for j in JOBS]
+    if args.only:
+        unknown = sorted(set(args.only) - set(names))
+        if unknown:
+            parser.error(f"unknown job {unknown[0]!r}; jobs: {', '.join(names)}")
+    jobs = [j for j in JOBS if not args.only or j.name in args.only]
+    started = time.perf_counter()
+    results = []
+    for spec in jobs:
+        try:
+            res = run_job(spec, args.time_limit)
+        except Exception as exc:  # a benchmark goes on: report the job and the next one runs
+            res = {
+                "name": spec.name,
+                "model": spec.model,
+                "cluster": f"{spec.gpus} x {spec.gpu}",
+                "source": spec.source,
+                "error": f"{type(exc).__name__}: {exc}",
+                "plan": {"status": "error", "error": f"{type(exc).__name__}: {exc}", "wall_s": 0.0},
+                "experts": [],
+                "verdict": {"at_least_as_fast": False, "agree_1pct": False, "why": "error"},
+            }
+            if not args.json:
+                print(f"\n== {spec.name}: ERROR {res['error']} ==")
+        else:
+            if not args.json:
+                print_job(res)
+        if not args.json:
+            sys.stdout.flush()
+        results.append(res)
+    wall = time.perf_counter() - started
+    summary = summarise(results)
+    if args.json:
+        print(json.dumps({"jobs": results, "summary": summary, "wall_s": wall}, indent=1))
+    else:
+        print_summary(results, summary, wall)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
