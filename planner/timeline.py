@@ -443,20 +443,6 @@ class _Run:
         return dict(form)
 
 
-def form_value(form: Form, val: dict[Prim, float], length: Any, optimizer: float) -> float:
-    """Seconds of a chain: its tasks' lengths (``length(key)``), quantities and optimizer
-    step."""
-    total = 0.0
-    for key, c in form.items():
-        if key[0] == "task":
-            total += c * length(key[1])
-        elif key[0] == "prim":
-            total += c * val[key[1]]
-        else:
-            total += c * optimizer
-    return total
-
-
 def _link_seconds(key: TaskKey, link: str, val: dict[Prim, float]) -> float:
     return sum(c * val[p] for p, c in link_use(key, link).items())
 

@@ -22,7 +22,6 @@ from planner.costs.overlap import OVERLAPS, task_time, values
 from planner.estimate import step_run
 from planner.layout import Layout
 from planner.schedules import op_order
-from planner.timeline import form_value
 
 H100 = planner.load_cluster("h100", gpus=16)
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved", "dualpipe", "dualpipev"]
@@ -171,21 +170,6 @@ def test_every_chain_bounds_every_layout_of_the_shape(a: dict[str, Any], b: dict
     other = price(times_b, run_b)
     for form in run_a.forms:
         assert other(form) <= run_b.step_s * (1 + 1e-9)
-
-
-def test_form_value_prices_a_chain_as_the_run_does() -> None:
-    model = planner.load_model("llama3-8b").model_copy(update={"num_layers": 8})
-    job = planner.TrainingJob(seq_len=1024, global_batch=32)
-    layout = _layout(model, "1f1b", 4, [1, 2, 2, 3], dp=4, zero=0)
-    _, times, run = step_run(model, H100, job, layout)
-    val = values(times)
-
-    def length(key: Any) -> float:
-        return task_time(key, val, OVERLAPS["megatron"])
-
-    for rank in run.ranks:
-        priced = form_value({k: c for k, c in rank.form.items() if k[0] != "opt"}, val, length, 0.0)
-        assert priced + rank.optimizer == pytest.approx(rank.end)
 
 
 def test_a_reduction_that_overlaps_the_backward_shares_the_nic_and_the_sms() -> None:
