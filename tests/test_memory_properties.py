@@ -106,8 +106,12 @@ def test_memory_grows_with_micro_batch(case) -> None:  # type: ignore[no-untyped
     a = [r.buckets["activations"] for r in evaluate(model, small, job).memory]
     b = [r.buckets["activations"] for r in evaluate(model, big, job).memory]
     # Twice the tokens per micro-batch, half the micro-batches: in-flight counts may fall,
-    # but never below what one micro-batch of twice the size holds.
-    assert all(y >= x for x, y in zip(a, b, strict=True))
+    # but never below what one micro-batch of twice the size holds. Each saved group is
+    # whole bytes, and with a fractional expert load imbalance (1.04 by default) its exact
+    # size is not: a byte per group and micro-batch in flight may round either way.
+    costs = block_costs(model, small, shard_of(job, small))
+    slack = sum(len(c.saved) for c in costs.values()) * job.global_batch  # bytes
+    assert all(y >= x - slack for x, y in zip(a, b, strict=True))
 
 
 def _degrees(layout: planner.Layout) -> dict[str, int]:
