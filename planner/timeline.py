@@ -37,6 +37,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from planner.costs.comm import NO_TRANSFER
 from planner.costs.overlap import (
     LINKS,
     NCCL_SM_SHARE,
@@ -156,7 +157,7 @@ def run_values(
             if e > best:
                 best, arg = e, p
         start[g], via[g] = best, arg
-    run = _Run(prog, val, lengths, dur, start, via, overlap, detail)
+    run = _Run(prog, val, dur, start, via, overlap, detail)
     ranks = [run.finish(r, optimizer[r]) for r in range(shape.pp)]
     critical = max(range(shape.pp), key=lambda r: (ranks[r].end, -r))
     step = ranks[critical].end
@@ -180,21 +181,42 @@ def shape_forms(schedule: str, pp: int, m: int, v: int) -> tuple[Form, ...]:
         for g in tasks:
             busy[("task", prog.key[g])] = busy.get(("task", prog.key[g]), 0.0) + 1.0
         forms.append(busy)
-    profiles = [frozenset[int]()] + [
-        frozenset(s for s in range(stages) if r in _holders(schedule, pp, v, s))
-        for r in heavy_ranks(pp)
-    ]
+    held = [{op.stage for g in tasks for op in prog.ops[g]} for tasks in prog.by_rank]
+    profiles = [set[int](), *(held[r] for r in heavy_ranks(pp))]
     shape = _Shape(schedule, pp, v)
     for heavy in profiles:
-        val = {(name, s): 0.0 for s in range(stages) for name in _PRIM_NAMES}
-        for s in range(stages):
-            w = 10.0 if s in heavy else 1.0
-            val[("fwd", s)] = val[("bin", s)] = val[("bw", s)] = w
+        times = [_work_only(s, 10.0 if s in heavy else 1.0) for s in range(stages)]
         run = run_values(
-            shape, val, [0.0] * pp, num_microbatches=m, overlap=OVERLAPS["megatron"], detail=False
+            shape,
+            values(times),
+            [0.0] * pp,
+            num_microbatches=m,
+            overlap=OVERLAPS["megatron"],
+            detail=False,
         )
         forms += [f for f in run.forms if f not in forms]
     return tuple(forms)
+
+
+def _work_only(stage: int, seconds: float) -> StageTime:
+    """A stage whose forward, input- and weight-gradient work take ``seconds`` each and
+    which sends and reduces nothing."""
+    return StageTime(
+        stage=stage,
+        fwd=seconds,
+        bwd_input=seconds,
+        bwd_weight=seconds,
+        recompute=0.0,
+        tp_fwd=0.0,
+        tp_bwd=0.0,
+        a2a_fwd=NO_TRANSFER,
+        a2a_bwd=NO_TRANSFER,
+        p2p=NO_TRANSFER,
+        p2p_back=NO_TRANSFER,
+        grad_sync=NO_TRANSFER,
+        zero_gather=NO_TRANSFER,
+        zero_reduce=NO_TRANSFER,
+    )
 
 
 def heavy_ranks(pp: int) -> list[int]:
@@ -209,21 +231,6 @@ class _Shape:
     schedule: str
     pp: int
     virtual_stages: int
-
-
-def _holders(schedule: str, pp: int, v: int, stage: int) -> set[int]:
-    if schedule == "dualpipe":
-        return {stage, pp - 1 - stage}
-    if schedule == "dualpipev":
-        return {stage if stage < pp else 2 * pp - 1 - stage}
-    return {stage % pp}
-
-
-_PRIM_NAMES = [
-    base + suffix
-    for base in ("a2af", "a2ab", "p2p", "p2pb", "ag", "rs", "sync")
-    for suffix in ("", ".ib", ".nvl")
-] + ["fwd", "bin", "bw"]
 
 
 @dataclass(frozen=True)
@@ -330,7 +337,6 @@ class _Run:
 
     prog: Program
     val: dict[Prim, float]
-    lengths: dict[TaskKey, float]
     dur: list[float]
     start: list[float]
     via: list[int]

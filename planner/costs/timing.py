@@ -36,6 +36,7 @@ cross-entropy's small tensor-parallel reductions, and the MoE router's auxiliary
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from planner.costs.blocks import BlockCost, Param
@@ -237,9 +238,15 @@ def block_row(cost: BlockCost, rates: Rates, choice: frozenset[str] | str, tp: T
 
 def optimizer_time(memory: StageMemory, cluster: ClusterSpec) -> float:
     """Seconds of one rank's optimizer step (memory-bound; see the module docstring)."""
-    b = memory.buckets
-    traffic = 2 * b["optimizer"] + b["grads"] + b["weights"] + 2 * b["ema"]
-    return traffic / (cluster.hbm_bandwidth_Bps * cluster.achieved.get("memory_bound", 1.0))
+    rate = cluster.hbm_bandwidth_Bps * cluster.achieved.get("memory_bound", 1.0)
+    return optimizer_traffic(memory.buckets) / rate
+
+
+def optimizer_traffic(state: Mapping[str, float]) -> float:
+    """HBM bytes the optimizer step moves for state of these bucket sizes: master weights
+    and moments read and written, gradients read, weights written, an HBM EMA read and
+    written."""
+    return 2 * state["optimizer"] + state["grads"] + state["weights"] + 2 * state["ema"]
 
 
 # -- helpers --------------------------------------------------------------------------------

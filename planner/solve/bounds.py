@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from planner.costs.comm import Network
 from planner.costs.memory import memory_cap
+from planner.costs.timing import optimizer_traffic
 from planner.errors import PlannerError
 from planner.solve.tables import Config, Option, Tables, build, prototype
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
@@ -183,12 +184,8 @@ def _hull(options: list[Option]) -> list[tuple[float, float]]:
 def _optimizer_floor(t: Tables, config: Config) -> float:
     """The mean rank's optimizer step: the tail is at least the largest rank's."""
     copies = 2 if config.schedule == "dualpipe" else 1
-
-    def traffic(state: dict[str, float]) -> float:
-        return 2 * state["optimizer"] + state["grads"] + state["weights"] + 2 * state["ema"]
-
-    total = copies * sum(traffic(t.kinds[k].state) for k in t.layer_kinds)
-    total += sum(traffic(s) for s in t.fixed_state)
+    total = copies * sum(optimizer_traffic(t.kinds[k].state) for k in t.layer_kinds)
+    total += sum(optimizer_traffic(s) for s in t.fixed_state)
     return total / config.pp / t.opt_Bps
 
 

@@ -28,6 +28,7 @@ from ortools.linear_solver import pywraplp
 
 from planner.costs.memory import memory_cap
 from planner.costs.overlap import OVERLAPS, Prim, task_terms
+from planner.costs.timing import optimizer_traffic
 from planner.solve.bounds import bound_tables, gpu_state
 from planner.solve.tables import Config, Tables, even_counts, rank_orders
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
@@ -84,7 +85,7 @@ def _solve(
     counts = even_counts(model, config)
     bound, best = 0.0, None
     for _ in range(ROUNDS):
-        new = [f for f in chains(t, counts, job) if f not in seen]
+        new = [f for f in lp.chains(counts) if f not in seen]
         seen += new
         lp.add_forms(new if bound else seen)
         value = lp.solve()
@@ -100,88 +101,9 @@ def _solve(
     return bound, best
 
 
-def chains(t: Tables, counts: list[int], job: TrainingJob) -> list[Form]:
-    """The timeline's chains for ``counts`` layers per stage with every block's first
-    option (the tables' own numbers: no layout is built)."""
-    val = stage_values(t, counts)
-    opt = [_optimizer_seconds(t, r, counts) for r in range(t.config.pp)]
-    run = run_values(
-        t.config,
-        val,
-        opt,
-        num_microbatches=t.config.num_microbatches,
-        overlap=OVERLAPS[job.framework],
-        detail=False,
-    )
-    return run.forms
-
-
-def stage_values(t: Tables, counts: list[int]) -> dict[Prim, float]:
-    """Per-stage quantities (``costs.overlap.prims``) of ``counts`` layers per stage, each
-    block at its first option."""
-    out: dict[Prim, float] = {}
-    start = 0
-    for s, n in enumerate(counts):
-        kinds = Counter(t.layer_kinds[start : start + n])
-        start += n
-        blocks = [(t.kinds[k], c) for k, c in kinds.items()]
-        blocks += [(t.kinds[name], 1) for name in _fixed(t, s)]
-        row = [(k.options[0].row, c) for k, c in blocks]
-        out[("fwd", s)] = sum(r.fwd * c for r, c in row)
-        out[("bin", s)] = sum(r.bwd_input * c for r, c in row)
-        out[("bw", s)] = sum(r.bwd_weight * c for r, c in row)
-        moe = sum(r.moe_layers * c for r, c in row)
-        rerun = sum(r.moe_rerun * c for r, c in row)
-        fp, cb = t.forward_pair[s], t.combine[s]
-        for part, suffix in (("seconds", ""), ("ib", ".ib"), ("nvlink", ".nvl")):
-            out[("a2af" + suffix, s)] = getattr(fp, part) * moe
-            out[("a2ab" + suffix, s)] = 2 * getattr(cb, part) * moe + getattr(fp, part) * rerun
-            out[("p2p" + suffix, s)] = getattr(t.p2p[s], part)
-            out[("p2pb" + suffix, s)] = getattr(t.p2p_back[s], part)
-        layer_kinds = [(t.kinds[k], c) for k, c in kinds.items()]
-        for link, suffix in (("", ""), ("ib", ".ib"), ("nvl", ".nvl")):
-            for name, table, what in (("sync", "grad", "grad"), ("ag", "gather", "weight")):
-                out[(name + suffix, s)] = _collective(t, s, layer_kinds, link, table, what)
-            out[("rs" + suffix, s)] = _collective(t, s, layer_kinds, link, "reduce", "grad")
-    return out
-
-
-def _collective(
-    t: Tables, s: int, kinds: list[tuple[Any, int]], link: str, table: str, what: str
-) -> float:
-    fixed = (t.fixed_grad if what == "grad" else t.fixed_weight)[s]
-    total = 0.0
-    for part, fixed_bytes in zip(("dense", "expert"), fixed, strict=True):
-        a, c = getattr(t, f"{table}_{part}")[s].part(link)
-        nbytes = sum(getattr(k, f"{part}_{what}") * n for k, n in kinds) + fixed_bytes
-        total += a * nbytes + (c if nbytes > 0 or part == "dense" else 0.0)
-    return total
-
-
 def _fixed(t: Tables, s: int) -> list[str]:
     S = t.config.stages
     return (t.first_fixed if s == 0 else []) + (t.last_fixed if s == S - 1 else [])
-
-
-def _traffic(state: dict[str, float]) -> float:
-    return 2 * state["optimizer"] + state["grads"] + state["weights"] + 2 * state["ema"]
-
-
-def _optimizer_seconds(t: Tables, r: int, counts: list[int]) -> float:
-    chunks = set(t.ranks[r].chunks) if t.ranks else set(_chunks(t, r))
-    starts = [sum(counts[:s]) for s in range(len(counts))]
-    total = _traffic(t.fixed_state[r])
-    for c in chunks:
-        for k in t.layer_kinds[starts[c] : starts[c] + counts[c]]:
-            total += _traffic(t.kinds[k].state)
-    return total / t.opt_Bps
-
-
-def _chunks(t: Tables, r: int) -> list[int]:
-    orders = rank_orders(
-        t.config.schedule, t.config.pp, t.config.num_microbatches, t.config.virtual_stages
-    )
-    return orders[r].chunks
 
 
 class _Lp:
@@ -302,9 +224,9 @@ class _Lp:
 
     def _optimizer(self, r: int) -> Lin:
         t = self.t
-        total: Lin = {-1: _traffic(t.fixed_state[r])}
+        total: Lin = {-1: optimizer_traffic(t.fixed_state[r])}
         for c in self.orders[r].chunks:
-            total = _plus(total, self._layers(c, lambda k: _traffic(k.state)))
+            total = _plus(total, self._layers(c, lambda k: optimizer_traffic(k.state)))
         return _scale(total, 1 / t.opt_Bps)
 
     def _compact(self) -> None:
@@ -366,6 +288,32 @@ class _Lp:
                 lin[-1] = lin.get(-1, 0.0) - float(w @ const)
             self._row(lin, 0.0, math.inf)
             self.nonzeros += len(lin)
+
+    def chains(self, counts: list[int]) -> list[Form]:
+        """The timeline's chains for ``counts`` layers per stage, every block at its first
+        option: the relaxation's own quantities at that point (no layout is built)."""
+        point: dict[int, float] = {-1: 1.0}
+        start = 0
+        for s, n in enumerate(counts):
+            for k in self.t.layer_kinds[start : start + n]:
+                first = self.y[s][k][0]
+                point[first] = point.get(first, 0.0) + 1
+            start += n
+        for vs in self.z.values():
+            point[vs[0]] = 1.0
+
+        def at(lin: Lin) -> float:
+            return sum(c * point.get(i, 0.0) for i, c in lin.items())
+
+        run = run_values(
+            self.t.config,
+            {p: at(lin) for p, lin in self.prim.items()},
+            [at(self._optimizer(r)) for r in range(self.t.config.pp)],
+            num_microbatches=self.t.config.num_microbatches,
+            overlap=self.overlap,
+            detail=False,
+        )
+        return run.forms
 
     def solve(self) -> float | None:
         status = self.s.Solve()

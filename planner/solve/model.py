@@ -30,6 +30,7 @@ from ortools.sat.python import cp_model
 
 from planner.costs.memory import memory_cap
 from planner.costs.overlap import OVERLAPS, Prim, TaskKey, Term, task_terms
+from planner.costs.timing import optimizer_traffic
 from planner.solve.tables import Affine, Tables
 from planner.specs import ClusterSpec, TrainingJob
 from planner.timeline import Form
@@ -342,13 +343,12 @@ class StageModel:
     def _optimizer(self, r: int) -> Expr:
         t = self.t
         rate = t.opt_Bps
-
-        def traffic(state: dict[str, float]) -> float:
-            return 2 * state["optimizer"] + state["grads"] + state["weights"] + 2 * state["ema"]
-
         return sum(
-            [self._layers(c, lambda k: q(traffic(k.state) / rate)) for c in t.ranks[r].chunks],
-            q(traffic(t.fixed_state[r]) / rate),
+            [
+                self._layers(c, lambda k: q(optimizer_traffic(k.state) / rate))
+                for c in t.ranks[r].chunks
+            ],
+            q(optimizer_traffic(t.fixed_state[r]) / rate),
         )
 
     # -- solving -----------------------------------------------------------------------
@@ -438,8 +438,7 @@ class StageModel:
         from planner.solve.tables import choice_name
 
         layer = 0
-        counts = [self._fixed_count(s) for s in range(self.S)]
-        for s, n in enumerate(counts):
+        for s, n in enumerate(self._pinned_counts):
             wanted: dict[str, dict[str, int]] = {k: {} for k in self.kinds}
             for i in range(layer, layer + n):
                 k = self.t.layer_kinds[i]
@@ -456,10 +455,6 @@ class StageModel:
             chosen = choice_name(parse_recompute(options.get(name, "none")))
             for var, o in zip(vars_, self.t.kinds[name].options, strict=True):
                 self.m.add(var == int(o.name == chosen))
-
-    def _fixed_count(self, s: int) -> int:
-        """The layer count ``fix`` pinned for stage s."""
-        return self._pinned_counts[s]
 
     def one_recompute_choice(self) -> None:
         """Every transformer layer takes the same recompute choice (what a launcher that

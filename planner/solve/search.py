@@ -28,11 +28,11 @@ Dominance rules applied before solving (each says why it loses nothing):
 
 What the search explores is decided by a deterministic budget, 40% of ``time_limit_s``:
 CP-SAT's own deterministic time (one worker, interleaved search) plus a fixed charge for each
-piece of Python work (a timeline run per task it holds, a relaxation per row, a bound per
-configuration; ``Budget``), so the same inputs give the same plan on a loaded or an idle
-machine. ``time_limit_s`` of wall clock is a safety stop only: when it cuts the search short
-(a machine several times slower than the charges assume) the plan says so
-(``Plan.stopped_by_clock``) and may then depend on the machine.
+piece of Python work (per bound, per relaxation by its size, per layout costed by its blocks
+and ops, per model built by its ops; ``Budget``), so the same inputs give the same plan on a
+loaded or an idle machine. ``time_limit_s`` of wall clock is a safety stop only: when it
+cuts the search short (a machine several times slower than the charges assume) the plan says
+so (``Plan.stopped_by_clock``) and may then depend on the machine.
 """
 
 from __future__ import annotations
@@ -171,12 +171,22 @@ def plan(
         bound = degrees_bound(model, cluster, job, rep)
         if bound is not None:
             queue.append((bound, (_key(rep), 0), 0, members))
-    # Layouts early, so bounds prune: in order of bound, each set of degrees' configuration
-    # with the lowest bound of each schedule gets a layout costed (stages even in time, the
-    # fastest recompute that fits), within ``QUICK_SHARE`` of the budget left. Their
-    # members' own bounds join the line.
-    # In order of the bound with the pipeline's fill and drain added as if the stages were
-    # even (an order only: nothing is proven with it).
+    # Layouts early, so bounds prune: each set of degrees' configuration with the lowest
+    # bound of each schedule gets a layout costed (``_quick``), within ``QUICK_SHARE`` of the
+    # budget left, and their members' own bounds join the line. The sets go in order of
+    # their bound with the pipeline's fill and drain added as if the stages were even (an
+    # order only: nothing is proven with it).
+
+    def expand(bound: float, members: list[Config]) -> list[Any]:
+        """The tier-1 entries of a set of degrees' members."""
+        out = []
+        for config in members:
+            budget.charge(SECONDS_PER_BOUND)
+            cheap = lower_bound(model, cluster, job, config)
+            if cheap is not None:
+                out.append((max(bound, cheap), (_key(config), 1), 1, config))
+        return out
+
     queue.sort(key=lambda e: (e[0] * _fill(e[3][0]), e[1]))
     rest: list[tuple[float, tuple[object, ...], int, Any]] = []
     quick_until = budget.spent + QUICK_SHARE * max(0.0, budget.limit - budget.spent)
@@ -187,12 +197,7 @@ def plan(
         if bound >= best() * (1 - 1e-9):
             rest.append(queue[index])
             continue
-        own = []
-        for config in members:
-            budget.charge(SECONDS_PER_BOUND)
-            value = lower_bound(model, cluster, job, config)
-            if value is not None:
-                own.append((max(bound, value), (_key(config), 1), 1, config))
+        own = expand(bound, members)
         rest += own
         # One configuration per schedule: the bound alone cannot tell a schedule's bubble
         # or memory, which decide which even layout is fast.
@@ -252,19 +257,15 @@ def plan(
             break
         heapq.heappop(queue)
         if tier == 0:
-            for config in item:
-                budget.charge(SECONDS_PER_BOUND)
-                cheap = lower_bound(model, cluster, job, config)
-                if cheap is not None:
-                    heapq.heappush(queue, (max(bound, cheap), (_key(config), 1), 1, config))
+            for entry in expand(bound, item):
+                heapq.heappush(queue, entry)
         elif tier == 1:
-            lifted = None
+            lifted = None  # no relaxation for this one: the cheap bound stays
             if _order_size(item) <= RELAXATION_OPS and _relaxation_may_prune(item, bound, best()):
                 budget.charge(_relaxation_charge(item))
                 relaxed.add(item)
                 lifted = lp_bound(model, cluster, job, item)
-            if lifted != -math.inf:  # None: no relaxation for this one; keep the cheap bound
-                heapq.heappush(queue, (max(bound, lifted or bound), (key[0], 2), 2, item))
+            heapq.heappush(queue, (max(bound, lifted or bound), (key[0], 2), 2, item))
         else:
             attempt(bound, item, min(quick, budget.left()))
     for bound, _, tier, item in queue:
