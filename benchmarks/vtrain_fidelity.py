@@ -4,16 +4,13 @@ Data: ``vtrain/ground_truth_single.csv`` of the shared data folder (vTrain, MICR
 README): GPT models (hidden 1024 or 2048, 16 heads, 12-24 layers, sequence 1024, vocabulary
 50,257) on one DGX A100 node, 1F1B, full recompute, fp16 mixed precision with Adam.
 
-Protocol: rows 0, 2, 4, ... of the file (file order) fit the A100's constants; rows
-1, 3, 5, ... are held out and only predicted. The fitted constants are the achieved GEMM and
-memory-bound fractions, the per-kernel overhead, the achieved NVLink bus fraction and the
-NVLink per-step latency (the run has no fused attention, so attention runs as GEMMs plus a
-memory-bound softmax, and no InfiniBand). Each row's predicted time is, for fixed maxima
-(critical rank, bubble), linear in the seconds-per-unit of each constant, so the fit solves a
-relative least-squares problem on coefficients read from the model by finite differences,
-then re-reads them at the fitted point (twice) and finishes with weighted least squares that
-minimises the mean absolute percentage error. Every figure printed is from
-``planner.evaluate`` at the final constants, not from the linearisation.
+Protocol: rows 0, 2, 4, ... of the file (file order) fit the A100's constants with
+``planner.fit.fit_runs`` (what ``planner calibrate --runs`` does); rows 1, 3, 5, ... are held
+out and only predicted. The run has no fused attention (attention runs as GEMMs plus a
+memory-bound softmax) and no InfiniBand, so the fit is informed about the GEMM and
+memory-bound fractions, the per-kernel GPU and host overheads, and NVLink's bus fraction and
+latency; the rest keep the catalog's values. Every figure printed is ``planner.evaluate``'s at
+the final constants.
 
 Run: ``.venv/bin/python benchmarks/vtrain_fidelity.py [--data PATH]``.
 """
@@ -28,25 +25,18 @@ from pathlib import Path
 import numpy as np
 
 import planner
+from planner.fit import Run, fit_runs, predict
 from planner.layout import Layout
-from planner.specs import ClusterSpec, ModelSpec, TrainingJob
+from planner.specs import ModelSpec, TrainingJob
 
 DATA = (
     Path(__file__).resolve().parents[2] / "shared" / "data" / "vtrain" / "ground_truth_single.csv"
 )
 VOCAB = 50257
-# Where the host-overhead fit starts: the host-bound floor the data shows (a micro-batch of
-# 2 sequences as long as one of 1: about 70 ms for 24 layers x ~55 kernels per layer).
-START_HOST_S = 50e-6
-# (name, how to set it on the cluster from a seconds-per-unit value)
-PARAMS = (
-    "gemm",
-    "memory_bound",
-    "kernel_overhead_s",
-    "nvlink",
-    "nvlink_latency_s",
-    "host_overhead_s",
-)
+# Where the host-overhead fit starts (us per kernel): the host-bound floor the data shows (a
+# micro-batch of 2 sequences as long as one of 1: about 70 ms for 24 layers x ~55 kernels per
+# layer). A maximum's losing term has no slope, so the fit must start where it binds.
+START_HOST_US = 50.0
 
 
 def read_rows(path: Path) -> list[dict[str, int | float]]:
@@ -115,115 +105,17 @@ def case(row: dict[str, int | float]) -> tuple[ModelSpec, TrainingJob, Layout, i
     return model, job, layout, int(row["gpus"])
 
 
-def unit_seconds(cluster: ClusterSpec) -> np.ndarray:
-    """The constants as seconds per unit of work (the model is linear in these)."""
-    a = cluster.achieved
-    return np.array(
-        [
-            1 / (cluster.bf16_flops * a["gemm"]),
-            1 / (cluster.hbm_bandwidth_Bps * a["memory_bound"]),
-            cluster.kernel_overhead_s,
-            1 / (cluster.nvlink_Bps * a["nvlink"]),
-            cluster.nvlink_latency_s,
-            cluster.host_overhead_s,
-        ]
-    )
-
-
-def with_units(cluster: ClusterSpec, theta: np.ndarray) -> ClusterSpec:
-    achieved = dict(cluster.achieved)
-    achieved["gemm"] = 1 / (theta[0] * cluster.bf16_flops)
-    achieved["memory_bound"] = 1 / (theta[1] * cluster.hbm_bandwidth_Bps)
-    achieved["nvlink"] = 1 / (theta[3] * cluster.nvlink_Bps)
-    return cluster.model_copy(
-        update={
-            "achieved": achieved,
-            "kernel_overhead_s": float(theta[2]),
-            "nvlink_latency_s": float(theta[4]),
-            "host_overhead_s": float(theta[5]),
-        }
-    )
-
-
-def predict(rows: list[dict[str, int | float]], base: ClusterSpec, theta: np.ndarray) -> np.ndarray:
+def runs(rows: list[dict[str, int | float]]) -> list[Run]:
     out = []
     for row in rows:
-        model, job, layout, gpus = case(row)
-        cluster = with_units(base.model_copy(update={"num_gpus": gpus}), theta)
-        out.append(planner.evaluate(model, cluster, job, layout).step_time_s * 1e3)
-    return np.array(out)
+        model, job, layout, _ = case(row)
+        out.append(Run(model, job, layout, float(row["ms"]) / 1e3))
+    return out
 
 
-def bounds(base: ClusterSpec) -> tuple[np.ndarray, np.ndarray]:
-    """Physical limits in seconds per unit: no achieved fraction above what was measured as
-    possible (GEMM: the A100's maximum achievable matmul FLOPS, 0.87 of peak, per the
-    catalog's source; memory-bound and NVLink: line rate); a kernel and an NVLink hop cost at
-    least 1 us (never free; the finite differences below need them positive)."""
-    lo = np.array(
-        [
-            1 / (base.bf16_flops * 0.87),
-            1 / base.hbm_bandwidth_Bps,
-            1e-6,
-            1 / base.nvlink_Bps,
-            1e-6,
-            1e-6,
-        ]
-    )
-    return lo, np.full(len(PARAMS), np.inf)
-
-
-def coefficients(
-    rows: list[dict[str, int | float]], base: ClusterSpec, theta: np.ndarray
-) -> np.ndarray:
-    """d(predicted ms)/d(theta_i) per row, by forward differences of 1%."""
-    t0 = predict(rows, base, theta)
-    cols = []
-    for i in range(len(theta)):
-        bumped = theta.copy()
-        bumped[i] *= 1.01
-        cols.append((predict(rows, base, bumped) - t0) / (0.01 * theta[i]))
-    return np.column_stack(cols)
-
-
-def fit(rows: list[dict[str, int | float]], base: ClusterSpec, *, rounds: int) -> np.ndarray:
-    """Minimise the mean absolute percentage error over ``rows`` inside ``bounds``: the
-    prediction is linear in ``theta`` for fixed maxima, so solve the linear problem by
-    iteratively reweighted least squares, then re-read the coefficients at the solution."""
+def report(name: str, rows: list[dict[str, int | float]], predicted_s: np.ndarray) -> None:
     measured = np.array([r["ms"] for r in rows])
-    theta = unit_seconds(base)
-    theta[5] = START_HOST_S
-    lo, hi = bounds(base)
-    for _ in range(rounds):
-        a = coefficients(rows, base, theta) / measured[:, None]
-        weights = np.ones(len(rows))
-        for _ in range(30):  # IRLS weights 1/sqrt|r| turn squared error into absolute error
-            theta = _bounded_lstsq(a * weights[:, None], weights, lo, hi)
-            weights = 1 / np.sqrt(np.maximum(np.abs(a @ theta - 1), 1e-3))
-    return theta
-
-
-def _bounded_lstsq(a: np.ndarray, b: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """Least squares with each unknown kept in [lo, hi]: pin the ones that leave the box at
-    their bound and re-solve the rest (an active-set loop over 5 unknowns)."""
-    pinned: dict[int, float] = {}
-    scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
-    while True:
-        free = [i for i in range(a.shape[1]) if i not in pinned]
-        rhs = b - sum((a[:, i] * v for i, v in pinned.items()), start=np.zeros_like(b))
-        sol, *_ = np.linalg.lstsq(a[:, free] / scale[free], rhs, rcond=None)
-        out = np.empty(a.shape[1])
-        for i, v in pinned.items():
-            out[i] = v
-        out[free] = sol / scale[free]
-        bad = [i for i in free if not lo[i] <= out[i] <= hi[i]]
-        if not bad:
-            return out
-        for i in bad:
-            pinned[i] = float(np.clip(out[i], lo[i], hi[i]))
-
-
-def report(name: str, rows: list[dict[str, int | float]], predicted: np.ndarray) -> None:
-    measured = np.array([r["ms"] for r in rows])
+    predicted = predicted_s * 1e3
     err = np.abs(predicted / measured - 1)
     worst = int(np.argmax(err))
     w = rows[worst]
@@ -248,21 +140,23 @@ def main() -> None:
     fit_rows, held_out = rows[0::2], rows[1::2]
     base = planner.load_cluster("a100", gpus=8)
     print(f"vTrain single-node A100 set: {len(rows)} rows; fit on even rows, test on odd rows")
-    catalog = unit_seconds(base)
-    report(
-        "held-out, catalog constants (before fitting)", held_out, predict(held_out, base, catalog)
+    report("held-out, catalog constants (before fitting)", held_out, predict(base, runs(held_out)))
+    found = fit_runs(
+        base,
+        runs(fit_rows),
+        folds=0,
+        rounds=args.rounds,
+        start={"host_overhead_s": START_HOST_US},
+        progress=lambda line: print(f"  {line}", flush=True),
     )
-    theta = fit(fit_rows, base, rounds=args.rounds)
-    fitted = with_units(base, theta)
-    a = fitted.achieved
-    print(
-        f"fitted: gemm {a['gemm']:.3f} of peak, memory_bound {a['memory_bound']:.3f} of HBM "
-        f"bandwidth, kernel overhead {fitted.kernel_overhead_s * 1e6:.2f} us, nvlink "
-        f"{a['nvlink']:.3f} of line rate, nvlink latency {fitted.nvlink_latency_s * 1e6:.2f} us, "
-        f"host overhead {fitted.host_overhead_s * 1e6:.2f} us per kernel"
+    shown = ", ".join(
+        f"{name} {value:.3g}{' us' if not name.startswith('achieved') else ''}"
+        for name, value in found.values.items()
+        if name in found.informed
     )
-    report("fit half", fit_rows, predict(fit_rows, base, theta))
-    report("held-out half", held_out, predict(held_out, base, theta))
+    print(f"fitted ({', '.join(found.informed)} informed; the rest kept): {shown}")
+    report("fit half", fit_rows, found.fitted_s)
+    report("held-out half", held_out, predict(found.cluster, runs(held_out)))
     print(f"wall time {time.perf_counter() - started:.1f} s")
 
 

@@ -11,6 +11,7 @@ Public API (stable names)::
     sim.to_chrome_trace("trace.json")                     # open in https://ui.perfetto.dev
     plan = planner.plan(model, cluster, job)              # the fastest layout, with its proof
     planner.export.megatron(plan)                         # or .torchtitan(plan), .deepspeed(plan)
+    planner.fit_profile(cluster, runs)                    # constants fitted to measured runs
     planner.sweep(["llama3-70b"], [64, 128], jobs=[job])  # many cases, resumable (SQLite)
 """
 
@@ -18,6 +19,7 @@ from planner import export
 from planner.catalog import cluster_names, load_cluster, load_model, model_names
 from planner.errors import PlannerError
 from planner.estimate import Estimate, evaluate
+from planner.fit import Run, fit_profile, fit_runs
 from planner.layout import BlockPlacement, Layout, Stage
 from planner.simulate import Simulation, simulate
 from planner.solve import Plan, plan
@@ -32,6 +34,7 @@ __all__ = [
     "ModelSpec",
     "Plan",
     "PlannerError",
+    "Run",
     "SearchSpace",
     "Simulation",
     "Stage",
@@ -39,6 +42,8 @@ __all__ = [
     "cluster_names",
     "evaluate",
     "export",
+    "fit_profile",
+    "fit_runs",
     "load_cluster",
     "load_model",
     "model_names",

@@ -74,6 +74,7 @@ def load_cluster(source: str | Path, *, gpus: int) -> ClusterSpec:
             nvlink_latency_s=data["nvlink_latency_us"] * 1e-6,
             ib_latency_s=data["ib_latency_us"] * 1e-6,
             achieved=dict(achieved),
+            achieved_max=dict(data.get("achieved_max") or {}),
             **{
                 field: data[key] * 1e-6
                 for field, key in (
@@ -97,6 +98,43 @@ def load_cluster(source: str | Path, *, gpus: int) -> ClusterSpec:
         raise PlannerError(f"cluster file {path}: missing key {exc.args[0]!r}") from None
     except TypeError as exc:
         raise PlannerError(f"cluster file {path}: malformed value ({exc})") from None
+
+
+def cluster_yaml(cluster: ClusterSpec, *, sources: dict[str, str] | None = None) -> dict[str, Any]:
+    """``cluster`` as a machine YAML's fields (``load_cluster``'s inverse, without the GPU
+    count): what ``planner calibrate`` writes for ``--cluster``."""
+    data: dict[str, Any] = {
+        "name": cluster.name,
+        "gpus_per_node": cluster.gpus_per_node,
+        "hbm_GiB": cluster.hbm_bytes / GiB,
+        "usable_hbm_GiB": (cluster.hbm_bytes - cluster.hbm_reserved_bytes) / GiB,
+        "hbm_bandwidth_GBps": cluster.hbm_bandwidth_Bps / 1e9,
+        "bf16_dense_tflops": cluster.bf16_flops / 1e12,
+        "fp8_dense_tflops": cluster.fp8_flops / 1e12 if cluster.fp8_flops else None,
+        "fp32_tflops": cluster.fp32_flops / 1e12,
+        "nvlink_GBps_per_direction": cluster.nvlink_Bps / 1e9,
+        "nics_per_node": cluster.nics_per_node,
+        "nic_Gbps": cluster.nic_Bps * 8 / 1e9,
+        "host_ram_GiB": cluster.host_ram_bytes / GiB,
+        "pcie_GBps_per_direction": cluster.pcie_Bps / 1e9,
+        "nvlink_latency_us": cluster.nvlink_latency_s * 1e6,
+        "ib_latency_us": cluster.ib_latency_s * 1e6,
+        "kernel_overhead_us": cluster.kernel_overhead_s * 1e6,
+        "host_overhead_us": cluster.host_overhead_s * 1e6,
+        "achieved": {k: float(v) for k, v in cluster.achieved.items()},
+    }
+    data = {k: _short(v) for k, v in data.items()}
+    data["achieved"] = {k: _short(v) for k, v in data["achieved"].items()}
+    if cluster.achieved_max:
+        data["achieved_max"] = dict(cluster.achieved_max)
+    if sources:
+        data["sources"] = dict(sources)
+    return data
+
+
+def _short(value: Any) -> Any:
+    """Floats to 6 significant digits (a YAML a person reads); other values as they are."""
+    return float(f"{value:.6g}") if isinstance(value, float) else value
 
 
 def _resolve(source: str | Path, folder: Path, suffix: str, kind: str, known: list[str]) -> Path:

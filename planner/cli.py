@@ -104,9 +104,30 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MIB",
         help="instead: plan 2 ranks under this memory cap and run the plans for real",
     )
-    ca = sub.add_parser("calibrate", help="measure this machine into a cluster profile YAML")
+    ca = sub.add_parser(
+        "calibrate",
+        help="fit a cluster profile YAML to measured runs (--runs), or measure this machine",
+    )
+    ca.add_argument(
+        "--runs",
+        default=None,
+        metavar="CSV",
+        help="measured runs to fit (columns: model,tp,pp,dp,micro_batch,global_batch,seq_len,"
+        "step_s; optional ep,vp,schedule,recompute,zero,precision,framework,gpu,id)",
+    )
+    ca.add_argument(
+        "--cluster", default=None, help="with --runs: the machine type name or YAML to start from"
+    )
+    ca.add_argument(
+        "--folds", type=int, default=5, help="with --runs: k of the k-fold held-out error (0: none)"
+    )
+    ca.add_argument("--rounds", type=int, default=3, help="with --runs: linearisations of the fit")
     ca.add_argument("--processes", type=int, default=2, help="worker processes ('GPUs')")
-    ca.add_argument("--out", default=None, help="YAML to write (default: cpu-<processes>.yaml)")
+    ca.add_argument(
+        "--out",
+        default=None,
+        help="YAML to write (default: <cluster>-fitted.yaml, or cpu-<processes>.yaml)",
+    )
     ca.add_argument("--name", default=None, help="machine name in the profile")
     sim = sub.add_parser("simulate", help="run a stated layout's step event by event")
     _layout_args(sim)
@@ -730,6 +751,13 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> None:
+    if args.runs is not None:
+        _fit_runs(args)
+        return
+    if args.cluster is not None:
+        raise PlannerError(
+            "--cluster: only with --runs (without it, calibrate measures this machine)"
+        )
     try:
         from planner.run.calibrate import measure, write_profile
     except ImportError as exc:  # torch is the optional extra ``run``
@@ -778,3 +806,83 @@ def _calibrate(args: argparse.Namespace) -> None:
         )
     console.print(checks)
     console.print(f"Use it with --cluster {path} (plan, evaluate, simulate, validate).")
+
+
+def _fit_runs(args: argparse.Namespace) -> None:
+    import yaml
+
+    from planner.catalog import cluster_yaml
+    from planner.fit import CONSTANTS as FIT_CONSTANTS
+    from planner.fit import fit_runs, read_runs
+
+    if args.cluster is None:
+        raise PlannerError("--runs: needs --cluster, the machine type the runs ran on (e.g. h100)")
+    if args.rounds < 1:
+        raise PlannerError(f"--rounds={args.rounds}: must be at least 1")
+    base = load_cluster(args.cluster, gpus=1)
+    runs = read_runs(args.runs, gpu=base.name)
+    if args.folds == 1 or args.folds < 0 or args.folds > len(runs):
+        raise PlannerError(
+            f"--folds={args.folds}: must be 0 (none) or 2..{len(runs)} (the number of runs)"
+        )
+    path = Path(args.out or f"{Path(base.name).stem}-fitted.yaml")
+    if path.parent and not path.parent.is_dir():
+        raise PlannerError(f"--out={args.out}: no such directory {path.parent}")
+    errors = Console(stderr=True)
+    with errors.status("fitting") as status:
+        report = fit_runs(
+            base,
+            runs,
+            folds=args.folds,
+            rounds=args.rounds,
+            progress=lambda line: status.update(f"fitting: {line}"),
+        )
+    fitted = report.cluster.model_copy(update={"name": args.name or f"{base.name}-fitted"})
+    held = report.heldout_mape
+    note = (
+        f"fitted by planner calibrate --runs {args.runs} ({len(runs)} runs): MAPE "
+        f"{report.before_mape:.1%} before, {report.fit_mape:.1%} after"
+        + (f", {held:.1%} held out ({report.folds}-fold)" if held is not None else "")
+        + f"; informed: {', '.join(report.informed) or 'none'}; the rest kept from {args.cluster}"
+    )
+    path.write_text(yaml.safe_dump(cluster_yaml(fitted, sources={"fit": note}), sort_keys=False))
+    console = Console()
+    constants = Table(title=f"{path}: constants fitted to {len(runs)} measured runs")
+    for col in ("constant", "before", "fitted", ""):
+        constants.add_column(col, justify="left" if col in ("constant", "") else "right")
+    for c in FIT_CONSTANTS:
+        unit = "" if c.name.startswith("achieved.") else " us"
+        before = c.show(c.read(base))
+        after = report.values[c.name]
+        informed = c.name in report.informed
+        constants.add_row(
+            c.name,
+            f"{before:.3g}{unit}",
+            f"{after:.3g}{unit}" if informed else "-",
+            "" if informed else "no run depends on it: kept",
+        )
+    console.print(constants)
+    rows = Table(title="seconds per step: measured, and predicted before and after the fit")
+    for col in ("run", "measured s", "before s", "fitted s", "error", "held-out error"):
+        rows.add_column(col, justify="left" if col == "run" else "right")
+    for i, run in enumerate(report.runs):
+        m = report.measured_s[i]
+        rows.add_row(
+            run.name,
+            f"{m:.3f}",
+            f"{report.before_s[i]:.3f}",
+            f"{report.fitted_s[i]:.3f}",
+            f"{report.fitted_s[i] / m - 1:+.1%}",
+            f"{report.heldout_s[i] / m - 1:+.1%}" if report.heldout_s is not None else "-",
+        )
+    console.print(rows)
+    console.print(
+        f"MAPE {report.before_mape:.1%} with {args.cluster}'s constants, {report.fit_mape:.1%} "
+        "fitted"
+        + (
+            f", {held:.1%} on runs each fold did not see ({report.folds}-fold)"
+            if held is not None
+            else ""
+        )
+    )
+    console.print(f"Use it with --cluster {path} (plan, evaluate, simulate).")

@@ -196,6 +196,11 @@ class ClusterSpec(Spec):
         description="Achieved fraction of peak per kind of work (gemm, attention, memory_bound, "
         "nvlink, ib): starting points before calibration."
     )
+    achieved_max: dict[str, float] = Field(
+        default_factory=dict,
+        description="Highest achieved fraction a fit may set per kind of work (e.g. gemm: the "
+        "best matmul rate measured on this GPU); kinds not named are capped at 1 (peak).",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ClusterSpec:

@@ -1,0 +1,520 @@
+"""Fit a cluster's physical constants to step times measured on it: ``fit_profile``.
+
+A user who has run a few layouts on their own cluster gives the measured seconds per step;
+the fit finds the one set of constants (achieved fractions of peak, per-kernel and per-message
+overheads) under which ``planner.evaluate`` reproduces those runs best, within physical
+bounds, and says how well it predicts runs it did not see (k-fold cross-validation).
+
+The constants fitted (``CONSTANTS``), each as the unit in which a step is linear in it:
+
+- ``achieved.gemm``, ``achieved.attention``, ``achieved.memory_bound``, ``achieved.nvlink``,
+  ``achieved.ib``: fractions of the datasheet's peak; a step is linear in their inverses
+  (seconds per unit of work scale with 1/fraction). Bounds: no fraction above 1 (line rate),
+  GEMMs no higher than the cluster's ``achieved_max["gemm"]`` (the best matmul rate measured
+  on that GPU, cited in its catalog file) where it states one;
+- ``kernel_overhead_s``, ``host_overhead_s``, ``nvlink_latency_s``, ``ib_latency_s``: seconds,
+  at least 1 us each (never free).
+
+A constant no run is sensitive to (InfiniBand on single-node runs, attention without flash
+attention) keeps the cluster's value and is reported as not informed.
+
+Method: for fixed maxima (which rank is critical, which term of a task binds) a predicted step
+is linear in the constants' units, so each round reads the coefficients by forward
+differences (1%) at the current point and solves for the units that minimise the mean absolute
+percentage error (iteratively reweighted least squares, bounds by an active set); the next
+round re-reads the coefficients there. Every figure reported is ``evaluate``'s at the final
+constants, not the linearisation's.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from planner.errors import PlannerError
+from planner.layout import Layout
+from planner.specs import ClusterSpec, ModelSpec, TrainingJob
+
+MIN_SECONDS = 1e-6  # lower bound of a fitted overhead or latency (s)
+STEP = 0.01  # relative size of the finite differences
+
+
+@dataclass(frozen=True)
+class Run:
+    """One measured training run: what ran and how long a step took."""
+
+    model: ModelSpec
+    job: TrainingJob
+    layout: Layout
+    measured_step_s: float
+    name: str = ""
+
+    @classmethod
+    def of(cls, item: Run | Sequence[Any], index: int = 0) -> Run:
+        if isinstance(item, Run):
+            return item
+        if len(item) != 4:
+            raise PlannerError(
+                f"runs[{index}]: expected (model, job, layout, measured_step_s), got "
+                f"{len(item)} items"
+            )
+        model, job, layout, seconds = item
+        return cls(model, job, layout, float(seconds), name=f"run {index + 1}")
+
+
+@dataclass(frozen=True)
+class Constant:
+    """One fitted constant: how to read it from a cluster as the unit a step is linear in,
+    how to write that unit back, and how to show it."""
+
+    name: str
+    unit: str
+    read: Callable[[ClusterSpec], float]  # the linear unit
+    write: Callable[[dict[str, Any], dict[str, float], float], None]  # (update, achieved, x)
+    show: Callable[[float], float]  # the linear unit as the displayed value
+
+
+def _fraction(key: str) -> Constant:
+    def write(update: dict[str, Any], achieved: dict[str, float], x: float) -> None:
+        achieved[key] = 1.0 / x
+
+    return Constant(
+        f"achieved.{key}",
+        "of peak",
+        lambda c: 1.0 / c.achieved.get(key, 1.0),
+        write,
+        lambda x: 1.0 / x,
+    )
+
+
+def _seconds(attr: str) -> Constant:
+    def write(update: dict[str, Any], achieved: dict[str, float], x: float) -> None:
+        update[attr] = float(x)
+
+    return Constant(attr, "us", lambda c: float(getattr(c, attr)), write, lambda x: x * 1e6)
+
+
+CONSTANTS: tuple[Constant, ...] = (
+    _fraction("gemm"),
+    _fraction("attention"),
+    _fraction("memory_bound"),
+    _fraction("nvlink"),
+    _fraction("ib"),
+    _seconds("kernel_overhead_s"),
+    _seconds("host_overhead_s"),
+    _seconds("nvlink_latency_s"),
+    _seconds("ib_latency_s"),
+)
+
+
+def with_constants(cluster: ClusterSpec, x: np.ndarray) -> ClusterSpec:
+    """``cluster`` with the constants set to the linear units ``x``."""
+    update: dict[str, Any] = {}
+    achieved = dict(cluster.achieved)
+    for c, value in zip(CONSTANTS, x, strict=True):
+        c.write(update, achieved, float(value))
+    update["achieved"] = achieved
+    return cluster.model_copy(update=update)
+
+
+def predict(cluster: ClusterSpec, runs: Sequence[Run]) -> np.ndarray:
+    """Predicted seconds per step of each run on ``cluster`` (its GPU count set per run)."""
+    from planner.estimate import evaluate
+
+    out = np.empty(len(runs))
+    for i, run in enumerate(runs):
+        sized = cluster.model_copy(update={"num_gpus": run.layout.world_size})
+        try:
+            out[i] = evaluate(run.model, sized, run.job, run.layout).step_time_s
+        except PlannerError as exc:
+            raise PlannerError(f"{run.name or f'run {i + 1}'}: {exc}") from None
+    return out
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """What ``fit_runs`` found: the fitted cluster and how well it predicts."""
+
+    cluster: ClusterSpec
+    runs: tuple[Run, ...]
+    measured_s: np.ndarray
+    before_s: np.ndarray  # predictions with the cluster's constants as given
+    fitted_s: np.ndarray  # predictions with the fitted constants
+    heldout_s: np.ndarray | None  # each run predicted by the fold that did not see it
+    folds: int
+    informed: tuple[str, ...]  # constants some run is sensitive to (the others are kept)
+    values: dict[str, float] = field(default_factory=dict)  # displayed values of CONSTANTS
+
+    @staticmethod
+    def mape(predicted: np.ndarray, measured: np.ndarray) -> float:
+        return float(np.mean(np.abs(predicted / measured - 1)))
+
+    @property
+    def before_mape(self) -> float:
+        return self.mape(self.before_s, self.measured_s)
+
+    @property
+    def fit_mape(self) -> float:
+        return self.mape(self.fitted_s, self.measured_s)
+
+    @property
+    def heldout_mape(self) -> float | None:
+        return None if self.heldout_s is None else self.mape(self.heldout_s, self.measured_s)
+
+
+def fit_runs(
+    cluster: ClusterSpec,
+    runs: Iterable[Run | Sequence[Any]],
+    *,
+    folds: int = 5,
+    rounds: int = 3,
+    start: dict[str, float] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> FitReport:
+    """Fit ``CONSTANTS`` of ``cluster`` to ``runs`` (``Run`` or ``(model, job, layout,
+    measured_step_s)`` tuples) and cross-validate over ``folds`` folds (runs i, i+k, ...;
+    0 or 1: no cross-validation). ``start`` sets where named constants start (displayed
+    units: a fraction, or microseconds), else at the cluster's values: a term that binds
+    only through a maximum (the host's issue time) is invisible to the fit where it starts
+    below the GPU's time."""
+    items = tuple(Run.of(r, i) for i, r in enumerate(runs))
+    if not items:
+        raise PlannerError("runs: need at least one measured run")
+    for i, r in enumerate(items):
+        if not (math.isfinite(r.measured_step_s) and r.measured_step_s > 0):
+            raise PlannerError(
+                f"runs[{i}].measured_step_s={r.measured_step_s}: must be a positive number of "
+                "seconds"
+            )
+    if folds < 0 or folds > len(items):
+        raise PlannerError(f"folds={folds}: must be between 0 and the number of runs {len(items)}")
+    say = progress or (lambda _: None)
+    measured = np.array([r.measured_step_s for r in items])
+    begin = cluster
+    if start:
+        known = {c.name: c for c in CONSTANTS}
+        unknown = sorted(set(start) - set(known))
+        if unknown:
+            raise PlannerError(f"start: unknown constant {unknown[0]!r}; known: {', '.join(known)}")
+        x0 = np.array([c.read(cluster) for c in CONSTANTS])
+        for i, c in enumerate(CONSTANTS):
+            if c.name in start:
+                shown = start[c.name]
+                x0[i] = 1.0 / shown if c.name.startswith("achieved.") else shown * 1e-6
+        begin = with_constants(cluster, x0)
+    start_x = np.array([c.read(begin) for c in CONSTANTS])
+    say(f"costing {len(items)} runs with the given constants")
+    before = predict(cluster, items)
+    x, informed = _fit(cluster, items, measured, start_x, rounds, say, "all runs")
+    fitted_cluster = with_constants(cluster, x)
+    fitted = predict(fitted_cluster, items)
+    heldout = None
+    if folds >= 2:
+        heldout = np.empty(len(items))
+        for f in range(folds):
+            train = [i for i in range(len(items)) if i % folds != f]
+            test = [i for i in range(len(items)) if i % folds == f]
+            xf, _ = _fit(
+                cluster,
+                [items[i] for i in train],
+                measured[train],
+                start_x,
+                rounds,
+                say,
+                f"fold {f + 1}/{folds}",
+            )
+            heldout[test] = predict(with_constants(cluster, xf), [items[i] for i in test])
+    return FitReport(
+        cluster=fitted_cluster,
+        runs=items,
+        measured_s=measured,
+        before_s=before,
+        fitted_s=fitted,
+        heldout_s=heldout,
+        folds=folds if folds >= 2 else 0,
+        informed=tuple(CONSTANTS[i].name for i in informed),
+        values={c.name: c.show(v) for c, v in zip(CONSTANTS, x, strict=True)},
+    )
+
+
+def fit_profile(
+    cluster: ClusterSpec, runs: Iterable[Run | Sequence[Any]], **options: Any
+) -> ClusterSpec:
+    """``cluster`` with its constants fitted to ``runs``: a list of ``(model, job, layout,
+    measured_step_s)`` tuples (or ``Run``). Options as ``fit_runs``; for the fit and held-out
+    errors call ``fit_runs``."""
+    options.setdefault("folds", 0)
+    return fit_runs(cluster, runs, **options).cluster
+
+
+def bounds(cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Lower and upper limits of each constant's linear unit (see the module docstring)."""
+    lo, hi = [], []
+    for c in CONSTANTS:
+        if c.name.startswith("achieved."):
+            key = c.name.split(".", 1)[1]
+            lo.append(1.0 / min(1.0, cluster.achieved_max.get(key, 1.0)))
+        else:
+            lo.append(MIN_SECONDS)
+        hi.append(math.inf)
+    return np.array(lo), np.array(hi)
+
+
+def _fit(
+    cluster: ClusterSpec,
+    runs: Sequence[Run],
+    measured: np.ndarray,
+    start: np.ndarray,
+    rounds: int,
+    say: Callable[[str], None],
+    what: str,
+) -> tuple[np.ndarray, list[int]]:
+    lo, hi = bounds(cluster)
+    x = np.clip(start, lo, hi)
+    informed: list[int] = []
+    for r in range(rounds):
+        say(f"{what}: round {r + 1}/{rounds}, {len(runs) * (len(CONSTANTS) + 1)} costings")
+        a = _coefficients(cluster, runs, x) / measured[:, None]
+        informed = [i for i in range(a.shape[1]) if np.abs(a[:, i]).max() * x[i] > 1e-6]
+        sub = a[:, informed]
+        rest = np.ones(len(runs)) - a @ x + sub @ x[informed]  # what the kept constants leave
+        weights = np.ones(len(runs))
+        sol = x[informed]
+        for _ in range(30):  # IRLS: weights 1/sqrt|r| turn squared error into absolute error
+            sol = _bounded_lstsq(sub * weights[:, None], rest * weights, lo[informed], hi[informed])
+            weights = 1 / np.sqrt(np.maximum(np.abs(sub @ sol - rest), 1e-3))
+        x = x.copy()
+        x[informed] = sol
+    kept = [i for i in range(len(x)) if i not in informed]
+    x[kept] = start[kept]  # what no run informs stays as given, even outside the fit's bounds
+    return x, informed
+
+
+def _coefficients(cluster: ClusterSpec, runs: Sequence[Run], x: np.ndarray) -> np.ndarray:
+    """d(predicted step)/d(unit) per run and constant, by forward differences."""
+    base = predict(with_constants(cluster, x), runs)
+    cols = []
+    for i in range(len(x)):
+        bumped = x.copy()
+        bumped[i] *= 1 + STEP
+        cols.append((predict(with_constants(cluster, bumped), runs) - base) / (STEP * x[i]))
+    return np.column_stack(cols)
+
+
+def _bounded_lstsq(a: np.ndarray, b: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Least squares with each unknown kept in [lo, hi]: pin the ones that leave the box at
+    their bound and re-solve the rest (an active-set loop over a few unknowns)."""
+    pinned: dict[int, float] = {}
+    scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
+    while True:
+        free = [i for i in range(a.shape[1]) if i not in pinned]
+        out = np.empty(a.shape[1])
+        for i, v in pinned.items():
+            out[i] = v
+        if free:
+            rhs = b - sum((a[:, i] * v for i, v in pinned.items()), start=np.zeros_like(b))
+            sol, *_ = np.linalg.lstsq(a[:, free] / scale[free], rhs, rcond=None)
+            out[free] = sol / scale[free]
+        bad = [i for i in free if not lo[i] <= out[i] <= hi[i]]
+        if not bad:
+            return out
+        for i in bad:
+            pinned[i] = float(np.clip(out[i], lo[i], hi[i]))
+
+
+# -- runs from a CSV file ---------------------------------------------------------------------
+
+RUN_COLUMNS = {
+    "model": "catalog name, path to a config.json, or gpt:hidden=H;layers=L;heads=A;vocab=V",
+    "tp": "tensor-parallel degree",
+    "pp": "pipeline stages",
+    "dp": "data-parallel degree",
+    "micro_batch": "sequences per micro-batch",
+    "global_batch": "sequences per step",
+    "seq_len": "tokens per sequence",
+}
+OPTIONAL_COLUMNS = {
+    "ep": "expert-parallel degree (default 1)",
+    "vp": "virtual stages per rank (default 1, 2 for interleaved)",
+    "schedule": "1f1b, interleaved, dualpipe, ... (default 1f1b)",
+    "recompute": "none, selective, full or a module list (default none)",
+    "zero": "ZeRO stage 0-3 (default: the layout default)",
+    "precision": "bf16, fp16 or fp8 GEMMs (default bf16)",
+    "framework": "megatron, torchtitan, deepspeed or torch (default megatron)",
+    "gpu": "machine type; must match the cluster when given",
+    "step_s": "measured seconds per step (or metric + value)",
+    "metric": "step_s or tokens_per_s_per_gpu, with value",
+    "value": "the measured figure in metric's unit",
+    "id": "a name for the row",
+}
+
+
+def gpt_model(spec: str) -> ModelSpec:
+    """A Megatron-LM GPT (LayerNorm, GeLU MLP of 4h, biases, learned positions, tied
+    embeddings) from ``gpt:hidden=H;layers=L;heads=A;vocab=V[;seq=S]``."""
+    fields_: dict[str, int] = {}
+    for part in spec.removeprefix("gpt:").split(";"):
+        key, _, value = part.partition("=")
+        try:
+            fields_[key.strip()] = int(value)
+        except ValueError:
+            raise PlannerError(
+                f"model={spec!r}: {part!r} is not key=integer (gpt:hidden=H;layers=L;heads=A;"
+                "vocab=V)"
+            ) from None
+    missing = [k for k in ("hidden", "layers", "heads", "vocab") if k not in fields_]
+    if missing:
+        raise PlannerError(f"model={spec!r}: missing {', '.join(missing)}")
+    h, heads = fields_["hidden"], fields_["heads"]
+    return ModelSpec(
+        name=f"gpt-h{h}-l{fields_['layers']}",
+        hidden_size=h,
+        num_layers=fields_["layers"],
+        vocab_size=fields_["vocab"],
+        num_attention_heads=heads,
+        num_kv_heads=heads,
+        head_dim=h // heads,
+        attention="mha",
+        mlp="gelu",
+        ffn_hidden_size=4 * h,
+        norm="layernorm",
+        qkv_bias=True,
+        linear_bias=True,
+        tie_word_embeddings=True,
+        learned_positions=fields_.get("seq", 2048),
+    )
+
+
+def run_from_row(row: dict[str, str], where: str, *, gpu: str | None = None) -> Run:
+    """One ``Run`` from a CSV row (columns ``RUN_COLUMNS`` and ``OPTIONAL_COLUMNS``)."""
+    from planner.catalog import load_model
+
+    def text(key: str, default: str = "") -> str:
+        return (row.get(key) or "").strip() or default
+
+    def whole(key: str, default: int | None = None) -> int:
+        raw = text(key)
+        if not raw:
+            if default is None:
+                raise PlannerError(f"{where}: column {key!r} is empty ({RUN_COLUMNS[key]})")
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise PlannerError(f"{where}: {key}={raw!r} must be a whole number") from None
+        if value <= 0:
+            raise PlannerError(f"{where}: {key}={value} must be positive")
+        return value
+
+    if gpu and text("gpu") and text("gpu").lower() != gpu.lower():
+        raise PlannerError(
+            f"{where}: gpu={text('gpu')} but the cluster is {gpu}; fit one GPU type per file"
+        )
+    source = text("model")
+    if not source:
+        raise PlannerError(f"{where}: column 'model' is empty ({RUN_COLUMNS['model']})")
+    model = gpt_model(source) if source.startswith("gpt:") else load_model(source)
+    seq = whole("seq_len")
+    if source.startswith("gpt:"):
+        model = model.model_copy(update={"learned_positions": seq})
+    precision = text("precision", "bf16").lower()
+    if precision not in ("bf16", "fp16", "fp8"):
+        raise PlannerError(f"{where}: precision={precision!r} must be bf16, fp16 or fp8")
+    half = "fp16" if precision == "fp16" else "bf16"
+    framework = text("framework", "megatron").lower()
+    if framework not in ("megatron", "torchtitan", "deepspeed", "torch"):
+        raise PlannerError(
+            f"{where}: framework={framework!r} must be megatron, torchtitan, deepspeed or torch"
+        )
+    try:
+        job = TrainingJob(
+            seq_len=seq,
+            global_batch=whole("global_batch"),
+            weight_dtype=half,
+            grad_dtype=half,
+            activation_dtype=half,
+            compute_dtype="fp8" if precision == "fp8" else "bf16",
+            framework=framework,
+        )
+        schedule = text("schedule", "1f1b").lower()
+        fields_: dict[str, Any] = {
+            "tp": whole("tp"),
+            "dp": whole("dp"),
+            "ep": whole("ep", 1),
+            "micro_batch": whole("micro_batch"),
+        }
+        if text("zero"):
+            fields_["zero"] = int(text("zero"))
+        layout = Layout.uniform(
+            model,
+            pp=whole("pp"),
+            schedule=schedule,  # type: ignore[arg-type]
+            virtual_stages=whole("vp", 0) or None,
+            recompute=text("recompute", "none").lower(),
+            **fields_,
+        )
+    except PlannerError as exc:
+        raise PlannerError(f"{where}: {exc}") from None
+    except ValueError as exc:  # pydantic's validation error, one line
+        first = str(exc).splitlines()
+        raise PlannerError(f"{where}: {' '.join(first[:3])}") from None
+    gpus = layout.world_size
+    if text("num_gpus") and int(text("num_gpus")) != gpus:
+        raise PlannerError(
+            f"{where}: num_gpus={text('num_gpus')} but tp*pp*dp={gpus} (context parallelism is "
+            "not modelled)"
+        )
+    return Run(model, job, layout, measured_seconds(row, job, gpus, where), text("id", where))
+
+
+def measured_seconds(row: dict[str, str], job: TrainingJob, gpus: int, where: str) -> float:
+    """The row's measured seconds per step, from ``step_s`` or ``metric`` + ``value``."""
+    metric = (row.get("metric") or "").strip() or ("step_s" if row.get("step_s") else "")
+    raw = (row.get("value") or row.get("step_s") or "").strip()
+    if not metric or not raw:
+        raise PlannerError(
+            f"{where}: needs step_s, or metric (step_s or tokens_per_s_per_gpu) and value"
+        )
+    try:
+        value = float(raw)
+    except ValueError:
+        raise PlannerError(f"{where}: value={raw!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise PlannerError(f"{where}: value={raw} must be positive")
+    if metric == "step_s":
+        return value
+    if metric == "tokens_per_s_per_gpu":
+        return job.tokens_per_step / (value * gpus)
+    raise PlannerError(
+        f"{where}: metric={metric!r}: a fit needs a measured time (step_s or "
+        "tokens_per_s_per_gpu); TFLOP/s and MFU depend on the source's FLOP count"
+    )
+
+
+def read_runs(path: str | Path, *, gpu: str | None = None) -> list[Run]:
+    """The runs of a CSV file (header names ``RUN_COLUMNS``, optionally ``OPTIONAL_COLUMNS``);
+    rows whose ``gpu`` differs from ``gpu`` are an error."""
+    file = Path(path)
+    if not file.is_file():
+        raise PlannerError(f"runs={str(path)!r}: no such file")
+    with file.open(newline="", encoding="utf-8-sig") as handle:
+        reader = csv.DictReader(
+            line for line in handle if line.strip() and not line.lstrip().startswith("#")
+        )
+        header = set(reader.fieldnames or [])
+        missing = [c for c in RUN_COLUMNS if c not in header]
+        if missing:
+            raise PlannerError(
+                f"runs={str(path)!r}: missing column(s) {', '.join(missing)} (needs "
+                f"{', '.join(RUN_COLUMNS)}, and step_s or metric + value)"
+            )
+        return [
+            run_from_row(row, f"{file.name} row {i}", gpu=gpu)
+            for i, row in enumerate(reader, start=1)
+        ]
