@@ -168,6 +168,12 @@ class ClusterSpec(Spec):
         "what is left. Default 0 (a user-built ClusterSpec); the hardware catalog states it.",
     )
     hbm_bandwidth_Bps: float = Field(gt=0, description="HBM bandwidth per GPU (bytes/s).")
+    sm_count: int | None = Field(
+        default=None,
+        gt=0,
+        description="Streaming multiprocessors per GPU: GEMM tiles run in waves of this many "
+        "(None: no wave quantisation).",
+    )
     bf16_flops: float = Field(gt=0, description="Dense BF16 tensor-core peak per GPU (FLOP/s).")
     fp8_flops: float | None = Field(
         default=None, gt=0, description="Dense FP8 peak per GPU (FLOP/s); None without FP8."

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import planner
-from planner.costs.compute import TILE_ROWS, Rates, expert_efficiency, work_time
-from planner.costs.work import Work
+from planner.costs.compute import OUT_BYTES, TILE, Rates, gemm_efficiency, gemm_seconds, work_time
+from planner.costs.work import Gemm, Work
 from planner.errors import PlannerError
 
 H800 = planner.load_cluster("h800", gpus=8)
@@ -54,21 +54,49 @@ def test_each_kernel_costs_its_overhead_and_the_host_can_bind() -> None:
     assert work_time(big, rates) == pytest.approx(1e14 / rates.gemm_flops + 10 * 5e-6)
 
 
-def test_expert_gemms_pay_for_whole_tiles() -> None:
+def test_a_large_aligned_gemm_runs_at_the_achieved_rate_but_for_its_epilogue() -> None:
+    """132 x 8 tiles of 128 x 128, k deep: 8 full waves, each tile's k-loop at an SM's share of
+    the rate, then its output tile written at an SM's share of the memory-bound rate."""
     rates = Rates.of(H800, JOB)
-    full = expert_efficiency(8 * TILE_ROWS, rates)
-    assert full == pytest.approx(1.0)
-    # Half a tile of tokens computes a whole tile: half the efficiency (if not weight-bound).
-    half = expert_efficiency(TILE_ROWS / 2, rates)
-    roofline = min(1.0, 2 * TILE_ROWS / 2 / 2 * rates.memory_Bps / rates.gemm_flops)
-    assert half == pytest.approx(0.5 * roofline)
+    k = 8192
+    g = Gemm(TILE * 132, TILE * 8, k)
+    main = 2 * TILE * TILE * k / rates.gemm_flops
+    epilogue = TILE * TILE * OUT_BYTES / rates.memory_Bps
+    assert gemm_seconds(g, rates) == pytest.approx(8 * 132 * (main + epilogue))
+    assert gemm_efficiency(g, rates) == pytest.approx(main / (main + epilogue))
+    assert 0.9 < gemm_efficiency(g, rates) < 1.0
+
+
+def test_tiles_and_waves_quantise() -> None:
+    rates = Rates.of(H800, JOB)
+    k = 16384  # deep enough that the tiles' k-loops, not reading the inputs, set the time
+    one_wave = gemm_seconds(Gemm(TILE * 12, TILE * 11, k), rates)  # 132 tiles on 132 SMs
+    # one more row is a row of 11 tiles more, and 143 tiles over 132 SMs take a second wave
+    assert gemm_seconds(Gemm(TILE * 12 + 1, TILE * 11, k), rates) == pytest.approx(2 * one_wave)
+    # without an SM count (a CPU profile): the FLOPs at the rate, no tiles, no waves
+    flat = Rates.of(H800.model_copy(update={"sm_count": None}), JOB)
+    g = Gemm(TILE * 12 + 1, TILE * 11, k)
+    assert gemm_seconds(g, flat) == pytest.approx(g.flops / flat.gemm_flops)
 
 
 def test_few_tokens_per_expert_are_bound_by_reading_the_weights() -> None:
-    """With m tokens an expert GEMM does 2m FLOPs per weight element it reads (BF16: 2 bytes):
-    below the ridge point its rate is m x HBM bandwidth, not the tensor-core peak."""
+    """With m tokens an expert GEMM does 2m FLOPs per weight element it reads: below the
+    ridge point its time is reading the weights at the memory-bound rate, whatever m is."""
     rates = Rates.of(H800, JOB)
-    m = TILE_ROWS  # a full tile, so only the roofline limits it
-    assert expert_efficiency(m, rates) == pytest.approx(m * rates.memory_Bps / rates.gemm_flops)
-    values = [expert_efficiency(k * TILE_ROWS, rates) for k in range(1, 40)]
+    n, k, experts = 4096, 7168, 8
+    few = Gemm(16, n, k, experts)
+    weights = experts * n * k * rates.weight_bytes
+    assert gemm_seconds(few, rates) == pytest.approx(
+        (weights + experts * 16 * (k + n) * 2) / rates.memory_Bps, rel=0.01
+    )
+    values = [gemm_efficiency(Gemm(m, n, k, experts), rates) for m in (16, 64, 256, 1024, 4096)]
     assert values == sorted(values)  # more tokens per expert never lowers the efficiency
+
+
+def test_work_prices_each_shape_and_the_rest_flat() -> None:
+    rates = Rates.of(A100, JOB)
+    g = Gemm(1000, 3000, 500)
+    shaped = Work(gemm=g.flops + 1e12, kernels=1, shapes=((g, 1.0),))
+    expected = gemm_seconds(g, rates) + 1e12 / rates.gemm_flops + rates.kernel_s
+    assert work_time(shaped, rates) == pytest.approx(expected)
+    assert (shaped + shaped).shapes == ((g, 2.0),)

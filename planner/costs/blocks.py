@@ -28,7 +28,7 @@ import functools
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
-from planner.costs.work import ZERO, Work
+from planner.costs.work import ZERO, Gemm, Work
 from planner.errors import PlannerError
 from planner.specs import DTYPE_BYTES, ModelSpec
 
@@ -103,6 +103,7 @@ class BlockCost:
     tp_collectives: int = 0  # tensor-parallel all-reduces (or AG+RS pairs) in forward
     moe_layers: int = 0  # MoE layers in the block: 4 expert all-to-alls each per micro-batch
     tokens_per_expert: float = 0.0  # tokens each local expert's GEMMs see (busiest rank)
+    tp: int = 1  # tensor-parallel degree the block is sharded over (GEMM shapes)
 
     @property
     def fwd_flops(self) -> float:
@@ -166,10 +167,14 @@ class BlockCost:
         for m in modules:
             self.module_work[m] = self.module_work.get(m, ZERO) + fwd
 
-    def gemm(self, flops: float, *modules: str, kind: str = "gemm") -> None:
-        """A GEMM and its two backward GEMMs (input and weight gradient), same FLOPs each."""
-        work = Work(kernels=1, **{kind: flops})
-        self.add(work, work, work, *modules)
+    def gemm(self, shape: Gemm, *modules: str, kind: str = "gemm") -> None:
+        """A GEMM and its two backward GEMMs (input and weight gradient), same FLOPs each,
+        each with its own shape (``Gemm.backward``)."""
+        dgrad, wgrad = shape.backward()
+        fwd, bwd_input, bwd_weight = (
+            Work(kernels=1, shapes=((g, 1.0),), **{kind: g.flops}) for g in (shape, dgrad, wgrad)
+        )
+        self.add(fwd, bwd_input, bwd_weight, *modules)
 
     def linear(
         self,
@@ -183,9 +188,11 @@ class BlockCost:
         module: str = "",
     ) -> None:
         """A linear layer applied to ``tokens`` tokens: params, and 2*tokens*in*out FLOPs each
-        for forward, input gradient and weight gradient (divided over tp when split)."""
+        for forward, input gradient and weight gradient (divided over tp when split: the
+        callers pass tokens/tp; the GEMM itself runs all tokens on a tp-th of the outputs)."""
         self.params.append(Param(key, d_in * d_out + (d_out if bias else 0), tp_split=split))
-        self.gemm(2.0 * tokens * d_in * d_out, *([module] if module else []))
+        t = self.tp if split else 1
+        self.gemm(Gemm(tokens * t, d_out / t, d_in), *([module] if module else []))
 
     def elementwise(self, nbytes: float, *modules: str) -> None:
         """A memory-bound kernel moving ``nbytes`` in forward; its backward reads the saved
@@ -232,7 +239,7 @@ def block_cost(model: ModelSpec, name: str, shard: Shard) -> BlockCost:
 @functools.lru_cache(maxsize=65536)
 def _block_cost(model: ModelSpec, name: str, shard: Shard) -> BlockCost:
     _check_shard(model, shard)
-    cost = BlockCost(name)
+    cost = BlockCost(name, tp=shard.tp)
     if name == "embedding":
         _embedding(cost, model, shard)
     elif name == "head":
@@ -336,7 +343,7 @@ def _head(cost: BlockCost, model: ModelSpec, shard: Shard, *, prefix: str = "") 
     key = "word_embeddings" if model.tie_word_embeddings else "output"
     cost.params.append(Param(key, v * h, tp_split=True))
     cost.tp_collectives += 1  # sequence-parallel input gathered over tp (or its grad reduced)
-    cost.gemm(2.0 * shard.tokens * h * v / shard.tp)
+    cost.gemm(Gemm(shard.tokens, v / shard.tp, h))
     logits = shard.tokens * v / shard.tp * LOGIT_BYTES
     cost.save(prefix + "logits", logits)
     cost.elementwise(2 * logits)  # fp32 softmax cross-entropy: read and write the logits
@@ -424,7 +431,15 @@ def _core_attention(
         cost.save("softmax_stats", b * s * heads * SOFTMAX_STAT_BYTES, "core_attn")
         return
     # Unfused: two batched GEMMs each way and a memory-bound softmax over the scores.
-    cost.add(Work(gemm=qk + av, kernels=2), Work(gemm=2 * (qk + av), kernels=4), ZERO, "core_attn")
+    # One (s x d) @ (d x s) and one (s x s) @ (s x d) product per head; their backward
+    # products are all activation gradients, so all run in B (none waits for W).
+    batch = b * heads
+    fwd = bwd = ZERO
+    for shape in (Gemm(s, s, d_qk, batch), Gemm(s, d_v, s, batch)):
+        fwd += Work(gemm=shape.flops, kernels=1, shapes=((shape, 1.0),))
+        for g in shape.backward():
+            bwd += Work(gemm=g.flops, kernels=1, shapes=((g, 1.0),))
+    cost.add(fwd, bwd, ZERO, "core_attn")
     scores = b * heads * s * s  # elements of the s x s probabilities on this rank
     a = shard.act_bytes
     cost.elementwise(scores * a * 2, "core_attn")  # scale, mask, softmax: read + write
@@ -504,10 +519,13 @@ def _ffn(
     module (``modules``) re-runs all of it; ``act_modules`` re-run only the activation."""
     h, a = model.hidden_size, shard.act_bytes
     fc1_out = 2 * width if model.mlp == "swiglu" else width
-    cost.gemm(2.0 * tokens * h * fc1_out, *modules, kind=kind)
+    # Routed experts: one grouped GEMM over the rank's experts, each with its own tokens.
+    rows = cost.tokens_per_expert if kind == "expert" else tokens
+    groups = tokens / rows if kind == "expert" and rows else 1.0
+    cost.gemm(Gemm(rows, fc1_out, h, groups), *modules, kind=kind)
     act_only = [m for m in act_modules if m not in modules]
     cost.elementwise(tokens * (fc1_out + width) * a, *modules, *act_only)
-    cost.gemm(2.0 * tokens * width * h, *modules, kind=kind)
+    cost.gemm(Gemm(rows, h, width, groups), *modules, kind=kind)
     cost.save(f"{name}_fc1_out", tokens * fc1_out * a, *modules)
     cost.save(f"{name}_act", tokens * width * a, *modules, *act_modules)
 
@@ -543,7 +561,7 @@ def _moe(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
     cost.params.append(Param(prefix + "router", e * h, tp_split=False))
     if model.router_expert_bias:
         cost.params.append(Param(prefix + "router_bias", e, False, trainable=False))
-    cost.gemm(2.0 * sp * h * e, "moe")
+    cost.gemm(Gemm(sp, e, h), "moe")
     cost.elementwise(sp * e * 4 * 2, "moe")  # fp32 scores: softmax/sigmoid and top-k
     cost.save(prefix + "router_scores", sp * e * ROUTER_SCORE_BYTES, "moe")
     # All experts of the layer as one tensor; a rank keeps e/ep of them (memory.py).
@@ -592,7 +610,7 @@ def _moe(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
         )
         if model.shared_expert_gate:
             cost.params.append(Param(prefix + "shared_gate", h, tp_split=False))
-            cost.gemm(2.0 * sp * h, "shared_experts", "moe")
+            cost.gemm(Gemm(sp, 1, h), "shared_experts", "moe")
             cost.save(prefix + "shared_gate_out", sp * a, "shared_experts", "moe")
     # "moe" re-runs the whole layer (router, experts, shared experts): every piece above is
     # registered under it.

@@ -2,41 +2,48 @@
 
 Each kind of work in ``planner.costs.work.Work`` runs at its own rate:
 
-- dense GEMMs at ``peak x achieved["gemm"]``, where peak is the FP8 tensor-core rate when the
-  job computes in FP8 and the GPU has it (DeepSeek-V3 ran forward, input-gradient and
-  weight-gradient GEMMs in FP8, report section 3.3), else the BF16 rate;
+- GEMMs (dense, and the routed experts' grouped GEMMs) by their shapes (``gemm_seconds``):
+  the output is cut into 128 x 128 tiles, one per SM at a time, run in waves of the GPU's SM
+  count (tile and wave quantisation: a GEMM of 133 tiles on 132 SMs takes two waves); each
+  tile streams its k-deep reduction at the SM's share of ``peak x achieved["gemm"]`` and then
+  writes its output tile at the SM's share of the memory-bound rate (the epilogue, not
+  overlapped with the next tile's main loop); and the whole GEMM takes at least the time to
+  read its inputs and write its output at the memory-bound rate (what bounds small-m GEMMs,
+  such as experts with few tokens: their weights must be read whatever m is). Without an SM
+  count (``ClusterSpec.sm_count``; a CPU profile) there are no tiles. The peak is the
+  FP8 tensor-core rate when the job computes in FP8 and the GPU has it (DeepSeek-V3 ran
+  forward, input-gradient and weight-gradient GEMMs in FP8, report section 3.3), else BF16.
+  ``benchmarks/kernel_fidelity.py`` sets this against published GEMM throughputs by shape
+  (DeepGEMM's H800 tables, the best-shape matmul rates of five GPUs);
 - fused attention at ``bf16 peak x achieved["attention"]`` (attention stays in BF16 in FP8
   training too);
-- the routed experts' grouped GEMMs at the GEMM rate times ``expert_efficiency``: tensor cores
-  work on 128-row tiles, so an expert with m tokens pays for ceil(m/128)*128 rows, and with few
-  tokens the GEMM is bound by reading the expert's weights (roofline: m tokens give 2m FLOPs
-  per weight element read);
 - memory-bound kernels at ``HBM bandwidth x achieved["memory_bound"]``;
-- plus ``cluster.kernel_overhead_s`` per kernel on the GPU: launch latency and the tail of
-  under-filled waves, what makes small GEMMs slow.
+- plus ``cluster.kernel_overhead_s`` per kernel on the GPU: launch latency.
 
 The host issues the kernels, ``cluster.host_overhead_s`` each (framework dispatch and the CUDA
 launch call), asynchronously: a phase of work takes the longer of the GPU's time and the
 host's. Small models at high tensor parallelism are host-bound this way (in the vTrain
 measurements a micro-batch of 2 sequences takes as long as one of 1), large ones are not.
 
-The achieved fractions and the overhead come from the hardware catalog (each with its source)
-or from a calibration; ``benchmarks/vtrain_fidelity.py`` fits the A100's on measured runs.
-Ignored: clock throttling, interference between concurrent kernels, and the communication
-kernels' use of SMs (communication time is in ``planner.costs.comm``).
+The achieved fractions and the overheads come from the hardware catalog (each with its
+source) or from a fit to measured runs (``planner.fit``). Ignored: split-K and stream-K
+kernels (which fill the SMs on GEMMs of few tiles), clock throttling, interference between
+concurrent kernels, and the communication kernels' use of SMs (``planner.costs.overlap``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 from planner.costs.blocks import BlockCost
-from planner.costs.work import Work
+from planner.costs.work import Gemm, Work
 from planner.errors import PlannerError
 from planner.specs import DTYPE_BYTES, ClusterSpec, TrainingJob
 
-TILE_ROWS = 128  # rows of a tensor-core GEMM tile (CUTLASS/cuBLAS grouped-GEMM tiles)
+TILE = 128  # rows and columns of a GEMM's output tile per SM (DeepGEMM's 128 x 128 blocks)
+OUT_BYTES = 2  # GEMM outputs are written in BF16 (FP8 GEMMs too: DeepSeek-V3 section 3.3)
 
 
 @dataclass(frozen=True)
@@ -48,7 +55,8 @@ class Rates:
     memory_Bps: float  # bytes/s
     kernel_s: float  # GPU seconds per kernel
     host_s: float  # host seconds per kernel
-    weight_bytes: int  # bytes per weight element read by a GEMM
+    weight_bytes: int  # bytes per GEMM input element read (FP8: 1)
+    sms: int | None = None  # SMs per GPU: tiles run in waves of this many
 
     @classmethod
     def of(cls, cluster: ClusterSpec, job: TrainingJob) -> Rates:
@@ -68,28 +76,44 @@ class Rates:
             kernel_s=cluster.kernel_overhead_s,
             host_s=cluster.host_overhead_s,
             weight_bytes=1 if job.compute_dtype == "fp8" else DTYPE_BYTES[job.weight_dtype],
+            sms=cluster.sm_count,
         )
 
 
-def expert_efficiency(tokens_per_expert: float, rates: Rates) -> float:
-    """Fraction of the GEMM rate a grouped expert GEMM reaches with ``tokens_per_expert``
-    tokens per expert: tile padding times the weight-read roofline (1 for large batches)."""
-    if tokens_per_expert <= 0:
-        return 1.0
-    padded = math.ceil(tokens_per_expert / TILE_ROWS) * TILE_ROWS
-    intensity = 2.0 * tokens_per_expert / rates.weight_bytes  # FLOPs per weight byte read
-    roofline = min(1.0, intensity * rates.memory_Bps / rates.gemm_flops)
-    return tokens_per_expert / padded * roofline
+@functools.lru_cache(maxsize=65536)
+def gemm_seconds(g: Gemm, rates: Rates) -> float:
+    """Seconds of one (grouped) GEMM of shape ``g`` (see the module docstring)."""
+    if g.flops <= 0:
+        return 0.0
+    if rates.sms:
+        tiles = math.ceil(g.groups * math.ceil(g.m / TILE) * math.ceil(g.n / TILE) - 1e-9)
+        main = 2.0 * TILE * TILE * g.k / rates.gemm_flops  # one tile at all SMs' rate
+        epilogue = TILE * TILE * OUT_BYTES / rates.memory_Bps
+        compute = math.ceil(tiles / rates.sms) * rates.sms * (main + epilogue)
+    else:  # not a GPU of known SMs (a calibrated CPU profile): no tiles, no waves
+        compute = g.flops / rates.gemm_flops
+    traffic = g.groups * ((g.m + g.n) * g.k * rates.weight_bytes + g.m * g.n * OUT_BYTES)
+    return max(compute, traffic / rates.memory_Bps)
 
 
-def work_time(work: Work, rates: Rates, *, tokens_per_expert: float = 0.0) -> float:
+def gemm_efficiency(g: Gemm, rates: Rates) -> float:
+    """Fraction of the achieved GEMM rate shape ``g`` reaches."""
+    return g.flops / rates.gemm_flops / gemm_seconds(g, rates)
+
+
+def work_time(work: Work, rates: Rates) -> float:
     """Seconds ``work`` takes: its kernels run one after another on one stream, and the host
     must have issued them (see the module docstring)."""
-    expert_rate = rates.gemm_flops * expert_efficiency(tokens_per_expert, rates)
+    shaped = 0.0
+    seconds = 0.0
+    for g, times in work.shapes:
+        shaped += g.flops * times
+        seconds += gemm_seconds(g, rates) * times
+    unshaped = max(0.0, work.gemm + work.expert - shaped)  # GEMM FLOPs stated without a shape
     gpu = (
-        work.gemm / rates.gemm_flops
+        seconds
+        + unshaped / rates.gemm_flops
         + work.attention / rates.attention_flops
-        + (work.expert / expert_rate if work.expert else 0.0)
         + work.memory / rates.memory_Bps
         + work.kernels * rates.kernel_s
     )
@@ -108,10 +132,9 @@ class BlockTime:
 
 def block_time(cost: BlockCost, rates: Rates, dropped: frozenset[str] | str) -> BlockTime:
     """Phase times of ``cost`` with recompute choice ``dropped`` (a module set or "full")."""
-    m = cost.tokens_per_expert
     return BlockTime(
-        fwd=work_time(cost.fwd, rates, tokens_per_expert=m),
-        bwd_input=work_time(cost.bwd_input, rates, tokens_per_expert=m),
-        bwd_weight=work_time(cost.bwd_weight, rates, tokens_per_expert=m),
-        recompute=work_time(cost.recompute_work(dropped), rates, tokens_per_expert=m),
+        fwd=work_time(cost.fwd, rates),
+        bwd_input=work_time(cost.bwd_input, rates),
+        bwd_weight=work_time(cost.bwd_weight, rates),
+        recompute=work_time(cost.recompute_work(dropped), rates),
     )

@@ -241,8 +241,8 @@ def _rates(rates: dict[str, float], kernel_s: float) -> Any:
 def _predicted(name: str, phase: str, rates: Any) -> float:
     from planner.costs.compute import work_time
 
-    cost, work = _phase_work(name, phase)
-    return work_time(work, rates, tokens_per_expert=cost.tokens_per_expert)
+    _, work = _phase_work(name, phase)
+    return work_time(work, rates)
 
 
 def fit_overhead(found: dict[str, Any]) -> float:

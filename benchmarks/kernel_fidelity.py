@@ -1,0 +1,82 @@
+"""Kernel rates of the compute model against published kernel throughputs, row by row.
+
+Data: ``benchmarks/published_kernels.csv``: GEMM and grouped-GEMM TFLOP/s by shape
+(DeepGEMM's H800 FP8 tables; the best-shape matmul rates of A100, H100, H200 and B200 from
+stas00/ml-engineering) and fused-attention TFLOP/s by sequence length, head dimension and mask
+(the FlashAttention-2 and -3 READMEs' figures). Each row cites its source.
+
+The prediction is ``planner.costs.compute``'s at the catalog's constants for that GPU: GEMMs by
+their shape (tiles, waves, epilogue, memory roofline; ``gemm_seconds``), attention at the
+catalog's one achieved fraction (no dependence on sequence length or head dimension yet), so
+the attention rows show what that fraction leaves out. Nothing is fitted here; the catalog's
+``achieved.gemm`` is the best-shape matmul rate of the same table the MAMF rows come from, so
+those rows check only the tile and wave terms.
+
+Run: ``.venv/bin/python benchmarks/kernel_fidelity.py``.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+import planner
+from planner.costs.compute import Rates, gemm_seconds
+from planner.costs.work import Gemm
+
+DATA = Path(__file__).resolve().parent / "published_kernels.csv"
+
+
+def predict(row: dict[str, str]) -> float:
+    """Predicted TFLOP/s of one row, in the source's FLOP count."""
+    cluster = planner.load_cluster(row["gpu"], gpus=8)
+    fp8 = row["dtype"] == "fp8"
+    job = planner.TrainingJob(seq_len=4096, global_batch=8, compute_dtype="fp8" if fp8 else "bf16")
+    rates = Rates.of(cluster, job)
+    if row["kernel"] in ("gemm", "grouped_gemm"):
+        g = Gemm(float(row["m"]), float(row["n"]), float(row["k"]), float(row["groups"] or 1))
+        return g.flops / gemm_seconds(g, rates) / 1e12
+    return rates.attention_flops / 1e12
+
+
+def main() -> None:
+    with DATA.open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    groups: dict[str, list[float]] = defaultdict(list)
+    print(
+        f"{'id':>4} {'gpu':5} {'kernel':12} {'dtype':5} {'shape':44} {'published':>9} "
+        f"{'predicted':>9} {'error':>7}"
+    )
+    for row in rows:
+        if row["kernel"] == "attention":
+            shape = (
+                f"b{row['batch']} s{row['seqlen']} h{row['heads']} d{row['head_dim']} "
+                f"{'causal' if row['causal'] == 'true' else 'full'} {row['direction']}"
+            )
+            key = f"attention {row['gpu']} {row['direction']}"
+        else:
+            shape = f"m{row['m']} n{row['n']} k{row['k']}" + (
+                f" x{row['groups']}" if row["groups"] else ""
+            )
+            key = f"{row['kernel']} {row['gpu']} {row['dtype']}"
+        published = float(row["tflops"])
+        predicted = predict(row)
+        error = predicted / published - 1
+        groups[key].append(abs(error))
+        print(
+            f"{row['id']:>4} {row['gpu']:5} {row['kernel']:12} {row['dtype']:5} {shape:44} "
+            f"{published:9.1f} {predicted:9.1f} {error:+7.1%}"
+        )
+    print("\nmean absolute error by group (TFLOP/s, predicted against published):")
+    for key, errs in sorted(groups.items()):
+        print(
+            f"  {key:32} {len(errs):4} rows  MAPE {100 * np.mean(errs):5.1f}%  "
+            f"worst {100 * max(errs):5.1f}%"
+        )
+
+
+if __name__ == "__main__":
+    main()
