@@ -555,7 +555,7 @@ def _print_time(est: Estimate, framework: str) -> None:
         f"the tensor-parallel and expert all-to-all communication {framework} leaves exposed, "
         f"pipeline sends and bubble, links and SMs shared by overlapped collectives, exposed "
         f"gradient reduction and the optimizer step; ignores stragglers, failures, data "
-        f"loading and checkpointing."
+        f"loading and checkpointing. Expected error: {est.expected_error}."
     )
 
 

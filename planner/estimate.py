@@ -15,7 +15,10 @@ Recompute is not model FLOPs: it lowers MFU.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -57,6 +60,12 @@ class Estimate(BaseModel):
     mfu: float = Field(description="Model FLOPs utilisation (see the module docstring).")
     tflops_per_gpu: float = Field(description="Model TFLOP/s per GPU (10^12 FLOP/s).")
     tokens_per_s: float = Field(description="Training tokens per second, whole cluster.")
+    expected_error: str = Field(
+        default="",
+        description="How far the step time is expected to be off: the mean absolute error of "
+        "the same model over published runs on this GPU (planner/accuracy.json, written by "
+        "benchmarks/published_throughput.py --write), or that none were compared.",
+    )
 
     @property
     def fits(self) -> bool:
@@ -88,6 +97,37 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: L
         mfu=flops_per_s / cluster.bf16_flops,
         tflops_per_gpu=flops_per_s / 1e12,
         tokens_per_s=tokens_per_s,
+        expected_error=expected_error(cluster.name),
+    )
+
+
+ACCURACY = Path(__file__).resolve().parent / "accuracy.json"
+
+
+@functools.lru_cache(maxsize=1)
+def _accuracy() -> dict[str, Any]:
+    try:
+        return dict(json.loads(ACCURACY.read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def expected_error(gpu: str) -> str:
+    """The step time's expected error on ``gpu`` from the validation corpus, in words."""
+    data = _accuracy()
+    row = data.get("by_gpu", {}).get(gpu)
+    if not row:
+        overall = data.get("all")
+        tail = (
+            f"; over all {overall['rows']} costed runs the mean error is "
+            f"{overall['mape']:.0%} (predictions {overall['bias']:+.0%} on average)"
+            if overall
+            else ""
+        )
+        return f"no published {gpu} runs in the validation corpus{tail}"
+    return (
+        f"±{row['mape']:.0%}: mean absolute error over {row['rows']} published {gpu} runs "
+        f"(predicted step {row['bias']:+.0%} on average; benchmarks/published_runs.csv)"
     )
 
 

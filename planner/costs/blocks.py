@@ -28,7 +28,7 @@ import functools
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
-from planner.costs.work import ZERO, Gemm, Work
+from planner.costs.work import ZERO, Gemm, Work, flash_overhead
 from planner.errors import PlannerError
 from planner.specs import DTYPE_BYTES, ModelSpec
 
@@ -422,9 +422,11 @@ def _core_attention(
     # Backward: dQ, dK (from QK^T) and dV, dP (from PV) are 2x forward; flash attention also
     # recomputes the scores QK^T in backward instead of saving them.
     if shard.flash_attention:
+        extra = flash_overhead(s, (d_qk + d_v) / 2, causal=True)
+        fwd_flops, bwd_flops = qk + av, 2 * (qk + av) + qk
         cost.add(
-            Work(attention=qk + av, kernels=1),
-            Work(attention=2 * (qk + av) + qk, kernels=1),
+            Work(attention=fwd_flops, kernels=1, attention_overhead=fwd_flops * extra),
+            Work(attention=bwd_flops, kernels=1, attention_overhead=bwd_flops * extra),
             ZERO,
             "core_attn",
         )

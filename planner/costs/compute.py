@@ -16,7 +16,9 @@ Each kind of work in ``planner.costs.work.Work`` runs at its own rate:
   ``benchmarks/kernel_fidelity.py`` sets this against published GEMM throughputs by shape
   (DeepGEMM's H800 tables, the best-shape matmul rates of five GPUs);
 - fused attention at ``bf16 peak x achieved["attention"]`` (attention stays in BF16 in FP8
-  training too);
+  training too), that rate being the one at head dimension 128 and long sequences; shorter
+  sequences, causal masks and smaller heads pay ``Work.attention_overhead``
+  (``planner.costs.work.flash_overhead``);
 - memory-bound kernels at ``HBM bandwidth x achieved["memory_bound"]``;
 - plus ``cluster.kernel_overhead_s`` per kernel on the GPU: launch latency.
 
@@ -113,7 +115,7 @@ def work_time(work: Work, rates: Rates) -> float:
     gpu = (
         seconds
         + unshaped / rates.gemm_flops
-        + work.attention / rates.attention_flops
+        + (work.attention + work.attention_overhead) / rates.attention_flops
         + work.memory / rates.memory_Bps
         + work.kernels * rates.kernel_s
     )

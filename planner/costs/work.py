@@ -6,6 +6,8 @@ block builders record work by kind rather than as one FLOP total:
 - ``gemm``: FLOPs of dense matrix multiplies (linear layers; without flash attention also the
   batched QK^T and PV products), run by cuBLAS at a large fraction of tensor-core peak;
 - ``attention``: FLOPs of fused (flash) attention kernels, which reach a lower fraction;
+- ``attention_overhead``: what the fused kernels spend beyond those FLOPs at a given shape,
+  in FLOP-equivalents (``flash_overhead``);
 - ``expert``: FLOPs of the routed experts' grouped GEMMs;
 - ``memory``: bytes moved to and from HBM by memory-bound kernels (norms, activation
   functions, residual adds, dropout, softmax and cross-entropy, MoE permutes);
@@ -51,6 +53,7 @@ class Work:
     memory: float = 0.0
     kernels: float = 0.0
     shapes: tuple[tuple[Gemm, float], ...] = ()  # (shape, times it runs), sorted by shape
+    attention_overhead: float = 0.0  # FLOP-equivalents beyond ``attention`` (flash_overhead)
 
     @property
     def flops(self) -> float:
@@ -65,6 +68,7 @@ class Work:
             self.memory + other.memory,
             self.kernels + other.kernels,
             _merge(self.shapes, other.shapes, 1.0),
+            self.attention_overhead + other.attention_overhead,
         )
 
     def scale(self, factor: float) -> Work:
@@ -75,7 +79,39 @@ class Work:
             self.memory * factor,
             self.kernels * factor,
             tuple((g, n * factor) for g, n in self.shapes),
+            self.attention_overhead * factor,
         )
+
+
+# Fused attention by shape. A kernel block (CTA) takes 128 queries of one head and loops over
+# the keys in blocks of 128: per key block it does 4*128*128*d FLOPs of matmul and 128*128
+# exponentials; per query block it also loads Q, writes O and its softmax statistics. With
+# n = seq/128 key blocks, a non-causal head costs n^2 key blocks + n query-block overheads of
+# ATTENTION_BLOCK_OVERHEAD key blocks each; a causal one computes n(n+1)/2 key blocks (the
+# diagonal ones in full) for n^2/2 blocks' worth of FLOPs, with the same n overheads. The
+# exponentials cost ATTENTION_EXP_FLOPS matmul FLOPs each, against 4d matmul FLOPs per score.
+# Both constants were fitted by least squares to the 21 A100 FlashAttention-2 forward+backward
+# rows of benchmarks/published_kernels.csv (shape dependence only: each family's own scale)
+# and checked on held-out families: H100 FlashAttention-2 forward+backward (24 rows) 2.1%
+# mean error against 13.8% without them, H100 FlashAttention-3 / cuDNN forward 10.6% / 10.4%
+# against 22.5% / 18.4% (benchmarks/kernel_fidelity.py prints each row). The catalog's
+# achieved["attention"] is the rate at head dimension 128 and long non-causal sequences.
+ATTENTION_BLOCK = 128
+ATTENTION_BLOCK_OVERHEAD = 1.5  # key blocks' time per query block (load Q, write O)
+ATTENTION_EXP_FLOPS = 70.0  # matmul FLOPs one exponential costs
+ATTENTION_REFERENCE_DIM = 128
+
+
+def flash_overhead(seq_len: int, head_dim: float, *, causal: bool) -> float:
+    """Time of a fused attention kernel at this shape over its FLOPs' time at the reference
+    shape, less 1: the FLOP-equivalents it spends beyond its FLOPs, per FLOP."""
+    n = seq_len / ATTENTION_BLOCK
+    c = ATTENTION_BLOCK_OVERHEAD
+    blocks = (n + 1 + 2 * c) / n if causal else (n + c) / n
+    exp = ATTENTION_EXP_FLOPS
+    ref = 4 * ATTENTION_REFERENCE_DIM
+    dims = (4 * head_dim + exp) / (4 * head_dim) / ((ref + exp) / ref)
+    return blocks * dims - 1
 
 
 def _merge(
