@@ -1,0 +1,86 @@
+"""The expected error every estimate quotes is what the validation corpus gives now.
+
+``planner/accuracy.json`` is written by ``benchmarks/published_throughput.py --write``; this
+test recosts every row of ``benchmarks/published_runs.csv`` and checks the stored figures
+are today's, so a change to the time model cannot leave estimates quoting a stale error.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import importlib.util
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+import planner
+from planner.errors import PlannerError
+from planner.estimate import ACCURACY, expected_error
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "published_throughput.py"
+
+
+@functools.cache
+def _bench():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("published_throughput", BENCH)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stored_errors_are_todays() -> None:
+    bench = _bench()
+    with bench.DATA.open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) >= 25
+    errors: dict[str, list[float]] = defaultdict(list)
+    signed: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        try:
+            measured, predicted, costed = bench.cost(row)
+        except PlannerError:
+            continue
+        e = predicted / measured - 1
+        for key in ("all", row["gpu"], "moe" if costed.moe else "dense"):
+            errors[key].append(abs(e))
+            signed[key].append(e)
+    stored = json.loads(ACCURACY.read_text())
+    assert stored == bench.summary(errors, signed)
+
+
+def test_estimates_quote_the_error_for_their_gpu() -> None:
+    stored = json.loads(ACCURACY.read_text())
+    gpu = next(iter(stored["by_gpu"]))
+    text = expected_error(gpu)
+    figures = stored["by_gpu"][gpu]
+    assert f"{figures['mape']:.0%}" in text and f"{figures['rows']} published" in text
+    assert "no published" in expected_error("not-a-gpu")
+    model = planner.load_model("llama3-8b")
+    cluster = planner.load_cluster(gpu, gpus=8)
+    job = planner.TrainingJob(seq_len=4096, global_batch=8)
+    est = planner.evaluate(model, cluster, job, planner.Layout.uniform(model, dp=8))
+    assert est.expected_error == text
+
+
+@pytest.mark.parametrize("metric", ["step_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu"])
+def test_measured_figures_convert_to_seconds_per_step(metric: str) -> None:
+    bench = _bench()
+    model = planner.load_model("llama3-8b")
+    row = {"id": "x", "num_gpus": "8", "global_batch": "16", "seq_len": "4096", "notes": ""}
+    tokens = 16 * 4096
+    flops = bench.source_flops_per_token(row, model, 4096) * tokens
+    step = 2.0
+    value = {
+        "step_s": step,
+        "tokens_per_s_per_gpu": tokens / step / 8,
+        "tflops_per_gpu": flops / step / 8 / 1e12,
+        "mfu": flops / step / 8 / 989.4e12,
+    }[metric]
+    row |= {"metric": metric, "value": str(value)}
+    assert bench.measured_step(row, model, 989.4e12) == pytest.approx(step)
