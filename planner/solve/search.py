@@ -52,6 +52,7 @@ from planner.estimate import Estimate, evaluate, step_run
 from planner.layout import Layout, parse_recompute
 from planner.solve.bounds import (
     bound_tables,
+    communication_floor,
     degrees_bound,
     host_fits,
     lower_bound,
@@ -165,17 +166,20 @@ def plan(
     for c in configs:
         groups.setdefault((c.tp, c.pp, c.dp, c.ep, c.micro_batch), []).append(c)
     queue: list[tuple[float, tuple[object, ...], int, Any]] = []
+    order: dict[int, float] = {}  # per set of degrees: its bound plus its communication floor
     for members in groups.values():
         budget.charge(SECONDS_PER_BOUND)
         rep = max(members, key=lambda c: (c.zero, _key(c)))
         bound = degrees_bound(model, cluster, job, rep)
         if bound is not None:
             queue.append((bound, (_key(rep), 0), 0, members))
+            order[id(members)] = bound + communication_floor(model, cluster, job, rep)
     # Layouts early, so bounds prune: each set of degrees' configuration with the lowest
     # bound of each schedule gets a layout costed (``_quick``), within ``QUICK_SHARE`` of the
     # budget left, and their members' own bounds join the line. The sets go in order of
-    # their bound with the pipeline's fill and drain added as if the stages were even (an
-    # order only: nothing is proven with it).
+    # their bound plus the expert all-to-alls and sends no schedule hides, with the
+    # pipeline's fill and drain added as if the stages were even (an order only: nothing is
+    # proven with it).
 
     def expand(bound: float, members: list[Config]) -> list[Any]:
         """The tier-1 entries of a set of degrees' members."""
@@ -187,7 +191,7 @@ def plan(
                 out.append((max(bound, cheap), (_key(config), 1), 1, config))
         return out
 
-    queue.sort(key=lambda e: (e[0] * _fill(e[3][0]), e[1]))
+    queue.sort(key=lambda e: (order[id(e[3])] * _fill(e[3][0]), e[1]))
     rest: list[tuple[float, tuple[object, ...], int, Any]] = []
     quick_until = budget.spent + QUICK_SHARE * max(0.0, budget.limit - budget.spent)
     for index, (bound, _, _, members) in enumerate(queue):
