@@ -27,7 +27,9 @@ A measured figure becomes seconds per step:
 What a source leaves unstated is assumed and printed beside the row: micro-batch 1; 1F1B
 where the schedule is unstated; 2 virtual stages for interleaving; the leanest recompute
 (none, selective, full) under which the layout fits HBM in the model where the recompute is
-unstated; in-house stacks (Llama 3, DeepSeek-V3) overlap as Megatron-LM does. Data
+unstated; in-house stacks (Llama 3, DeepSeek-V3) overlap as Megatron-LM does; Megatron-LM
+rows from before ``--tp-comm-overlap`` existed (``tp_comm_overlap`` false) leave the
+tensor-parallel collectives exposed, which is what ``framework="deepspeed"`` states. Data
 parallelism is ZeRO-1 (Megatron-LM's distributed optimizer) except where the row says FSDP
 (ZeRO-3) and for torchtitan (FSDP2, ZeRO-3).
 
@@ -64,6 +66,7 @@ SCHEDULES = {"1f1b": "1f1b", "interleaved": "interleaved", "dualpipe": "dualpipe
 # Megatron-LM's distributed optimizer is ZeRO-1).
 ZERO = {"megatron": 1, "torchtitan": 3, "deepspeed": 3}
 MODULES = {"rmsnorm": "layernorm"}  # the sources' names for this planner's recompute modules
+PROFILES: dict[str, Path] = {}  # --profile: a GPU's cluster YAML instead of the catalog's
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,9 @@ def cost(row: dict[str, str]) -> tuple[float, float, Costed]:
     if framework not in ZERO:
         assumed.append(f"{framework} stack overlaps as megatron")
         framework = "megatron"
+    if framework == "megatron" and row.get("tp_comm_overlap") == "false":
+        assumed.append("Megatron-LM before --tp-comm-overlap: TP exposed, as deepspeed")
+        framework = "deepspeed"
     fields["framework"] = framework
     fields["zero"] = (
         str(ZERO[framework]) if row["schedule"] == "fsdp" or framework != "deepspeed" else "1"
@@ -143,7 +149,7 @@ def cost(row: dict[str, str]) -> tuple[float, float, Costed]:
         if row["model"].startswith("gpt:")
         else planner.load_model(row["model"])
     )
-    cluster = planner.load_cluster(gpu, gpus=int(row["num_gpus"]))
+    cluster = planner.load_cluster(PROFILES.get(gpu, gpu), gpus=int(row["num_gpus"]))
     measured = measured_step(row, model, cluster.bf16_flops)
     fields["metric"], fields["value"] = "step_s", str(measured)
     recompute = row["recompute"]
@@ -204,7 +210,21 @@ def main() -> None:
         help="also fit each GPU's constants to its rows (planner.fit_runs) and print the "
         "5-fold held-out error: how much of the error the constants explain",
     )
+    parser.add_argument(
+        "--profile",
+        action="append",
+        default=[],
+        metavar="GPU=YAML",
+        help="cost that GPU's rows with this cluster YAML instead of the catalog's (e.g. "
+        "a100=a100-vtrain.yaml from vtrain_fidelity.py --out): a fit on other data, checked "
+        "on these rows",
+    )
     args = parser.parse_args()
+    if args.write and args.profile:
+        parser.error("--write stores the catalog constants' errors: leave out --profile")
+    for item in args.profile:
+        gpu, _, path = item.partition("=")
+        PROFILES[gpu] = Path(path)
     started = time.perf_counter()
     with args.csv.open(newline="") as handle:
         rows = list(csv.DictReader(handle))

@@ -23,8 +23,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 import planner
+from planner.catalog import cluster_yaml
 from planner.fit import Run, fit_runs, predict
 from planner.layout import Layout
 from planner.specs import ModelSpec, TrainingJob
@@ -134,6 +136,9 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=4, help="times the linear coefficients are re-read"
     )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="write the fitted A100 profile (cluster YAML) here"
+    )
     args = parser.parse_args()
     started = time.perf_counter()
     rows = read_rows(args.data)
@@ -157,6 +162,10 @@ def main() -> None:
     print(f"fitted ({', '.join(found.informed)} informed; the rest kept): {shown}")
     report("fit half", fit_rows, found.fitted_s)
     report("held-out half", held_out, predict(found.cluster, runs(held_out)))
+    if args.out:
+        note = f"fitted by benchmarks/vtrain_fidelity.py on the even rows of {args.data.name}"
+        args.out.write_text(yaml.safe_dump(cluster_yaml(found.cluster, sources={"fit": note})))
+        print(f"wrote {args.out}")
     print(f"wall time {time.perf_counter() - started:.1f} s")
 
 

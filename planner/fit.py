@@ -348,6 +348,7 @@ OPTIONAL_COLUMNS = {
     "precision": "bf16, fp16 or fp8 GEMMs (default bf16)",
     "framework": "megatron, torchtitan, deepspeed or torch (default megatron)",
     "gpu": "machine type; must match the cluster when given",
+    "flash_attention": "true (default) or false: fused attention, or scores in HBM",
     "step_s": "measured seconds per step (or metric + value)",
     "metric": "step_s or tokens_per_s_per_gpu, with value",
     "value": "the measured figure in metric's unit",
@@ -357,16 +358,21 @@ OPTIONAL_COLUMNS = {
 
 def gpt_model(spec: str) -> ModelSpec:
     """A Megatron-LM GPT (LayerNorm, GeLU MLP of 4h, biases, learned positions, tied
-    embeddings) from ``gpt:hidden=H;layers=L;heads=A;vocab=V[;seq=S]``."""
+    embeddings) from ``gpt:hidden=H;layers=L;heads=A;vocab=V[;dropout=P]``; no dropout
+    unless stated (Megatron-LM's own default is 0.1 for both)."""
     fields_: dict[str, int] = {}
+    dropout = 0.0
     for part in spec.removeprefix("gpt:").split(";"):
         key, _, value = part.partition("=")
         try:
-            fields_[key.strip()] = int(value)
+            if key.strip() == "dropout":
+                dropout = float(value)
+            else:
+                fields_[key.strip()] = int(value)
         except ValueError:
             raise PlannerError(
                 f"model={spec!r}: {part!r} is not key=integer (gpt:hidden=H;layers=L;heads=A;"
-                "vocab=V)"
+                "vocab=V[;dropout=P])"
             ) from None
     missing = [k for k in ("hidden", "layers", "heads", "vocab") if k not in fields_]
     if missing:
@@ -388,6 +394,8 @@ def gpt_model(spec: str) -> ModelSpec:
         linear_bias=True,
         tie_word_embeddings=True,
         learned_positions=fields_.get("seq", 2048),
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
     )
 
 
@@ -427,6 +435,9 @@ def run_from_row(row: dict[str, str], where: str, *, gpu: str | None = None) -> 
     if precision not in ("bf16", "fp16", "fp8"):
         raise PlannerError(f"{where}: precision={precision!r} must be bf16, fp16 or fp8")
     half = "fp16" if precision == "fp16" else "bf16"
+    flash = text("flash_attention", "true").lower()
+    if flash not in ("true", "false"):
+        raise PlannerError(f"{where}: flash_attention={flash!r} must be true or false")
     framework = text("framework", "megatron").lower()
     if framework not in ("megatron", "torchtitan", "deepspeed", "torch"):
         raise PlannerError(
@@ -441,6 +452,7 @@ def run_from_row(row: dict[str, str], where: str, *, gpu: str | None = None) -> 
             activation_dtype=half,
             compute_dtype="fp8" if precision == "fp8" else "bf16",
             framework=framework,
+            flash_attention=flash == "true",
         )
         schedule = text("schedule", "1f1b").lower()
         fields_: dict[str, Any] = {

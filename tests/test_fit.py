@@ -156,6 +156,15 @@ def test_read_runs_rejects_bad_rows(tmp_path: Path) -> None:
     )
     (run,) = read_runs(path)
     assert run.measured_step_s == pytest.approx(8 * 4096 / (4096 * 8))
+    assert run.job.flash_attention
+    path.write_text(
+        "id,model,tp,pp,dp,micro_batch,global_batch,seq_len,flash_attention,step_s\n"
+        "x,gpt:hidden=1024;layers=2;heads=16;vocab=1000;dropout=0.1,1,1,8,1,8,2048,false,1\n"
+    )
+    (run,) = read_runs(path)
+    assert not run.job.flash_attention
+    assert run.model.hidden_dropout == run.model.attention_dropout == 0.1
+    assert run.model.learned_positions == 2048
 
 
 def test_cli_writes_a_profile_evaluate_reads(
