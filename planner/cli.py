@@ -119,7 +119,11 @@ def _parser() -> argparse.ArgumentParser:
         "--cluster", default=None, help="with --runs: the machine type name or YAML to start from"
     )
     ca.add_argument(
-        "--folds", type=int, default=5, help="with --runs: k of the k-fold held-out error (0: none)"
+        "--folds",
+        type=int,
+        default=None,
+        help="with --runs: k of the k-fold held-out error (0: none; default 5, or every run "
+        "on its own when fewer)",
     )
     ca.add_argument("--rounds", type=int, default=3, help="with --runs: linearisations of the fit")
     ca.add_argument("--processes", type=int, default=2, help="worker processes ('GPUs')")
@@ -821,6 +825,8 @@ def _fit_runs(args: argparse.Namespace) -> None:
         raise PlannerError(f"--rounds={args.rounds}: must be at least 1")
     base = load_cluster(args.cluster, gpus=1)
     runs = read_runs(args.runs, gpu=base.name)
+    if args.folds is None:
+        args.folds = min(5, len(runs)) if len(runs) >= 2 else 0
     if args.folds == 1 or args.folds < 0 or args.folds > len(runs):
         raise PlannerError(
             f"--folds={args.folds}: must be 0 (none) or 2..{len(runs)} (the number of runs)"
