@@ -65,10 +65,13 @@ def small_model(*, tied: bool = False) -> ModelSpec:
 
 
 def small_job(seq_len: int = 256, global_batch: int = 8) -> TrainingJob:
-    """FP32 weights, gradients, AdamW moments and activations; nothing GPU-specific."""
+    """FP32 weights, gradients, AdamW moments and activations; nothing GPU-specific; the
+    eager ``torch`` runtime, which runs each collective in turn with the compute (gloo on
+    the same cores), as ``run_layout`` does."""
     return TrainingJob(
         seq_len=seq_len,
         global_batch=global_batch,
+        framework="torch",
         weight_dtype="fp32",
         grad_dtype="fp32",
         master_dtype=None,
@@ -251,10 +254,9 @@ def ranking(entries: list[Entry], *, cores: int | None = None) -> Ranking:
     """The layouts' measured and predicted order by step time (a layout's time: its
     slowest rank's median, as a step ends when every rank is done). Ranked: layouts whose
     run this machine can stand for, i.e. no more ranks than ``cores`` (more share cores
-    the profile gives each rank whole, and a pipeline's idle ranks lend theirs) and no
-    data-parallel communication (the model overlaps gradient reductions and ZeRO-2/3
-    transfers with compute, as Megatron-LM does on GPUs; gloo on CPU runs them on the
-    cores between the computation)."""
+    the profile gives each rank whole, and a pipeline's idle ranks lend theirs). The jobs
+    are costed as the ``torch`` framework, which runs data-parallel and ZeRO collectives in
+    series with the compute, as gloo does here."""
     cores = cores or os.cpu_count() or 1
     per: dict[str, tuple[float, float]] = {}
     left_out: dict[str, str] = {}
@@ -265,11 +267,6 @@ def ranking(entries: list[Entry], *, cores: int | None = None) -> Ranking:
             left_out[name] = "no calibrated profile"
         elif ranks > cores:
             left_out[name] = f"{ranks} ranks on {cores} cores"
-        elif e.layout["dp"] > 1:
-            left_out[name] = (
-                "data-parallel communication, which the model overlaps with compute "
-                "(Megatron-LM on GPUs), runs between the computation here"
-            )
         else:
             measured = max(per.get(name, (0.0, 0.0))[0], e.measured_step_s)
             per[name] = (measured, e.predicted_step_s)
