@@ -122,3 +122,22 @@ def test_attention_shape_against_held_out_flashattention2_h100() -> None:
         1 + flash_overhead(512, 128, causal=True)
     )
     assert ratio == pytest.approx(163 / 328, rel=0.10)
+
+
+def test_fp8_linears_pay_their_casts_and_the_router_and_head_do_not() -> None:
+    """Each FP8 linear casts its input (forward) and output gradient (backward) to FP8 in
+    both layouts: 4 bytes moved per element (read BF16, write FP8 twice); BF16 jobs do not."""
+    from planner.costs.blocks import FP8_CAST_BYTES, Shard, block_cost
+
+    model = planner.load_model("llama3-8b")
+    bf16 = block_cost(model, "layer.0", Shard(seq_len=1024))
+    fp8 = block_cost(model, "layer.0", Shard(seq_len=1024, fp8=True))
+    h, tokens = model.hidden_size, 1024
+    # inputs of q, k, v, o, gate+up and down: h, h, h, heads*d, h, ffn wide
+    width = model.num_attention_heads * model.head_dim
+    inputs = tokens * (3 * h + width + h + model.ffn_hidden_size)
+    assert fp8.fwd.memory - bf16.fwd.memory == pytest.approx(FP8_CAST_BYTES * inputs)
+    assert fp8.fwd.gemm == bf16.fwd.gemm
+    head_bf16 = block_cost(model, "head", Shard(seq_len=1024))
+    head_fp8 = block_cost(model, "head", Shard(seq_len=1024, fp8=True))
+    assert head_fp8.fwd == head_bf16.fwd

@@ -37,6 +37,15 @@ LOGIT_BYTES = 4  # the vocab-parallel cross-entropy keeps fp32 softmax over the 
 ROUTER_SCORE_BYTES = 5  # fp32 router scores + a bool routing map per token and expert
 TOKEN_ID_BYTES = 8  # int64 token ids kept for the embedding's backward
 CAUSAL = 0.5  # causal attention computes half of the s x s score matrix
+# FP8 training (Transformer Engine's recipes, DeepSeek-V3's): a linear's input and, in
+# backward, its output gradient are cast to FP8 before the GEMMs that read them, once row-wise
+# and once transposed (column-wise), since Hopper's FP8 GEMMs take only the K-major layout
+# (Transformer Engine, "Performance considerations: handling transposes"): read 2 bytes of
+# BF16, write 1 + 1 of FP8 per element. The FP8 copy of the weights is made once per step and
+# reused across micro-batches (Transformer Engine's FP8 weight caching), so it is left out;
+# so is any fusion of the cast into the kernel before it. The router, the output head and
+# attention stay in BF16 (DeepSeek-V3 report, section 3.3.1).
+FP8_CAST_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,7 @@ class Shard:
     flash_attention: bool = True
     activation_dtype: str = "bf16"
     moe_load_imbalance: float = 1.0
+    fp8: bool = False  # the transformer's linears run in FP8 (TrainingJob.compute_dtype)
 
     @property
     def tokens(self) -> int:
@@ -104,6 +114,7 @@ class BlockCost:
     moe_layers: int = 0  # MoE layers in the block: 4 expert all-to-alls each per micro-batch
     tokens_per_expert: float = 0.0  # tokens each local expert's GEMMs see (busiest rank)
     tp: int = 1  # tensor-parallel degree the block is sharded over (GEMM shapes)
+    fp8: bool = False  # linears cast their inputs and output gradients to FP8
 
     @property
     def fwd_flops(self) -> float:
@@ -167,13 +178,19 @@ class BlockCost:
         for m in modules:
             self.module_work[m] = self.module_work.get(m, ZERO) + fwd
 
-    def gemm(self, shape: Gemm, *modules: str, kind: str = "gemm") -> None:
+    def gemm(self, shape: Gemm, *modules: str, kind: str = "gemm", quantized: bool = True) -> None:
         """A GEMM and its two backward GEMMs (input and weight gradient), same FLOPs each,
-        each with its own shape (``Gemm.backward``)."""
+        each with its own shape (``Gemm.backward``). In FP8 training a ``quantized`` GEMM
+        also casts its input in forward and its output gradient in backward to FP8, each
+        in both layouts the GEMMs read (``FP8_CAST_BYTES``)."""
         dgrad, wgrad = shape.backward()
         fwd, bwd_input, bwd_weight = (
             Work(kernels=1, shapes=((g, 1.0),), **{kind: g.flops}) for g in (shape, dgrad, wgrad)
         )
+        if self.fp8 and quantized:
+            cast = FP8_CAST_BYTES * shape.groups
+            fwd += Work(memory=cast * shape.m * shape.k, kernels=1)
+            bwd_input += Work(memory=cast * shape.m * shape.n, kernels=1)
         self.add(fwd, bwd_input, bwd_weight, *modules)
 
     def linear(
@@ -239,7 +256,7 @@ def block_cost(model: ModelSpec, name: str, shard: Shard) -> BlockCost:
 @functools.lru_cache(maxsize=65536)
 def _block_cost(model: ModelSpec, name: str, shard: Shard) -> BlockCost:
     _check_shard(model, shard)
-    cost = BlockCost(name, tp=shard.tp)
+    cost = BlockCost(name, tp=shard.tp, fp8=shard.fp8)
     if name == "embedding":
         _embedding(cost, model, shard)
     elif name == "head":
@@ -343,7 +360,7 @@ def _head(cost: BlockCost, model: ModelSpec, shard: Shard, *, prefix: str = "") 
     key = "word_embeddings" if model.tie_word_embeddings else "output"
     cost.params.append(Param(key, v * h, tp_split=True))
     cost.tp_collectives += 1  # sequence-parallel input gathered over tp (or its grad reduced)
-    cost.gemm(Gemm(shard.tokens, v / shard.tp, h))
+    cost.gemm(Gemm(shard.tokens, v / shard.tp, h), quantized=False)
     logits = shard.tokens * v / shard.tp * LOGIT_BYTES
     cost.save(prefix + "logits", logits)
     cost.elementwise(2 * logits)  # fp32 softmax cross-entropy: read and write the logits
@@ -563,7 +580,7 @@ def _moe(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
     cost.params.append(Param(prefix + "router", e * h, tp_split=False))
     if model.router_expert_bias:
         cost.params.append(Param(prefix + "router_bias", e, False, trainable=False))
-    cost.gemm(Gemm(sp, e, h), "moe")
+    cost.gemm(Gemm(sp, e, h), "moe", quantized=False)
     cost.elementwise(sp * e * 4 * 2, "moe")  # fp32 scores: softmax/sigmoid and top-k
     cost.save(prefix + "router_scores", sp * e * ROUTER_SCORE_BYTES, "moe")
     # All experts of the layer as one tensor; a rank keeps e/ep of them (memory.py).
@@ -612,7 +629,7 @@ def _moe(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
         )
         if model.shared_expert_gate:
             cost.params.append(Param(prefix + "shared_gate", h, tp_split=False))
-            cost.gemm(Gemm(sp, 1, h), "shared_experts", "moe")
+            cost.gemm(Gemm(sp, 1, h), "shared_experts", "moe", quantized=False)
             cost.save(prefix + "shared_gate_out", sp * a, "shared_experts", "moe")
     # "moe" re-runs the whole layer (router, experts, shared experts): every piece above is
     # registered under it.

@@ -210,6 +210,7 @@ def shard_of(job: TrainingJob, layout: Layout) -> Shard:
         # With ep = 1 a rank holds every expert and receives exactly its own tokens' copies:
         # routing imbalance moves work between experts, not between ranks.
         moe_load_imbalance=job.moe_load_imbalance if layout.ep > 1 else 1.0,
+        fp8=job.compute_dtype == "fp8",
     )
 
 
