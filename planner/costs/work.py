@@ -67,7 +67,7 @@ class Work:
             self.expert + other.expert,
             self.memory + other.memory,
             self.kernels + other.kernels,
-            _merge(self.shapes, other.shapes, 1.0),
+            _merge(self.shapes, other.shapes),
             self.attention_overhead + other.attention_overhead,
         )
 
@@ -115,15 +115,16 @@ def flash_overhead(seq_len: int, head_dim: float, *, causal: bool) -> float:
 
 
 def _merge(
-    a: tuple[tuple[Gemm, float], ...], b: tuple[tuple[Gemm, float], ...], factor: float
+    a: tuple[tuple[Gemm, float], ...], b: tuple[tuple[Gemm, float], ...]
 ) -> tuple[tuple[Gemm, float], ...]:
+    """The shapes of two works together, each shape once with its counts added."""
     if not b:
         return a
     if not a:
         return b
     counts: dict[Gemm, float] = dict(a)
     for g, n in b:
-        counts[g] = counts.get(g, 0.0) + n * factor
+        counts[g] = counts.get(g, 0.0) + n
     return tuple(sorted(counts.items()))
 
 
