@@ -77,10 +77,12 @@ def test_moe_layers_keep_what_the_cost_model_says(name: str, recompute: str) -> 
     )
     torch.manual_seed(0)
     layer = DenseLayer(model, moe=True)
-    x = torch.randn(1, 512, model.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    # 128 tokens: what the model leaves out is per token, so the tolerance means the same at
+    # any length, and eager BF16 attention on a CPU takes 4x as long at 512
+    x = torch.randn(1, 128, model.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     measured = saved_bytes(layer, lambda: layer(x, recompute))
     choice = {"none": frozenset(), "moe": frozenset({"moe"}), "full": "full"}[recompute]
-    expected = block_cost(model, "layer.0", Shard(seq_len=512)).saved_bytes(choice)
+    expected = block_cost(model, "layer.0", Shard(seq_len=128)).saved_bytes(choice)
     # Left out by the model: the inverse RMS per token and the int32 token row map.
     assert expected <= measured <= expected * 1.01
 
@@ -114,12 +116,12 @@ def test_mla_layers_keep_what_the_cost_model_says(block: str, recompute: str) ->
     moe = block == "layer.1"
     torch.manual_seed(0)
     layer = DenseLayer(DEEPSEEK_SMALL, moe=moe)
-    x = torch.randn(1, 512, 1024, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(1, 128, 1024, dtype=torch.bfloat16, requires_grad=True)  # see above
     module = "moe" if moe else "mlp"
     name = module if recompute == "ffn" else recompute
     measured = saved_bytes(layer, lambda: layer(x, name))
     choice = {"none": frozenset(), "ffn": frozenset({module}), "full": "full"}[recompute]
-    expected = block_cost(DEEPSEEK_SMALL, block, Shard(seq_len=512)).saved_bytes(choice)
+    expected = block_cost(DEEPSEEK_SMALL, block, Shard(seq_len=128)).saved_bytes(choice)
     assert expected <= measured <= expected * 1.01
 
 
