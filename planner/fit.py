@@ -280,10 +280,13 @@ def _fit(
     informed: list[int] = []
     for r in range(rounds):
         say(f"{what}: round {r + 1}/{rounds}, {len(runs) * (len(CONSTANTS) + 1)} costings")
-        a = _coefficients(cluster, runs, x) / measured[:, None]
+        base, slopes = _coefficients(cluster, runs, x)
+        a = slopes / measured[:, None]
         informed = [i for i in range(a.shape[1]) if np.abs(a[:, i]).max() * x[i] > 1e-6]
         sub = a[:, informed]
-        rest = np.ones(len(runs)) - a @ x + sub @ x[informed]  # what the kept constants leave
+        # What the informed constants must account for: the measured step less the rest of
+        # the prediction (kept constants, and terms no constant scales, such as PCIe).
+        rest = np.ones(len(runs)) - (base / measured - sub @ x[informed])
         weights = np.ones(len(runs))
         sol = x[informed]
         for _ in range(30):  # IRLS: weights 1/sqrt|r| turn squared error into absolute error
@@ -296,15 +299,18 @@ def _fit(
     return x, informed
 
 
-def _coefficients(cluster: ClusterSpec, runs: Sequence[Run], x: np.ndarray) -> np.ndarray:
-    """d(predicted step)/d(unit) per run and constant, by forward differences."""
+def _coefficients(
+    cluster: ClusterSpec, runs: Sequence[Run], x: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The predicted steps at ``x``, and d(predicted step)/d(unit) per run and constant by
+    forward differences."""
     base = predict(with_constants(cluster, x), runs)
     cols = []
     for i in range(len(x)):
         bumped = x.copy()
         bumped[i] *= 1 + STEP
         cols.append((predict(with_constants(cluster, bumped), runs) - base) / (STEP * x[i]))
-    return np.column_stack(cols)
+    return base, np.column_stack(cols)
 
 
 def _bounded_lstsq(a: np.ndarray, b: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
