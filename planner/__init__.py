@@ -12,6 +12,7 @@ Public API (stable names)::
     plan = planner.plan(model, cluster, job)              # the fastest layout, with its proof
     planner.export.megatron(plan)                         # or .torchtitan(plan), .deepspeed(plan)
     planner.fit_profile(cluster, runs)                    # constants fitted to measured runs
+    r = planner.load_recipe("llama3-405b-8192")          # a published layout: r.model, r.layout
     planner.sweep(["llama3-70b"], [64, 128], jobs=[job])  # many cases, resumable (SQLite)
 """
 
@@ -21,6 +22,7 @@ from planner.errors import PlannerError
 from planner.estimate import Estimate, evaluate
 from planner.fit import Run, fit_profile, fit_runs
 from planner.layout import BlockPlacement, Layout, Stage
+from planner.recipes import Recipe, load_recipe, recipe_names
 from planner.simulate import Simulation, simulate
 from planner.solve import Plan, plan
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
@@ -34,6 +36,7 @@ __all__ = [
     "ModelSpec",
     "Plan",
     "PlannerError",
+    "Recipe",
     "Run",
     "SearchSpace",
     "Simulation",
@@ -46,8 +49,10 @@ __all__ = [
     "fit_runs",
     "load_cluster",
     "load_model",
+    "load_recipe",
     "model_names",
     "plan",
+    "recipe_names",
     "simulate",
     "sweep",
 ]

@@ -21,6 +21,7 @@ from planner.costs.memory import BUCKETS
 from planner.errors import PlannerError
 from planner.estimate import Estimate, evaluate
 from planner.layout import SCHEDULES, Layout
+from planner.recipes import Recipe, load_recipe, recipe_names
 from planner.simulate import simulate
 from planner.solve import plan
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
@@ -38,7 +39,11 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="planner", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for name, what in (("models", "the model catalog"), ("clusters", "the machine types")):
+    for name, what in (
+        ("models", "the model catalog"),
+        ("clusters", "the machine types"),
+        ("recipes", "the published layouts (--recipe NAME)"),
+    ):
         listing = sub.add_parser(name, help=f"list {what}")
         listing.add_argument("--json", action="store_true", help="print JSON for machines")
     _layout_args(sub.add_parser("memory", help="per-rank memory of a stated layout"))
@@ -139,12 +144,21 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+JOB_FLAGS = ("model", "cluster", "gpus", "seq_len", "global_batch")
+
+
 def _job_args(cmd: argparse.ArgumentParser) -> None:
-    cmd.add_argument("--model", required=True, help="catalog name or path to config.json")
-    cmd.add_argument("--cluster", required=True, help="machine type name or path to YAML")
-    cmd.add_argument("--gpus", type=int, required=True, help="total GPUs")
-    cmd.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
-    cmd.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    cmd.add_argument(
+        "--recipe",
+        default=None,
+        help="a published layout (planner recipes) or its YAML: its model, machine, GPUs and "
+        "job (and, for memory/evaluate/simulate, its layout) instead of the flags below",
+    )
+    cmd.add_argument("--model", help="catalog name or path to config.json (required)")
+    cmd.add_argument("--cluster", help="machine type name or path to YAML (required)")
+    cmd.add_argument("--gpus", type=int, help="total GPUs (required)")
+    cmd.add_argument("--seq-len", type=int, help="tokens per sequence (required)")
+    cmd.add_argument("--global-batch", type=int, help="sequences per step (required)")
     cmd.add_argument("--compute-dtype", default="bf16", choices=["bf16", "fp8"], help="GEMMs")
     cmd.add_argument("--moment-dtype", default="fp32", help="optimizer moment dtype")
     cmd.add_argument("--grad-dtype", default="bf16", help="gradient dtype")
@@ -179,7 +193,7 @@ def _layout_args(cmd: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.command in ("models", "clusters"):
+        if args.command in ("models", "clusters", "recipes"):
             _catalog(args)
         elif args.command in ("memory", "evaluate"):
             _evaluate(args)
@@ -202,6 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _catalog(args: argparse.Namespace) -> None:
+    if args.command == "recipes":
+        _recipes(args)
+        return
     if args.command == "models":
         rows = [
             {
@@ -268,7 +285,26 @@ def _training_job(args: argparse.Namespace, seq_len: int, global_batch: int) -> 
     )
 
 
+def _recipe(args: argparse.Namespace) -> Recipe | None:
+    """The recipe ``--recipe`` names, if any; the job flags must then be left out."""
+    given = [f"--{f.replace('_', '-')}" for f in JOB_FLAGS if getattr(args, f) is not None]
+    if args.recipe is None:
+        missing = [f"--{f.replace('_', '-')}" for f in JOB_FLAGS if getattr(args, f) is None]
+        if missing:
+            raise PlannerError(f"{missing[0]}: required (or --recipe NAME; see planner recipes)")
+        return None
+    if given:
+        raise PlannerError(
+            f"{given[0]}: --recipe={args.recipe} sets the model, machine, GPUs and job; "
+            "leave it out"
+        )
+    return load_recipe(args.recipe)
+
+
 def _job(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJob]:
+    recipe = _recipe(args)
+    if recipe is not None:
+        return recipe.model, recipe.cluster, recipe.job
     model = load_model(args.model)
     cluster = load_cluster(args.cluster, gpus=args.gpus)
     job = _training_job(args, args.seq_len, args.global_batch)
@@ -277,6 +313,8 @@ def _job(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJob]
 
 def _build(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJob, Layout]:
     model, cluster, job = _job(args)
+    if args.recipe is not None and not args.layout:
+        return model, cluster, job, load_recipe(args.recipe).layout
     if args.layout:
         layout = _layout_file(args.layout)
         if layout.world_size != cluster.num_gpus:
@@ -626,10 +664,6 @@ def _summarise(layout: Layout, chunks: list[int]) -> str:
     return " | ".join(out)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 def _validate(args: argparse.Namespace) -> None:
     try:
         from planner.run.calibrate import calibrated_cluster
@@ -892,3 +926,43 @@ def _fit_runs(args: argparse.Namespace) -> None:
         )
     )
     console.print(f"Use it with --cluster {path} (plan, evaluate, simulate).")
+
+
+def _degrees(layout: Layout) -> str:
+    """``tp8 pp16 dp64 ep1 ZeRO-2 mb1 interleaved v8 recompute none``."""
+    recompute = sorted(
+        {b.recompute for s in layout.stages for b in s.blocks if b.block.startswith("layer.")}
+    )
+    return (
+        f"tp{layout.tp} pp{layout.pp} dp{layout.dp} ep{layout.ep} ZeRO-{layout.zero} "
+        f"mb{layout.micro_batch} {layout.schedule} v{layout.virtual_stages} "
+        f"recompute {'/'.join(recompute)}"
+    )
+
+
+def _recipes(args: argparse.Namespace) -> None:
+    recipes = [load_recipe(n) for n in recipe_names()]
+    rows = [
+        {
+            "name": r.name,
+            "model": r.model.name,
+            "machine": f"{r.cluster.num_gpus} x {r.cluster.name}",
+            "layout": _degrees(r.layout),
+            "measured": r.measured,
+            "source": r.source,
+        }
+        for r in recipes
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    table = Table(title="published layouts: planner evaluate --recipe NAME (or plan --recipe NAME)")
+    for key in ("name", "model", "machine", "layout", "measured"):
+        table.add_column(key)
+    for r in rows:
+        table.add_row(r["name"], r["model"], r["machine"], r["layout"], r["measured"])
+    Console(width=max(Console().width, 132)).print(table)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

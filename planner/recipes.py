@@ -1,0 +1,123 @@
+"""Published training layouts as data: ``models/recipes/<name>.yaml``.
+
+A recipe is a layout a team published and ran, with the job it ran: the model (a catalog
+name), the machine and GPU count, the job's sequence, batch and dtypes, and the layout's
+degrees, schedule and recompute. Each file cites its source and says what the source left
+unstated and was assumed. ``load_recipe`` returns the planner's objects, ready for
+``evaluate`` (``planner evaluate --recipe NAME``) or as the job to search
+(``planner plan --recipe NAME``).
+
+Layout keys: ``tp``, ``pp``, ``dp``, ``ep``, ``zero``, ``micro_batch``, ``schedule``,
+``virtual_stages``, ``recompute``, and optionally ``counts``: a list of layers per chunk, or
+``first_last_alone`` (the embedding and the head each alone in a chunk, one layer per chunk
+between them, as Llama 3's interleaved schedule, arXiv 2407.21783 section 3.3.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from planner.catalog import MODELS_DIR, _resolve, load_cluster, load_model
+from planner.errors import PlannerError
+from planner.layout import Layout
+from planner.specs import ClusterSpec, ModelSpec, TrainingJob
+
+RECIPES_DIR = MODELS_DIR / "recipes"
+LAYOUT_KEYS = (
+    "tp",
+    "pp",
+    "dp",
+    "ep",
+    "zero",
+    "micro_batch",
+    "schedule",
+    "virtual_stages",
+    "recompute",
+    "counts",
+)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A published layout and the job it ran."""
+
+    name: str
+    description: str
+    model: ModelSpec
+    cluster: ClusterSpec
+    job: TrainingJob
+    layout: Layout
+    source: str
+    assumed: str
+    measured: str
+
+
+def recipe_names() -> list[str]:
+    """Names of the published recipes."""
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def load_recipe(source: str | Path) -> Recipe:
+    """A ``Recipe`` from its name (``models/recipes/<name>.yaml``) or a path to a YAML."""
+    path = _resolve(source, RECIPES_DIR, ".yaml", "recipe", recipe_names())
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise PlannerError(f"recipe file {path}: unreadable ({exc.__class__.__name__})") from None
+    if not isinstance(data, dict):
+        raise PlannerError(f"recipe file {path}: expected a mapping at the top level")
+    try:
+        return _recipe(data, path)
+    except KeyError as exc:
+        raise PlannerError(f"recipe file {path}: missing key {exc.args[0]!r}") from None
+    except PlannerError as exc:
+        raise PlannerError(f"recipe file {path}: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        first = str(exc).splitlines()[0]
+        raise PlannerError(f"recipe file {path}: malformed ({first})") from None
+
+
+def _recipe(data: dict[str, Any], path: Path) -> Recipe:
+    model = load_model(data["model"])
+    machine = data["cluster"]
+    cluster = load_cluster(machine["machine"], gpus=machine["gpus"])
+    job = TrainingJob(**data["job"])
+    spec = dict(data["layout"])
+    unknown = sorted(set(spec) - set(LAYOUT_KEYS))
+    if unknown:
+        raise PlannerError(f"layout: unknown key {unknown[0]!r}; known: {', '.join(LAYOUT_KEYS)}")
+    counts = spec.pop("counts", None)
+    pp = spec.pop("pp", 1)
+    if counts == "first_last_alone":
+        v = spec.get("virtual_stages") or 1
+        inner = pp * v - 2
+        if inner != model.num_layers:
+            raise PlannerError(
+                f"layout.counts=first_last_alone: pp*virtual_stages-2={inner} chunks must hold "
+                f"the {model.num_layers} layers one each"
+            )
+        counts = [0] + [1] * inner + [0]
+    layout = (
+        Layout.from_counts(model, counts=counts, pp=pp, **spec)
+        if counts is not None
+        else Layout.uniform(model, pp=pp, **spec)
+    )
+    if layout.world_size != cluster.num_gpus:
+        raise PlannerError(
+            f"layout: tp*pp*dp={layout.world_size} must equal cluster.gpus={cluster.num_gpus}"
+        )
+    return Recipe(
+        name=str(data.get("name", path.stem)),
+        description=str(data.get("description", "")),
+        model=model,
+        cluster=cluster,
+        job=job,
+        layout=layout,
+        source=str(data["source"]),
+        assumed=str(data.get("assumed", "")),
+        measured=str(data.get("measured", "")),
+    )
