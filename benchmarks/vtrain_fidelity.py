@@ -27,7 +27,7 @@ import yaml
 
 import planner
 from planner.catalog import cluster_yaml
-from planner.fit import Run, fit_runs, predict
+from planner.fit import Run, fit_runs, gpt_model, predict
 from planner.layout import Layout
 from planner.specs import ModelSpec, TrainingJob
 
@@ -66,25 +66,10 @@ def read_rows(path: Path) -> list[dict[str, int | float]]:
 
 def case(row: dict[str, int | float]) -> tuple[ModelSpec, TrainingJob, Layout, int]:
     """The model, job and layout of one measured row (Megatron-DeepSpeed GPT defaults)."""
-    h, heads = int(row["hidden"]), int(row["heads"])
-    model = ModelSpec(
-        name=f"gpt-h{h}-l{row['layers']}",
-        hidden_size=h,
-        num_layers=int(row["layers"]),
-        vocab_size=VOCAB,
-        num_attention_heads=heads,
-        num_kv_heads=heads,
-        head_dim=h // heads,
-        attention="mha",
-        mlp="gelu",
-        ffn_hidden_size=4 * h,
-        norm="layernorm",
-        qkv_bias=True,
-        linear_bias=True,
-        tie_word_embeddings=True,
-        learned_positions=int(row["seq"]),
-        hidden_dropout=0.1,
-        attention_dropout=0.1,
+    # Megatron-LM's GPT with its default dropout of 0.1 (planner.fit.gpt_model)
+    model = gpt_model(
+        f"gpt:hidden={row['hidden']};layers={row['layers']};heads={row['heads']};"
+        f"vocab={VOCAB};seq={row['seq']};dropout=0.1"
     )
     job = TrainingJob(
         seq_len=int(row["seq"]),
