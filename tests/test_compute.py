@@ -5,13 +5,20 @@ from __future__ import annotations
 import pytest
 
 import planner
-from planner.costs.compute import OUT_BYTES, TILE, Rates, gemm_efficiency, gemm_seconds, work_time
+from planner.costs.compute import OUT_BYTES, TILE, Rates, gemm_seconds, work_time
 from planner.costs.work import Gemm, Work
 from planner.errors import PlannerError
 
 H800 = planner.load_cluster("h800", gpus=8)
 A100 = planner.load_cluster("a100", gpus=8)
 JOB = planner.TrainingJob(seq_len=4096, global_batch=8)
+
+
+def gemm_efficiency(g: Gemm, rates: Rates) -> float:
+    """Fraction of the achieved GEMM rate shape ``g`` reaches."""
+    return g.flops / rates.gemm_flops / gemm_seconds(g, rates)
+
+
 FP8 = JOB.model_copy(update={"compute_dtype": "fp8"})
 
 

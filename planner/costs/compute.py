@@ -98,11 +98,6 @@ def gemm_seconds(g: Gemm, rates: Rates) -> float:
     return max(compute, traffic / rates.memory_Bps)
 
 
-def gemm_efficiency(g: Gemm, rates: Rates) -> float:
-    """Fraction of the achieved GEMM rate shape ``g`` reaches."""
-    return g.flops / rates.gemm_flops / gemm_seconds(g, rates)
-
-
 def work_time(work: Work, rates: Rates) -> float:
     """Seconds ``work`` takes: its kernels run one after another on one stream, and the host
     must have issued them (see the module docstring)."""

@@ -49,11 +49,8 @@ def lower_bound(
     forced = _forced_recompute(model, t, cluster, job, config)
     if forced is None:
         return None  # even recomputing everything leaves too many activations
-    moe = sum(n * t.kinds[b].cost.moe_layers for b, n in count.items())
+    moe, fpair, comb, p2p, back = _communication(t)
     dual = config.schedule in ("dualpipe", "dualpipev")
-    fpair = min(x.seconds for x in t.forward_pair)
-    comb = min(x.seconds for x in t.combine)
-    p2p, back = sum(x.seconds for x in t.p2p), sum(x.seconds for x in t.p2p_back)
     sends_f = 0.0 if dual else moe * fpair + p2p
     sends_b = 0.0 if dual else moe * 2 * comb + back
     fwd = total(lambda os: min(o.row.fwd for o in os))
@@ -123,12 +120,19 @@ def communication_floor(
     t = bound_tables(model, cluster, job, config)
     if t is None:
         return 0.0
+    moe, fpair, comb, p2p, back = _communication(t)
+    return config.num_microbatches * (moe * (fpair + 2 * comb) + p2p + back) / (2 * config.pp)
+
+
+def _communication(t: Tables) -> tuple[int, float, float, float, float]:
+    """Per micro-batch, summed over stages: the MoE layers, the cheapest stage's forward
+    dispatch+combine and combine (seconds per layer), and all forward and backward sends."""
     count = Counter(t.layer_kinds + t.first_fixed + t.last_fixed)
     moe = sum(n * t.kinds[b].cost.moe_layers for b, n in count.items())
     fpair = min(x.seconds for x in t.forward_pair)
     comb = min(x.seconds for x in t.combine)
-    sends = sum(x.seconds for x in t.p2p) + sum(x.seconds for x in t.p2p_back)
-    return config.num_microbatches * (moe * (fpair + 2 * comb) + sends) / (2 * config.pp)
+    p2p, back = sum(x.seconds for x in t.p2p), sum(x.seconds for x in t.p2p_back)
+    return moe, fpair, comb, p2p, back
 
 
 def _forced_recompute(
