@@ -272,11 +272,7 @@ def main() -> None:
                 print(f"  {gpu}: {len(runs)} rows, too few to cross-validate")
                 continue
             found = fit_runs(planner.load_cluster(gpu, gpus=8), runs, folds=5, rounds=2)
-            shown = ", ".join(
-                f"{k.removeprefix('achieved.')} {v:.3g}"
-                for k, v in found.values.items()
-                if k in found.informed
-            )
+            shown = found.fitted_text()
             print(
                 f"  {gpu}: {len(runs)} rows, MAPE {found.before_mape:.1%} catalog, "
                 f"{found.fit_mape:.1%} fitted, {found.heldout_mape:.1%} held out ({shown})"

@@ -139,11 +139,7 @@ def main() -> None:
         start={"host_overhead_s": START_HOST_US},
         progress=lambda line: print(f"  {line}", flush=True),
     )
-    shown = ", ".join(
-        f"{name} {value:.3g}{' us' if not name.startswith('achieved') else ''}"
-        for name, value in found.values.items()
-        if name in found.informed
-    )
+    shown = found.fitted_text()
     print(f"fitted ({', '.join(found.informed)} informed; the rest kept): {shown}")
     report("fit half", fit_rows, found.fitted_s)
     report("held-out half", held_out, predict(found.cluster, runs(held_out)))

@@ -891,7 +891,7 @@ def _fit_runs(args: argparse.Namespace) -> None:
     for col in ("constant", "before", "fitted", ""):
         constants.add_column(col, justify="left" if col in ("constant", "") else "right")
     for c in FIT_CONSTANTS:
-        unit = "" if c.name.startswith("achieved.") else " us"
+        unit = "" if c.fraction else " us"
         before = c.show(c.read(base))
         after = report.values[c.name]
         informed = c.name in report.informed

@@ -70,46 +70,41 @@ class Run:
 
 @dataclass(frozen=True)
 class Constant:
-    """One fitted constant: how to read it from a cluster as the unit a step is linear in,
-    how to write that unit back, and how to show it."""
+    """One fitted constant, held as the unit a step is linear in: an achieved fraction of
+    peak as its inverse (seconds scale with 1/fraction), an overhead as seconds."""
 
-    name: str
-    unit: str
-    read: Callable[[ClusterSpec], float]  # the linear unit
-    write: Callable[[dict[str, Any], dict[str, float], float], None]  # (update, achieved, x)
-    show: Callable[[float], float]  # the linear unit as the displayed value
+    key: str  # ClusterSpec.achieved key (a fraction) or ClusterSpec attribute (seconds)
+    fraction: bool
 
+    @property
+    def name(self) -> str:
+        return f"achieved.{self.key}" if self.fraction else self.key
 
-def _fraction(key: str) -> Constant:
-    def write(update: dict[str, Any], achieved: dict[str, float], x: float) -> None:
-        achieved[key] = 1.0 / x
+    @property
+    def unit(self) -> str:
+        """The displayed value's unit."""
+        return "of peak" if self.fraction else "us"
 
-    return Constant(
-        f"achieved.{key}",
-        "of peak",
-        lambda c: 1.0 / c.achieved.get(key, 1.0),
-        write,
-        lambda x: 1.0 / x,
-    )
+    def read(self, cluster: ClusterSpec) -> float:
+        if self.fraction:
+            return 1.0 / cluster.achieved.get(self.key, 1.0)
+        return float(getattr(cluster, self.key))
 
+    def show(self, x: float) -> float:
+        """The linear unit ``x`` as displayed: a fraction, or microseconds."""
+        return 1.0 / x if self.fraction else x * 1e6
 
-def _seconds(attr: str) -> Constant:
-    def write(update: dict[str, Any], achieved: dict[str, float], x: float) -> None:
-        update[attr] = float(x)
-
-    return Constant(attr, "us", lambda c: float(getattr(c, attr)), write, lambda x: x * 1e6)
+    def unshow(self, shown: float) -> float:
+        """``show``'s inverse."""
+        return 1.0 / shown if self.fraction else shown * 1e-6
 
 
 CONSTANTS: tuple[Constant, ...] = (
-    _fraction("gemm"),
-    _fraction("attention"),
-    _fraction("memory_bound"),
-    _fraction("nvlink"),
-    _fraction("ib"),
-    _seconds("kernel_overhead_s"),
-    _seconds("host_overhead_s"),
-    _seconds("nvlink_latency_s"),
-    _seconds("ib_latency_s"),
+    *(Constant(k, True) for k in ("gemm", "attention", "memory_bound", "nvlink", "ib")),
+    *(
+        Constant(k, False)
+        for k in ("kernel_overhead_s", "host_overhead_s", "nvlink_latency_s", "ib_latency_s")
+    ),
 )
 
 
@@ -118,7 +113,10 @@ def with_constants(cluster: ClusterSpec, x: np.ndarray) -> ClusterSpec:
     update: dict[str, Any] = {}
     achieved = dict(cluster.achieved)
     for c, value in zip(CONSTANTS, x, strict=True):
-        c.write(update, achieved, float(value))
+        if c.fraction:
+            achieved[c.key] = 1.0 / float(value)
+        else:
+            update[c.key] = float(value)
     update["achieved"] = achieved
     return cluster.model_copy(update=update)
 
@@ -167,6 +165,14 @@ class FitReport:
     def heldout_mape(self) -> float | None:
         return None if self.heldout_s is None else self.mape(self.heldout_s, self.measured_s)
 
+    def fitted_text(self) -> str:
+        """The informed constants' fitted values, with units: ``gemm 0.869, ... 22.9 us``."""
+        return ", ".join(
+            f"{c.key} {self.values[c.name]:.3g}" + ("" if c.fraction else " us")
+            for c in CONSTANTS
+            if c.name in self.informed
+        )
+
 
 def fit_runs(
     cluster: ClusterSpec,
@@ -205,8 +211,7 @@ def fit_runs(
         x0 = np.array([c.read(cluster) for c in CONSTANTS])
         for i, c in enumerate(CONSTANTS):
             if c.name in start:
-                shown = start[c.name]
-                x0[i] = 1.0 / shown if c.name.startswith("achieved.") else shown * 1e-6
+                x0[i] = c.unshow(start[c.name])
         begin = with_constants(cluster, x0)
     start_x = np.array([c.read(begin) for c in CONSTANTS])
     say(f"costing {len(items)} runs with the given constants")
@@ -257,9 +262,8 @@ def bounds(cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray]:
     """Lower and upper limits of each constant's linear unit (see the module docstring)."""
     lo, hi = [], []
     for c in CONSTANTS:
-        if c.name.startswith("achieved."):
-            key = c.name.split(".", 1)[1]
-            lo.append(1.0 / min(1.0, cluster.achieved_max.get(key, 1.0)))
+        if c.fraction:
+            lo.append(1.0 / min(1.0, cluster.achieved_max.get(c.key, 1.0)))
         else:
             lo.append(MIN_SECONDS)
         hi.append(math.inf)
