@@ -62,9 +62,10 @@ from planner.fit import Run, fit_runs, gpt_model, run_from_row
 
 DATA = Path(__file__).resolve().parent / "published_runs.csv"
 SCHEDULES = {"1f1b": "1f1b", "interleaved": "interleaved", "dualpipe": "dualpipe", "zb": "zb-h1"}
-# What each framework's data parallelism shards (FSDP / ZeRO-3 where the row says fsdp;
-# Megatron-LM's distributed optimizer is ZeRO-1).
-ZERO = {"megatron": 1, "torchtitan": 3, "deepspeed": 3}
+# What each framework's data parallelism shards where the row does not say fsdp (which is
+# ZeRO-3 in every framework): Megatron-LM's distributed optimizer is ZeRO-1, torchtitan
+# always runs FSDP2 (ZeRO-3), DeepSpeed is taken as ZeRO-1.
+ZERO = {"megatron": 1, "torchtitan": 3, "deepspeed": 1}
 MODULES = {"rmsnorm": "layernorm"}  # the sources' names for this planner's recompute modules
 PROFILES: dict[str, Path] = {}  # --profile: a GPU's cluster YAML instead of the catalog's
 
@@ -125,9 +126,7 @@ def cost(row: dict[str, str]) -> tuple[float, float, Costed]:
         assumed.append("Megatron-LM before --tp-comm-overlap: TP exposed, as deepspeed")
         framework = "deepspeed"
     fields["framework"] = framework
-    fields["zero"] = (
-        str(ZERO[framework]) if row["schedule"] == "fsdp" or framework != "deepspeed" else "1"
-    )
+    fields["zero"] = "3" if row["schedule"] == "fsdp" else str(ZERO[framework])
     pp = int(row["pp"])
     schedule = row["schedule"]
     if schedule == "fsdp":
