@@ -38,7 +38,7 @@ def load_model(source: str | Path | dict[str, Any]) -> ModelSpec:
     """A ``ModelSpec`` from a catalog name, a path to a config file, or a dict."""
     if isinstance(source, dict):
         return model_from_config(source, name=str(source.get("name", "custom")))
-    path = _resolve(source, MODELS_DIR, ".json", "model", model_names())
+    path = resolve_source(source, MODELS_DIR, ".json", "model", model_names())
     return model_from_config(
         _read(path), name=path.stem if Path(source).suffix == "" else str(path)
     )
@@ -48,7 +48,7 @@ def load_cluster(source: str | Path, *, gpus: int) -> ClusterSpec:
     """A ``ClusterSpec`` of ``gpus`` GPUs of the machine type ``source`` (name or YAML path)."""
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus <= 0:
         raise PlannerError(f"gpus={gpus!r}: must be a positive whole number of GPUs")
-    path = _resolve(source, HARDWARE_DIR, ".yaml", "cluster", cluster_names())
+    path = resolve_source(source, HARDWARE_DIR, ".yaml", "cluster", cluster_names())
     data = _read(path)
     if "usable_hbm_GiB" in data and not 0 < data["usable_hbm_GiB"] <= data.get("hbm_GiB", 0):
         raise PlannerError(
@@ -139,7 +139,11 @@ def _short(value: Any) -> Any:
     return float(f"{value:.6g}") if isinstance(value, float) else value
 
 
-def _resolve(source: str | Path, folder: Path, suffix: str, kind: str, known: list[str]) -> Path:
+def resolve_source(
+    source: str | Path, folder: Path, suffix: str, kind: str, known: list[str]
+) -> Path:
+    """The catalog file ``source`` names (``folder/<source><suffix>``), or ``source`` as a
+    path; a one-line error listing the ``known`` names otherwise."""
     candidate = Path(source)
     if candidate.suffix == "" and not candidate.exists():
         path = folder / f"{source}{suffix}"

@@ -301,8 +301,10 @@ def _recipe(args: argparse.Namespace) -> Recipe | None:
     return load_recipe(args.recipe)
 
 
-def _job(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJob]:
-    recipe = _recipe(args)
+def _job(
+    args: argparse.Namespace, recipe: Recipe | None = None
+) -> tuple[ModelSpec, ClusterSpec, TrainingJob]:
+    recipe = recipe or _recipe(args)
     if recipe is not None:
         return recipe.model, recipe.cluster, recipe.job
     model = load_model(args.model)
@@ -312,9 +314,10 @@ def _job(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJob]
 
 
 def _build(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJob, Layout]:
-    model, cluster, job = _job(args)
-    if args.recipe is not None and not args.layout:
-        return model, cluster, job, load_recipe(args.recipe).layout
+    recipe = _recipe(args)
+    model, cluster, job = _job(args, recipe)
+    if recipe is not None and not args.layout:
+        return model, cluster, job, recipe.layout
     if args.layout:
         layout = _layout_file(args.layout)
         if layout.world_size != cluster.num_gpus:

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from planner.catalog import MODELS_DIR, _resolve, load_cluster, load_model
+from planner.catalog import MODELS_DIR, load_cluster, load_model, resolve_source
 from planner.errors import PlannerError
 from planner.layout import Layout
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
@@ -63,7 +63,7 @@ def recipe_names() -> list[str]:
 
 def load_recipe(source: str | Path) -> Recipe:
     """A ``Recipe`` from its name (``models/recipes/<name>.yaml``) or a path to a YAML."""
-    path = _resolve(source, RECIPES_DIR, ".yaml", "recipe", recipe_names())
+    path = resolve_source(source, RECIPES_DIR, ".yaml", "recipe", recipe_names())
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
