@@ -114,6 +114,7 @@ def check_space(job: TrainingJob, layout: Layout, space: SearchSpace) -> list[st
         ("micro_batch", layout.micro_batch, space.micro_batch),
         ("schedule", layout.schedule, space.schedules),
         ("virtual_stages", layout.virtual_stages, space.virtual_stages),
+        ("fp8_cache", layout.fp8_cache, space.fp8_cache),
     ]
     if job.ema is not None:  # without an EMA the placement field means nothing
         decisions.append(("ema", layout.ema, space.ema))

@@ -76,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--global-batch", type=int, nargs="+", required=True, help="sequences/step")
     sw.add_argument("--compute-dtype", default="bf16", choices=["bf16", "fp8"], help="GEMMs")
     sw.add_argument("--moment-dtype", default="fp32", help="optimizer moment dtype")
-    sw.add_argument("--grad-dtype", default="bf16", help="gradient dtype")
+    sw.add_argument("--grad-dtype", default=None, help="gradient dtype (default: the framework's)")
     sw.add_argument("--ema", default=None, help="EMA dtype (omit for no EMA)")
     sw.add_argument(
         "--framework",
@@ -161,7 +161,7 @@ def _job_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--global-batch", type=int, help="sequences per step (required)")
     cmd.add_argument("--compute-dtype", default="bf16", choices=["bf16", "fp8"], help="GEMMs")
     cmd.add_argument("--moment-dtype", default="fp32", help="optimizer moment dtype")
-    cmd.add_argument("--grad-dtype", default="bf16", help="gradient dtype")
+    cmd.add_argument("--grad-dtype", default=None, help="gradient dtype (default: the framework's)")
     cmd.add_argument("--ema", default=None, help="EMA dtype (omit for no EMA)")
     cmd.add_argument(
         "--framework",
@@ -279,8 +279,8 @@ def _training_job(args: argparse.Namespace, seq_len: int, global_batch: int) -> 
         global_batch=global_batch,
         moment_dtype=args.moment_dtype,
         compute_dtype=args.compute_dtype,
-        grad_dtype=args.grad_dtype,
         ema=args.ema,
+        **({"grad_dtype": args.grad_dtype} if args.grad_dtype else {}),
         **({"framework": args.framework} if getattr(args, "framework", None) else {}),
     )
 
@@ -637,8 +637,12 @@ def _print_memory(name: str, layout: Layout, est: Estimate, margin: float) -> No
 def _memory_summary(est: Estimate, margin: float) -> str:
     """The peak against usable HBM and the cap, and the headroom the heaviest rank keeps."""
     usable, cap = est.usable_hbm_bytes / GiB, est.cap_bytes / GiB
+    top = max(est.memory, key=lambda s: s.peak_bytes)
     head = (
-        f"Peak {est.peak_bytes / GiB:.2f} GiB per GPU; usable HBM {usable:.2f} GiB (of "
+        f"Peak {est.peak_bytes / GiB:.2f} GiB per GPU (allocated {top.allocated_bytes / GiB:.2f}"
+        f" GiB in tensors, reserved {top.reserved_bytes / GiB:.2f} GiB by the caching "
+        f"allocator, plus {top.buckets['context'] / GiB:.2f} GiB of CUDA context); usable "
+        f"HBM {usable:.2f} GiB (of "
         f"{est.hbm_bytes / GiB:.4g} GiB), cap {cap:.2f} GiB after the {margin * 100:g}% margin for "
         "the memory model's error:"
     )

@@ -359,6 +359,7 @@ OPTIONAL_COLUMNS = {
     "framework": "megatron, torchtitan, deepspeed or torch (default megatron)",
     "gpu": "machine type; must match the cluster when given",
     "flash_attention": "true (default) or false: fused attention, or scores in HBM",
+    "fp8_cache": "true or false (default): SwiGLU inputs kept in FP8 (Layout.fp8_cache)",
     "step_s": "measured seconds per step (or metric + value)",
     "metric": "step_s or tokens_per_s_per_gpu, with value",
     "value": "the measured figure in metric's unit",
@@ -411,6 +412,16 @@ def gpt_model(spec: str) -> ModelSpec:
 
 def run_from_row(row: dict[str, str], where: str, *, gpu: str | None = None) -> Run:
     """One ``Run`` from a CSV row (columns ``RUN_COLUMNS`` and ``OPTIONAL_COLUMNS``)."""
+    model, job, layout = layout_from_row(row, where, gpu=gpu)
+    seconds = measured_seconds(row, job, layout.world_size, where)
+    return Run(model, job, layout, seconds, (row.get("id") or "").strip() or where)
+
+
+def layout_from_row(
+    row: dict[str, str], where: str, *, gpu: str | None = None
+) -> tuple[ModelSpec, TrainingJob, Layout]:
+    """The model, job and layout a CSV row states (``RUN_COLUMNS``, ``OPTIONAL_COLUMNS``;
+    no measured figure needed)."""
     from planner.catalog import load_model
 
     def text(key: str, default: str = "") -> str:
@@ -457,8 +468,8 @@ def run_from_row(row: dict[str, str], where: str, *, gpu: str | None = None) -> 
         job = TrainingJob(
             seq_len=seq,
             global_batch=whole("global_batch"),
-            weight_dtype=half,
-            grad_dtype=half,
+            # FP16 runs keep FP16 weights and gradients; BF16 ones the framework's defaults
+            **({"weight_dtype": "fp16", "grad_dtype": "fp16"} if half == "fp16" else {}),
             activation_dtype=half,
             compute_dtype="fp8" if precision == "fp8" else "bf16",
             framework=framework,
@@ -473,6 +484,10 @@ def run_from_row(row: dict[str, str], where: str, *, gpu: str | None = None) -> 
         }
         if text("zero"):
             fields_["zero"] = int(text("zero"))
+        cache = text("fp8_cache", "false").lower()
+        if cache not in ("true", "false"):
+            raise PlannerError(f"{where}: fp8_cache={cache!r} must be true or false")
+        fields_["fp8_cache"] = cache == "true"
         layout = Layout.uniform(
             model,
             pp=whole("pp"),
@@ -492,7 +507,7 @@ def run_from_row(row: dict[str, str], where: str, *, gpu: str | None = None) -> 
             f"{where}: num_gpus={text('num_gpus')} but tp*pp*dp={gpus} (context parallelism is "
             "not modelled)"
         )
-    return Run(model, job, layout, measured_seconds(row, job, gpus, where), text("id", where))
+    return model, job, layout
 
 
 def measured_seconds(row: dict[str, str], job: TrainingJob, gpus: int, where: str) -> float:

@@ -45,12 +45,14 @@ def parse_recompute(choice: str) -> frozenset[str] | Literal["full"]:
         return frozenset()
     if choice == "selective":
         return frozenset({"core_attn"})
+    if choice == "op":  # torchtitan's per-op selective checkpointing (costs.blocks.OP)
+        return frozenset({"op"})
     modules = frozenset(choice.split("+"))
     unknown = sorted(modules - set(RECOMPUTE_MODULES))
     if unknown:
         raise PlannerError(
-            f"recompute={choice!r}: unknown module {unknown[0]!r}; use none, selective, full or "
-            f"'+'-joined modules from {', '.join(RECOMPUTE_MODULES)}"
+            f"recompute={choice!r}: unknown module {unknown[0]!r}; use none, selective, full, op "
+            f"or '+'-joined modules from {', '.join(RECOMPUTE_MODULES)}"
         )
     return modules
 
@@ -61,7 +63,8 @@ class BlockPlacement(Spec):
     block: str = Field(description="Block name: embedding, layer.<i>, mtp.<j> or head.")
     recompute: str = Field(
         default="none",
-        description="none | selective | full | '+'-joined Megatron recompute modules.",
+        description="none | selective | full | op (torchtitan's per-op selective "
+        "checkpointing) | '+'-joined Megatron recompute modules.",
     )
 
     @model_validator(mode="after")
@@ -103,6 +106,13 @@ class Layout(Spec):
     )
     ema: Literal["hbm", "host"] = Field(
         default="hbm", description="Where the EMA copy lives when the job keeps one."
+    )
+    fp8_cache: bool = Field(
+        default=False,
+        description="Keep the activation functions' inputs (SwiGLU's gate and up outputs) in "
+        "FP8 for backward instead of BF16 (Megatron-Core TransformerConfig."
+        "activation_func_fp8_input_store; DeepSeek-V3 report section 3.3.3); needs FP8 "
+        "compute and framework megatron.",
     )
 
     @model_validator(mode="after")

@@ -8,9 +8,10 @@ unstated and was assumed. ``load_recipe`` returns the planner's objects, ready f
 (``planner plan --recipe NAME``).
 
 Layout keys: ``tp``, ``pp``, ``dp``, ``ep``, ``zero``, ``micro_batch``, ``schedule``,
-``virtual_stages``, ``recompute``, and optionally ``counts``: a list of layers per chunk, or
-``first_last_alone`` (the embedding and the head each alone in a chunk, one layer per chunk
-between them, as Llama 3's interleaved schedule, arXiv 2407.21783 section 3.3.2).
+``virtual_stages``, ``recompute``, ``fp8_cache``, and optionally ``counts``: a list of layers
+per chunk, or ``first_last_alone`` (the embedding and the head each alone in a chunk, one
+layer per chunk between them, as Llama 3's interleaved schedule, arXiv 2407.21783 section
+3.3.2).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ LAYOUT_KEYS = (
     "schedule",
     "virtual_stages",
     "recompute",
+    "fp8_cache",
     "counts",
 )
 

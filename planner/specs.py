@@ -242,15 +242,60 @@ class ClusterSpec(Spec):
         return build_topology(self)
 
 
+# What each framework keeps its state in when the user does not say (TrainingJob fields left
+# out take these; the others the field defaults):
+# - megatron: BF16 working weights, FP32 master weights and AdamW moments, and gradients
+#   accumulated and reduced in an FP32 main-grad buffer: Megatron-LM's arguments.py turns on
+#   accumulate_allreduce_grads_in_fp32 for --bf16 ("bfloat16 requires gradient accumulation
+#   and all-reduce to be done in fp32") unless --grad-reduce-in-bf16 is given.
+# - torchtitan (FSDP2) and the eager torch runtime: FP32 parameters, which are the master
+#   copy (no separate one), cast to BF16 for compute and for FSDP2's all-gather
+#   (MixedPrecisionPolicy param_dtype=bfloat16, torchtitan's mixed_precision_param); gradients
+#   reduced and kept in FP32 (reduce_dtype=float32, torchtitan's mixed_precision_reduce); FP32
+#   AdamW moments.
+# - deepspeed: BF16 weights and gradients, FP32 master weights and moments (the ZeRO
+#   optimizer's FP32 partition).
+FRAMEWORK_DTYPES: dict[str, dict[str, str | None]] = {
+    "megatron": {"weight_dtype": "bf16", "grad_dtype": "fp32", "master_dtype": "fp32"},
+    "torchtitan": {"weight_dtype": "fp32", "grad_dtype": "fp32", "master_dtype": None},
+    "torch": {"weight_dtype": "fp32", "grad_dtype": "fp32", "master_dtype": None},
+    "deepspeed": {"weight_dtype": "bf16", "grad_dtype": "bf16", "master_dtype": "fp32"},
+}
+
+
 class TrainingJob(Spec):
-    """What one training step does and which precisions it keeps its state in."""
+    """What one training step does and which precisions it keeps its state in. The state
+    dtypes a job leaves out are its framework's defaults (``FRAMEWORK_DTYPES``)."""
+
+    @model_validator(mode="after")
+    def _framework_dtypes(self) -> TrainingJob:
+        # Fields the user left out take the framework's value; model_fields_set keeps only
+        # what the user gave, so with_framework can re-derive them for another framework.
+        for key, value in FRAMEWORK_DTYPES[self.framework].items():
+            if key not in self.model_fields_set:
+                object.__setattr__(self, key, value)
+        return self
+
+    def with_framework(self, framework: str) -> TrainingJob:
+        """This job run by ``framework``: the dtypes it was given stay, the others become
+        that framework's defaults."""
+        given = self.model_dump(include=self.model_fields_set - {"framework"})
+        return TrainingJob(**given, framework=framework)
 
     seq_len: int = Field(gt=0, description="Tokens per sequence.")
     global_batch: int = Field(gt=0, description="Sequences per optimizer step.")
-    weight_dtype: DType = Field(default="bf16", description="Dtype of the working weights.")
-    grad_dtype: DType = Field(default="bf16", description="Dtype of the gradient buffers.")
+    weight_dtype: DType = Field(
+        default="bf16",
+        description="Dtype the parameters are kept in (framework default; an FP32 copy is "
+        "cast to the activation dtype for compute and gathers).",
+    )
+    grad_dtype: DType = Field(
+        default="fp32", description="Dtype of the gradient buffers (framework default)."
+    )
     master_dtype: DType | None = Field(
-        default="fp32", description="Dtype of the optimizer's master weights (None: no copy)."
+        default="fp32",
+        description="Dtype of the optimizer's master weights (None: the parameters are the "
+        "master copy; framework default).",
     )
     moment_dtype: DType = Field(default="fp32", description="Dtype of the optimizer moments.")
     compute_dtype: Literal["bf16", "fp8"] = Field(default="bf16", description="GEMM precision.")
@@ -320,6 +365,14 @@ class TrainingJob(Spec):
     )
 
     @property
+    def working_weight_dtype(self) -> str:
+        """Dtype the weights are computed with and gathered in: FP32 parameters are cast to
+        the activation dtype first (mixed precision; FSDP2's param_dtype)."""
+        if DTYPE_BYTES[self.activation_dtype] < DTYPE_BYTES[self.weight_dtype]:
+            return self.activation_dtype
+        return self.weight_dtype
+
+    @property
     def tokens_per_step(self) -> int:
         """Tokens consumed by one optimizer step."""
         return self.seq_len * self.global_batch
@@ -340,6 +393,10 @@ class SearchSpace(Spec):
         default=None, description="Allowed recompute choices (none, selective, full, module sets)."
     )
     ema: list[Literal["hbm", "host"]] | None = Field(default=None, description="EMA placements.")
+    fp8_cache: list[bool] | None = Field(
+        default=None,
+        description="Allowed Layout.fp8_cache values (None: both for FP8 Megatron-LM jobs).",
+    )
     target: Literal["any", "megatron", "torchtitan", "deepspeed"] = Field(
         default="any", description="Only plans this launcher can state exactly."
     )

@@ -49,7 +49,9 @@ def test_dense_optimum_equals_exhaustive_search(hbm_gib: int) -> None:
     """Llama-3-8B cut to 4 layers on 8 H100s with less and less HBM: the planner's optimum is
     the exhaustive optimum (or both find nothing), and it proves it."""
     cluster = H100x8.model_copy(update={"hbm_bytes": hbm_gib * GiB})
-    job = planner.TrainingJob(seq_len=2048, global_batch=16)
+    job = planner.TrainingJob(
+        seq_len=2048, global_batch=16, grad_dtype="bf16"
+    )  # HBM sizes set for it
     plan = solve(LLAMA4, cluster, job, DENSE)
     reference = best_layout(LLAMA4, cluster, job, DENSE)
     if reference is None:
@@ -72,7 +74,9 @@ def test_moe_and_pipeline_schedules_equal_exhaustive_search(
     schedules: list[str], pp: list[int], v: list[int], hbm_gib: int
 ) -> None:
     cluster = H100x8.model_copy(update={"hbm_bytes": hbm_gib * GiB})
-    job = planner.TrainingJob(seq_len=2048, global_batch=32)
+    job = planner.TrainingJob(
+        seq_len=2048, global_batch=32, grad_dtype="bf16"
+    )  # HBM sizes set for it
     space = planner.SearchSpace(
         tp=[1, 2],
         pp=pp,

@@ -37,19 +37,19 @@ def test_every_case_is_planned_and_kept(tmp_path: Path) -> None:
         [SMALL],
         [8, 16, 32],
         jobs=[JOB],
-        time_limit_s=5,
+        time_limit_s=10,  # the search's work budget; each case takes about a second
         db=db,
         workers=2,
         progress=lambda *a: seen.append(a),
     )
     assert [r["gpus"] for r in rows] == [8, 16, 32]
     assert all(r["status"] == "optimal" for r in rows)
-    direct = planner.plan(SMALL, planner.load_cluster("h100", gpus=16), JOB, time_limit_s=5)
+    direct = planner.plan(SMALL, planner.load_cluster("h100", gpus=16), JOB, time_limit_s=10)
     assert rows[1]["step_time_s"] == pytest.approx(direct.estimate.step_time_s)  # type: ignore[union-attr]
     assert seen[-1] == (3, 0, 0, 3)  # done, running, failed, total
     assert len(rows_in(db)) == 3
     # A second run reads the database: no case planned again.
-    again = planner.sweep([SMALL], [8, 16, 32], jobs=[JOB], time_limit_s=5, db=db, workers=2)
+    again = planner.sweep([SMALL], [8, 16, 32], jobs=[JOB], time_limit_s=10, db=db, workers=2)
     assert again == rows
     write(rows, tmp_path / "out.csv")
     write(rows, tmp_path / "out.json")

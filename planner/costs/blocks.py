@@ -46,6 +46,23 @@ CAUSAL = 0.5  # causal attention computes half of the s x s score matrix
 # so is any fusion of the cast into the kernel before it. The router, the output head and
 # attention stay in BF16 (DeepSeek-V3 report, section 3.3.1).
 FP8_CAST_BYTES = 4
+# What an FP8 tensor kept for backward costs per element: 1 byte plus its share of the
+# fine-grained scales: one FP32 scale per 1x128 tile (DeepSeek-V3 report section 3.3.1;
+# Transformer Engine's blockwise recipe) or one E8M0 scale per 32 elements (MXFP8 on
+# Blackwell, OCP Microscaling spec v1.0), 1/32 byte either way. Per-tensor (delayed) scaling
+# costs less; the fine-grained figure is kept as the larger of the two.
+FP8_SAVED_BYTES = 1 + 1 / 32
+# torchtitan's per-op selective activation checkpointing (activation_checkpoint.mode
+# "selective", selective_ac_option "op"): inside each transformer block it keeps the outputs
+# of matmuls (all but every second one, counted in forward order), of the fused attention and
+# of reduce-scatters, and recomputes every other op (norms, rotary embedding, activation
+# functions, residual adds). A Llama block's matmuls run wq, wk, wv, wo, w1, w3, w2: q, v,
+# the w1 (gate) output and the w2 output are kept; k, wo's and w3's outputs are recomputed.
+# MoE experts run grouped matmuls, which the policy does not keep. Torchtitan applies it per
+# block, so embedding and head are outside it. The choice is ``recompute="op"``; groups it
+# drops carry the OP tag, and ``ActGroup.added_by`` marks the one output it keeps that no
+# other choice does (the w2 output, otherwise freed after the residual add).
+OP = "op"
 
 
 @dataclass(frozen=True)
@@ -68,6 +85,7 @@ class ActGroup:
     bytes: int
     modules: tuple[str, ...] = ()  # recompute modules that drop it; () = only full; see below
     keep_always: bool = False  # the block input: kept even under full recompute
+    added_by: str = ""  # kept only under this choice (a tensor other choices free at once)
 
 
 @dataclass(frozen=True)
@@ -83,6 +101,20 @@ class Shard:
     activation_dtype: str = "bf16"
     moe_load_imbalance: float = 1.0
     fp8: bool = False  # the transformer's linears run in FP8 (TrainingJob.compute_dtype)
+    # FP8 linears keep their quantised input for the weight gradient, not the BF16 one
+    # (Transformer Engine's Linear and GroupedLinear); frameworks whose FP8 linears keep the
+    # high-precision input (torchao's Float8Linear, used by torchtitan) leave this off.
+    fp8_saves_inputs: bool = False
+    fp8_cache: bool = False  # activation-function inputs kept in FP8 too (Layout.fp8_cache)
+    # Routing probabilities multiply the expert's activation output before its second linear
+    # (Megatron-Core's grouped experts), so the combine keeps no expert outputs for the
+    # probabilities' gradient; otherwise (a weighted sum after the combine) it keeps them.
+    probs_in_expert: bool = False
+    # The loss upcasts the logits to an FP32 copy of its own (torch's cross-entropy on
+    # logits.float(), as torchtitan runs it) rather than in place (Megatron's fused
+    # vocab-parallel cross-entropy; planner.run's loss).
+    loss_copies_logits: bool = False
+    op_sac: bool = False  # per-op selective checkpointing is on the menu (torchtitan's; OP)
 
     @property
     def tokens(self) -> int:
@@ -98,6 +130,16 @@ class Shard:
     def act_bytes(self) -> int:
         return DTYPE_BYTES[self.activation_dtype]
 
+    @property
+    def linear_input_bytes(self) -> float:
+        """Bytes per element of a tensor kept for a quantised linear's weight gradient."""
+        return FP8_SAVED_BYTES if self.fp8 and self.fp8_saves_inputs else self.act_bytes
+
+    @property
+    def act_input_bytes(self) -> float:
+        """Bytes per element of an activation function's input kept for its backward."""
+        return FP8_SAVED_BYTES if self.fp8 and self.fp8_cache else self.act_bytes
+
 
 @dataclass
 class BlockCost:
@@ -109,6 +151,12 @@ class BlockCost:
     bwd_input: Work = ZERO
     bwd_weight: Work = ZERO
     saved: list[ActGroup] = field(default_factory=list)
+    # Bytes held above the saved ones for a moment while the block's forward or backward
+    # runs (the head: its logits in the activation dtype and the loss's FP32 copy). Counted
+    # with what its backward rebuilds (``rebuilt_bytes``): where a chunk's last block is the
+    # head, its backward follows its forward with no other forward between (every schedule
+    # here), so the level then is the level at the end of that forward.
+    transient: int = 0
     module_work: dict[str, Work] = field(default_factory=dict)  # forward work per module
     tp_collectives: int = 0  # tensor-parallel all-reduces (or AG+RS pairs) in forward
     moe_layers: int = 0  # MoE layers in the block: 4 expert all-to-alls each per micro-batch
@@ -134,21 +182,25 @@ class BlockCost:
 
     def saved_bytes(self, dropped: frozenset[str] | str = frozenset()) -> int:
         """Bytes kept for backward under a recompute choice (a module set or ``"full"``)."""
-        return sum(g.bytes for g in self.saved if not _is_dropped(g, dropped))
+        return sum(g.bytes for g in self.saved if _is_kept(g, dropped))
 
     def kept_bytes(self, name: str, dropped: frozenset[str] | str = frozenset()) -> int:
         """Bytes of the saved group ``name`` kept for backward under a recompute choice."""
-        return sum(g.bytes for g in self.saved if g.name == name and not _is_dropped(g, dropped))
+        return sum(g.bytes for g in self.saved if g.name == name and _is_kept(g, dropped))
 
     def rebuilt_bytes(self, dropped: frozenset[str] | str) -> int:
-        """Bytes re-materialised in backward under a recompute choice (one micro-batch)."""
-        return sum(g.bytes for g in self.saved if _is_dropped(g, dropped))
+        """Bytes a backward holds above the saved ones under a recompute choice (one
+        micro-batch): what it re-materialises, or the block's ``transient`` if more."""
+        rebuilt = sum(g.bytes for g in self.saved if not g.added_by and _is_dropped(g, dropped))
+        return max(rebuilt, self.transient)
 
     def recompute_work(self, dropped: frozenset[str] | str) -> Work:
         """Forward work repeated in backward to rebuild what ``dropped`` discards."""
         if dropped == "full":
             return self.fwd
         chosen = set(dropped)
+        if OP in chosen and self.moe_layers:  # grouped expert matmuls are not kept
+            chosen.add("moe")
         if "moe" in chosen:  # the whole MoE layer is re-run, its parts with it
             chosen -= {"moe_act", "shared_experts"}
         total = ZERO
@@ -162,8 +214,10 @@ class BlockCost:
 
     def menu(self) -> list[frozenset[str] | str]:
         """Recompute choices worth considering: none, each module this block has, full."""
-        modules = sorted({m for g in self.saved for m in g.modules})
+        modules = sorted({m for g in self.saved for m in g.modules} - {OP})
         choices: list[frozenset[str] | str] = [frozenset()]
+        if any(OP in g.modules for g in self.saved):
+            choices.append(frozenset({OP}))
         choices += [frozenset({m}) for m in modules]
         if any(not g.keep_always for g in self.saved):
             choices.append("full")
@@ -216,8 +270,16 @@ class BlockCost:
         input and the output gradient and writes the input gradient: twice the traffic."""
         self.add(Work(memory=nbytes, kernels=1), Work(memory=2 * nbytes, kernels=1), ZERO, *modules)
 
-    def save(self, name: str, nbytes: float, *modules: str, keep: bool = False) -> None:
-        self.saved.append(ActGroup(name, round(nbytes), tuple(modules), keep))
+    def save(
+        self, name: str, nbytes: float, *modules: str, keep: bool = False, added_by: str = ""
+    ) -> None:
+        self.saved.append(ActGroup(name, round(nbytes), tuple(modules), keep, added_by))
+
+    def rerun(self, work: Work, *modules: str) -> None:
+        """Work a recompute of ``modules`` repeats that forward does as part of another op
+        (counted there): one half of a fused GEMM."""
+        for m in modules:
+            self.module_work[m] = self.module_work.get(m, ZERO) + work
 
     def norm(self, key: str, width: int, kind: str) -> None:
         self.params.append(Param(key, width * (2 if kind == "layernorm" else 1), tp_split=False))
@@ -228,7 +290,20 @@ def _is_dropped(group: ActGroup, dropped: frozenset[str] | str) -> bool:
         return False
     if dropped == "full":
         return True
+    if OP in dropped and "moe" in group.modules:
+        return True
     return any(m in dropped for m in group.modules)
+
+
+def _is_kept(group: ActGroup, dropped: frozenset[str] | str) -> bool:
+    if group.added_by:
+        return dropped != "full" and group.added_by in dropped
+    return not _is_dropped(group, dropped)
+
+
+def _op(shard: Shard) -> tuple[str, ...]:
+    """The OP tag where per-op selective checkpointing is on the menu."""
+    return (OP,) if shard.op_sac else ()
 
 
 # ---------------------------------------------------------------------------------------
@@ -356,23 +431,51 @@ def _head(cost: BlockCost, model: ModelSpec, shard: Shard, *, prefix: str = "") 
     h, v = model.hidden_size, model.vocab_size
     if not prefix:
         cost.save("block_input", shard.sp_tokens * h * shard.act_bytes, keep=True)
-    _saved_norm(cost, model, shard, prefix + "final_norm", prefix + "final_norm_out")
+    _saved_norm(
+        cost,
+        model,
+        shard,
+        prefix + "final_norm",
+        prefix + "final_norm_out",
+        quantized=False,
+        in_block=False,
+    )
     key = "word_embeddings" if model.tie_word_embeddings else "output"
     cost.params.append(Param(key, v * h, tp_split=True))
     cost.tp_collectives += 1  # sequence-parallel input gathered over tp (or its grad reduced)
     cost.gemm(Gemm(shard.tokens, v / shard.tp, h), quantized=False)
-    logits = shard.tokens * v / shard.tp * LOGIT_BYTES
+    elements = shard.tokens * v / shard.tp
+    logits = elements * LOGIT_BYTES
     cost.save(prefix + "logits", logits)
+    # Logits narrower than FP32 live while the loss forms its FP32 softmax from them (and,
+    # with a separate FP32 copy, that copy too); FP32 logits become the softmax in place.
+    # Its backward holds as much in gradients.
+    if shard.act_bytes < LOGIT_BYTES:
+        copy = LOGIT_BYTES if shard.loss_copies_logits else 0
+        cost.transient = max(cost.transient, round(elements * (shard.act_bytes + copy)))
     cost.elementwise(2 * logits)  # fp32 softmax cross-entropy: read and write the logits
 
 
-def _saved_norm(cost: BlockCost, model: ModelSpec, shard: Shard, key: str, saved: str) -> None:
-    """A replicated norm whose output is saved (Megatron's ``layernorm`` module drops it)."""
+def _saved_norm(
+    cost: BlockCost,
+    model: ModelSpec,
+    shard: Shard,
+    key: str,
+    saved: str,
+    *,
+    quantized: bool,
+    in_block: bool = True,
+) -> None:
+    """A replicated norm whose output is saved (Megatron's ``layernorm`` module drops it):
+    as its consumer keeps it, the FP8 copy for a ``quantized`` linear (``Shard``). Per-op
+    checkpointing recomputes it ``in_block`` (not the final norm, outside the blocks)."""
     h = model.hidden_size
     cost.norm(key, h, model.norm)
-    nbytes = shard.sp_tokens * h * shard.act_bytes
-    cost.save(saved, nbytes, "layernorm")
-    cost.elementwise(2 * nbytes, "layernorm")
+    elements = shard.sp_tokens * h
+    kept = shard.linear_input_bytes if quantized else shard.act_bytes
+    op = _op(shard) if in_block else ()
+    cost.save(saved, elements * kept, "layernorm", *op)
+    cost.elementwise(2 * elements * shard.act_bytes, "layernorm", *op)
 
 
 def _layer(
@@ -380,14 +483,19 @@ def _layer(
 ) -> None:
     h, a, sp = model.hidden_size, shard.act_bytes, shard.sp_tokens
     cost.save(prefix + "block_input", sp * h * a, keep=keep)
-    _saved_norm(cost, model, shard, prefix + "input_norm", prefix + "input_norm_out")
+    _saved_norm(
+        cost, model, shard, prefix + "input_norm", prefix + "input_norm_out", quantized=True
+    )
     if model.attention == "mla":
         _mla(cost, model, shard, prefix)
     else:
         _gqa(cost, model, shard, prefix)
     _residual(cost, model, shard, prefix + "attn_dropout_mask")
-    cost.save(prefix + "residual_mid", sp * h * a)
-    _saved_norm(cost, model, shard, prefix + "pre_mlp_norm", prefix + "pre_mlp_norm_out")
+    cost.save(prefix + "residual_mid", sp * h * a, *_op(shard))
+    # An MoE layer's router (BF16) keeps the norm output; its FP8 copies are the experts'.
+    _saved_norm(
+        cost, model, shard, prefix + "pre_mlp_norm", prefix + "pre_mlp_norm_out", quantized=not moe
+    )
     if moe:
         _moe(cost, model, shard, prefix)
     else:
@@ -404,7 +512,8 @@ def _residual(cost: BlockCost, model: ModelSpec, shard: Shard, mask: str) -> Non
     if model.hidden_dropout:
         cost.save(mask, elements)
         traffic += elements  # the 1-byte mask
-    cost.add(Work(memory=traffic, kernels=1), Work(memory=traffic, kernels=1))
+    work = Work(memory=traffic, kernels=1)
+    cost.add(work, work, ZERO, *_op(shard))
 
 
 def _mtp(cost: BlockCost, model: ModelSpec, shard: Shard, index: int) -> None:
@@ -417,8 +526,8 @@ def _mtp(cost: BlockCost, model: ModelSpec, shard: Shard, index: int) -> None:
     cost.save(prefix + "hidden_input", sp * h * a, keep=True)
     cost.save(prefix + "token_ids", shard.tokens * TOKEN_ID_BYTES, keep=True)
     cost.params.append(Param("word_embeddings", model.vocab_size * h, tp_split=True))
-    _saved_norm(cost, model, shard, prefix + "enorm", prefix + "enorm_out")
-    _saved_norm(cost, model, shard, prefix + "hnorm", prefix + "hnorm_out")
+    _saved_norm(cost, model, shard, prefix + "enorm", prefix + "enorm_out", quantized=True)
+    _saved_norm(cost, model, shard, prefix + "hnorm", prefix + "hnorm_out", quantized=True)
     cost.linear(prefix + "eh_proj", 2 * h, h, tokens=shard.tokens / shard.tp, split=True)
     moe = model.is_moe_layer(model.num_layers + index)
     _layer(cost, model, shard, prefix + "layer.", moe=moe, keep=False)
@@ -474,15 +583,29 @@ def _gqa(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
     h, d, t = model.hidden_size, model.head_dim, shard.tp
     nq, nkv = model.num_attention_heads, model.num_kv_heads
     tokens, a = shard.tokens, shard.act_bytes
+    op = OP if shard.op_sac else ""
     cost.linear(prefix + "q_proj", h, nq * d, tokens=tokens / t, split=True, bias=model.qkv_bias)
-    cost.linear(prefix + "k_proj", h, nkv * d, tokens=tokens / t, split=True, bias=model.qkv_bias)
+    cost.linear(
+        prefix + "k_proj", h, nkv * d, tokens=tokens / t, split=True, bias=model.qkv_bias, module=op
+    )
     cost.linear(prefix + "v_proj", h, nkv * d, tokens=tokens / t, split=True, bias=model.qkv_bias)
-    cost.save(prefix + "qkv", tokens * (nq + 2 * nkv) * d * a / t)
+    # q, k, v as the fused attention reads them (after the rotary embedding)
+    cost.save(prefix + "q", tokens * nq * d * a / t)
+    cost.save(prefix + "k", tokens * nkv * d * a / t, *_op(shard))
+    cost.save(prefix + "v", tokens * nkv * d * a / t)
     if not model.learned_positions:  # rotary embedding of q and k: read + write
-        cost.elementwise(2 * tokens * (nq + nkv) * d * a / t)
+        cost.elementwise(2 * tokens * (nq + nkv) * d * a / t, *_op(shard))
     _core_attention(cost, model, shard, d_qk=d, d_v=d)
-    cost.save(prefix + "attn_proj_in", tokens * nq * d * a / t)
-    cost.linear(prefix + "o_proj", nq * d, h, tokens=tokens / t, split=True, bias=model.linear_bias)
+    cost.save(prefix + "attn_proj_in", tokens * nq * d * shard.linear_input_bytes / t)
+    cost.linear(
+        prefix + "o_proj",
+        nq * d,
+        h,
+        tokens=tokens / t,
+        split=True,
+        bias=model.linear_bias,
+        module=op,
+    )
 
 
 def _mla(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
@@ -512,12 +635,12 @@ def _mla(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
     cost.norm(prefix + "kv_norm", dc, model.norm)
     cost.linear(prefix + "kv_up", dc, n * (dn + dv), tokens=tokens / t, split=True, module=up)
     cost.save(prefix + "mla_latents", tokens * (latent + dc + dr) * a)
-    cost.save(prefix + "mla_latent_norm_out", tokens * (latent + dc) * a, up)
+    cost.save(prefix + "mla_latent_norm_out", tokens * (latent + dc) * shard.linear_input_bytes, up)
     cost.elementwise(2 * tokens * (latent + dc) * a, up)  # the latent norms
     cost.elementwise(2 * tokens * (n / t + 1) * dr * a)  # rotary part of q and of the shared k
     cost.save(prefix + "qkv", tokens * n * (2 * dq + dv) * a / t, up)
     _core_attention(cost, model, shard, d_qk=dq, d_v=dv)
-    cost.save(prefix + "attn_proj_in", tokens * n * dv * a / t)
+    cost.save(prefix + "attn_proj_in", tokens * n * dv * shard.linear_input_bytes / t)
     cost.linear(prefix + "o_proj", n * dv, h, tokens=tokens / t, split=True)
 
 
@@ -543,10 +666,27 @@ def _ffn(
     groups = tokens / rows if kind == "expert" and rows else 1.0
     cost.gemm(Gemm(rows, fc1_out, h, groups), *modules, kind=kind)
     act_only = [m for m in act_modules if m not in modules]
-    cost.elementwise(tokens * (fc1_out + width) * a, *modules, *act_only)
-    cost.gemm(Gemm(rows, h, width, groups), *modules, kind=kind)
-    cost.save(f"{name}_fc1_out", tokens * fc1_out * a, *modules)
-    cost.save(f"{name}_act", tokens * width * a, *modules, *act_modules)
+    # Per-op checkpointing re-runs a whole MoE layer (its grouped matmuls are not kept): the
+    # "moe" tag already covers its experts.
+    op = _op(shard) if "moe" not in modules else ()
+    cost.elementwise(tokens * (fc1_out + width) * a, *modules, *act_only, *op)
+    gated = model.mlp == "swiglu"
+    # Per-op checkpointing keeps w1's output and w2's; recomputes w3 (gated) or fc2 (not).
+    cost.gemm(Gemm(rows, h, width, groups), *modules, *([] if gated else op), kind=kind)
+    if shard.fp8 and shard.fp8_cache:  # quantise the kept copy, dequantise it in backward
+        elements = tokens * fc1_out
+        cost.add(Work(memory=3 * elements, kernels=1), Work(memory=3 * elements, kernels=1))
+    kept = shard.act_input_bytes
+    if gated and op:  # gate (w1) and up (w3) halves: per-op checkpointing keeps only w1's
+        up = Gemm(rows, width, h, groups)
+        cost.rerun(Work(kernels=1, shapes=((up, 1.0),), **{kind: up.flops}), *op)
+        cost.save(f"{name}_gate_out", tokens * width * kept, *modules)
+        cost.save(f"{name}_up_out", tokens * width * kept, *modules, *op)
+        cost.save(f"{name}_out", tokens * h * a, added_by=OP)  # w2's output
+    else:
+        cost.save(f"{name}_fc1_out", tokens * fc1_out * kept, *modules)
+    act_tags = (*modules, *act_modules, *op)
+    cost.save(f"{name}_act", tokens * width * shard.linear_input_bytes, *act_tags)
 
 
 def _fc_params(model: ModelSpec, width: int) -> int:
@@ -597,7 +737,7 @@ def _moe(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
     # the busiest rank moe_load_imbalance times that.
     copies = sp * k * shard.moe_load_imbalance
     cost.tokens_per_expert = copies * shard.ep / e  # the busiest rank holds e/ep experts
-    cost.save(prefix + "moe_dispatched", copies * h * a, "moe")
+    cost.save(prefix + "moe_dispatched", copies * h * shard.linear_input_bytes, "moe")
     # Permute tokens into expert order before dispatch, and back (weighted) after combine.
     cost.elementwise(2 * copies * h * a, "moe")
     cost.elementwise(2 * copies * h * a, "moe")
@@ -612,11 +752,16 @@ def _moe(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
         act_modules=("moe_act",),
         kind="expert",
     )
-    # The experts' outputs stay for the backward of the probability-weighted combine.
-    cost.save(prefix + "moe_expert_out", copies * h * a, "moe")
+    if shard.probs_in_expert:  # the weighted activation keeps its FP32 probabilities
+        cost.save(prefix + "moe_probs", copies * 4, "moe")
+    else:  # the experts' outputs stay for the backward of the probability-weighted combine
+        cost.save(prefix + "moe_expert_out", copies * h * a, "moe")
     if model.num_shared_experts:
         width = _shared_width(model)
         cost.params.append(Param(prefix + "shared_experts", _fc_params(model, width), True))
+        if shard.fp8 and shard.fp8_saves_inputs:  # its own FP8 copy of the router's input
+            copy = sp * h * shard.linear_input_bytes
+            cost.save(prefix + "shared_input", copy, "layernorm", "shared_experts", "moe")
         _ffn(
             cost,
             model,

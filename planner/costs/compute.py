@@ -77,7 +77,7 @@ class Rates:
             memory_Bps=cluster.hbm_bandwidth_Bps * achieved.get("memory_bound", 1.0),
             kernel_s=cluster.kernel_overhead_s,
             host_s=cluster.host_overhead_s,
-            weight_bytes=1 if job.compute_dtype == "fp8" else DTYPE_BYTES[job.weight_dtype],
+            weight_bytes=1 if job.compute_dtype == "fp8" else DTYPE_BYTES[job.working_weight_dtype],
             sms=cluster.sm_count,
         )
 

@@ -39,6 +39,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.costs.blocks import BlockCost, Param, Shard, block_cost
+from planner.errors import PlannerError
 from planner.layout import Layout, parse_recompute
 from planner.schedules import layout_order
 from planner.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, TrainingJob
@@ -55,6 +56,13 @@ BUCKETS = (
 )
 Runtime = Literal["megatron", "torch"]
 EMBEDDING_HEAD_KEYS = frozenset({"word_embeddings", "output", "position_embeddings"})
+# Frameworks whose FP8 linears keep the FP8 copy of their input for the weight gradient:
+# Megatron-LM and DeepSpeed run Transformer Engine's linears, which quantise the input once
+# and keep that copy. torchtitan's float8 linears (torchao) keep the BF16 input and quantise
+# it again in backward: torchtitan's own table shows it, Llama 3.1 8B on 8 H100 reserving
+# 77.0 GiB with torch.compile and 76.8 GiB with Float8 added
+# (benchmarks/llama3_h100_202412_torchtitan.md, Table 1).
+FP8_LINEARS_KEEP_FP8 = frozenset({"megatron", "deepspeed"})
 
 
 def usable_hbm(cluster: ClusterSpec) -> int:
@@ -105,6 +113,18 @@ class StageMemory(BaseModel):
         description="Part of weights+grads+optimizer+ema that is embedding/head state (bytes)."
     )
     host_bytes: int = Field(description="Host RAM the rank uses for an EMA kept on the host.")
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Peak bytes in live tensors: what torch.cuda.max_memory_allocated reports."""
+        return self.peak_bytes - self.buckets["context"] - self.buckets["fragmentation"]
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Peak bytes the caching allocator holds in segments (live tensors and the free space
+        fragmentation strands): what torch.cuda.max_memory_reserved reports. With the CUDA
+        context it is the rank's use of the device's usable HBM (``peak_bytes``)."""
+        return self.peak_bytes - self.buckets["context"]
 
 
 def activation_peak(
@@ -184,21 +204,44 @@ def state_bytes(
     ema_b = DTYPE_BYTES[job.ema] if job.ema else 0
     edp = layout.dp * layout.tp // layout.ep
     z = layout.zero
+    held = held_unsharded(job, layout)
+    working = DTYPE_BYTES[job.working_weight_dtype]
     for p in params:
         local = p.numel / shards(p, layout)
         group = edp if p.expert else layout.dp
         out["weights"] += local * wb / (group if z >= 3 else 1)
+        if held:
+            out["weights"] += local * working
         if not p.trainable:
             continue
         out["grads"] += local * gb / (group if z >= 2 else 1)
+        if held:
+            out["grads"] += local * gb
         out["optimizer"] += local * opt_b / (group if z >= 1 else 1)
         ema = local * ema_b / (group if z >= 1 else 1)
         out["ema" if ema_on_gpu else "host"] += ema
     return out
 
 
+def held_unsharded(job: TrainingJob, layout: Layout) -> bool:
+    """torchtitan with pipeline parallelism keeps FSDP2's unsharded parameters from the first
+    forward to the last backward (reshard_after_forward off when PP is on, its default
+    policy), and the pipeline schedule turns gradient sync off for every micro-batch but the
+    last, so FSDP2 accumulates unsharded gradients in its reduce dtype until then
+    (torch.distributed.pipelining's stage backward; FSDP2's to_accumulated_grad_if_needed).
+    Such a rank holds both on top of its shards."""
+    return job.framework == "torchtitan" and layout.zero >= 3 and layout.pp > 1
+
+
 def shard_of(job: TrainingJob, layout: Layout) -> Shard:
     """The per-rank shapes a layout gives every block of a job."""
+    if layout.fp8_cache and (job.compute_dtype != "fp8" or job.framework != "megatron"):
+        raise PlannerError(
+            f"Layout.fp8_cache=True: needs compute_dtype='fp8' and framework='megatron' (the "
+            f"one with a switch for it, TransformerConfig.activation_func_fp8_input_store); "
+            f"the job has "
+            f"compute_dtype={job.compute_dtype!r}, framework={job.framework!r}"
+        )
     return Shard(
         seq_len=job.seq_len,
         micro_batch=layout.micro_batch,
@@ -211,6 +254,11 @@ def shard_of(job: TrainingJob, layout: Layout) -> Shard:
         # routing imbalance moves work between experts, not between ranks.
         moe_load_imbalance=job.moe_load_imbalance if layout.ep > 1 else 1.0,
         fp8=job.compute_dtype == "fp8",
+        fp8_saves_inputs=job.framework in FP8_LINEARS_KEEP_FP8,
+        fp8_cache=layout.fp8_cache,
+        probs_in_expert=job.framework == "megatron",
+        loss_copies_logits=job.framework == "torchtitan",
+        op_sac=job.framework == "torchtitan",
     )
 
 
@@ -325,7 +373,7 @@ def _rank_memory(
         buffers += max(_backward_temporaries(costs[n], job, layout, shard, model) for n in names)
     if layout.zero >= 3:  # the gathered working copy of the largest block, and the prefetched
         biggest = max(sum(p.numel / shards(p, layout) for p in costs[n].params) for n in names)
-        buffers += 2 * biggest * DTYPE_BYTES[job.weight_dtype]
+        buffers += 2 * biggest * DTYPE_BYTES[job.working_weight_dtype]
     buckets = {
         "weights": state["weights"],
         "grads": state["grads"],

@@ -319,7 +319,7 @@ def _zero_gather(
 ) -> Transfer:
     if layout.zero < 3:
         return NO_TRANSFER
-    wb = DTYPE_BYTES[job.weight_dtype]
+    wb = DTYPE_BYTES[job.working_weight_dtype]
     ps = list(params.values())
     dense = sum(p.numel / shards(p, layout) * wb for p in ps if not p.expert)
     expert = sum(p.numel / shards(p, layout) * wb for p in ps if p.expert)

@@ -79,7 +79,7 @@ def finish(
     planned = evaluate(model, cluster, job, layout)
     # The exported layout runs under the target's software: what it overlaps (time) is the
     # target's, whatever framework the plan was made for.
-    target_job = job.model_copy(update={"framework": target})
+    target_job = job.with_framework(target)
     exported = (
         planned
         if (runs, target_job) == (layout, job)
@@ -132,6 +132,7 @@ def uniform_1f1b(model: ModelSpec, layout: Layout) -> Layout:
         schedule="1f1b",
         recompute=heaviest_choice(layout),
         ema=layout.ema,
+        fp8_cache=layout.fp8_cache,
     )
 
 

@@ -41,6 +41,9 @@ def deepspeed(plan: Plan) -> Export:
     model, cluster, job, planned = inputs(plan)
     differences: list[str] = []
     runs = planned
+    if runs.fp8_cache:
+        differences.append("FP8 caching of activation inputs: DeepSpeed has none; costed without")
+        runs = runs.model_copy(update={"fp8_cache": False})
     if runs.pp > 1 and (runs.schedule != "1f1b" or not _even(runs)):
         counts = _layer_counts(runs)
         differences.append(

@@ -97,6 +97,13 @@ def megatron(plan: Plan) -> Export:
     args.append("--bf16")
     if job.compute_dtype == "fp8":
         args += ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
+    if runs.fp8_cache:  # a TransformerConfig field without a pretrain_gpt.py flag
+        differences.append(
+            "FP8 caching of activation inputs: pretrain_gpt.py has no flag; set "
+            "TransformerConfig.activation_func_fp8_input_store=True in the model provider"
+        )
+    if job.grad_dtype == "bf16":  # Megatron-LM accumulates and reduces in FP32 unless told
+        args.append("--grad-reduce-in-bf16")
     if job.ema:
         differences.append(
             f"EMA ({job.ema}, {planned.ema}): Megatron-LM keeps none; the training script must"

@@ -48,6 +48,9 @@ def torchtitan(plan: Plan) -> Export:
     model, _, job, planned = inputs(plan)
     differences: list[str] = []
     runs = planned
+    if runs.fp8_cache:
+        differences.append("FP8 caching of activation inputs: torchtitan has none; costed without")
+        runs = runs.model_copy(update={"fp8_cache": False})
     if runs.schedule not in SCHEDULES:
         differences.append(
             f"schedule {runs.schedule}: torchtitan has no such schedule; runs 1F1B on the same "

@@ -473,7 +473,7 @@ def _framework_for(job: TrainingJob, space: SearchSpace) -> TrainingJob:
             f"TrainingJob.framework={job.framework!r}: SearchSpace.target={space.target!r} "
             f"runs the plan with {space.target}; leave the framework out or make them agree"
         )
-    return job.model_copy(update={"framework": space.target})
+    return job.with_framework(space.target)
 
 
 def _uniform(model: ModelSpec, choice: str) -> dict[str, str]:
@@ -573,7 +573,17 @@ def _degrees(c: Config) -> tuple[object, ...]:
 
 def _key(c: Config) -> tuple[object, ...]:
     """Deterministic tie-break between configurations."""
-    return (c.pp, c.tp, c.ep, c.zero, c.micro_batch, c.schedule, c.virtual_stages, c.ema)
+    return (
+        c.pp,
+        c.tp,
+        c.ep,
+        c.zero,
+        c.micro_batch,
+        c.schedule,
+        c.virtual_stages,
+        c.ema,
+        c.fp8_cache,
+    )
 
 
 # -- one configuration -----------------------------------------------------------------------

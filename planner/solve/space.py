@@ -104,6 +104,7 @@ def _per_degrees(
     mbs = space.micro_batch or list(DEFAULT_MICRO_BATCHES)
     schedules = space.schedules or (list(DEFAULT_SCHEDULES) if pp > 1 else ["1f1b"])
     emas = space.ema or (["host"] if job.ema else ["hbm"])
+    caches = space.fp8_cache or fp8_cache_choices(job)
     for zero, mb, schedule, ema in itertools.product(zeros, mbs, schedules, emas):
         if schedule not in SCHEDULES:
             raise PlannerError(f"SearchSpace.schedules: unknown schedule {schedule!r}")
@@ -116,7 +117,15 @@ def _per_degrees(
                 continue
             if not _schedule_ok(schedule, pp, m, v):
                 continue
-            yield Config(tp, pp, dp, ep, zero, mb, schedule, v, ema, m)
+            for cache in caches:
+                yield Config(tp, pp, dp, ep, zero, mb, schedule, v, ema, m, cache)
+
+
+def fp8_cache_choices(job: TrainingJob) -> list[bool]:
+    """FP8 caching of activation inputs is open to FP8 jobs of the one framework that has a
+    switch for it (``Layout.fp8_cache``); it trades a quantise and dequantise per MLP for
+    memory, so both are searched."""
+    return [False, True] if job.compute_dtype == "fp8" and job.framework == "megatron" else [False]
 
 
 def _virtuals(space: SearchSpace, schedule: str) -> list[int]:

@@ -59,6 +59,7 @@ class Config:
     virtual_stages: int
     ema: str
     num_microbatches: int
+    fp8_cache: bool = False
 
     @property
     def stages(self) -> int:
@@ -78,6 +79,7 @@ class Config:
             layout.virtual_stages,
             layout.ema,
             num_microbatches,
+            layout.fp8_cache,
         )
 
     def layout(self, model: ModelSpec, counts: list[int], recompute: dict[str, str]) -> Layout:
@@ -94,6 +96,7 @@ class Config:
             virtual_stages=self.virtual_stages,
             recompute=recompute,
             ema=self.ema,
+            fp8_cache=self.fp8_cache,
         )
 
 
@@ -208,6 +211,7 @@ def build(
             config.zero,
             config.micro_batch,
             config.ema,
+            config.fp8_cache,
             None if choices is None else frozenset(choices),
         ),
         lambda: _kinds(model, cluster, job, network, proto, shard, layer_kinds, fixed, choices),
@@ -271,6 +275,7 @@ def build(
             config.pp,
             config.schedule,
             config.virtual_stages,
+            config.fp8_cache,
         ),
         lambda: _fixed(model, shard, job, proto, first_fixed, last_fixed, stages),
     )
@@ -326,12 +331,19 @@ def _memo(cache: dict[tuple[Any, ...], _T], key: tuple[Any, ...], make: Callable
 def prototype(model: ModelSpec, config: Config) -> Layout:
     """A layout of ``config`` with even stages and no recompute: what every layout of the
     configuration shares (degrees, rank order, schedule)."""
-    base = dataclasses.replace(config, zero=1, micro_batch=1, ema="hbm", num_microbatches=1)
+    base = dataclasses.replace(
+        config, zero=1, micro_batch=1, ema="hbm", num_microbatches=1, fp8_cache=False
+    )
     shape = _memo(_PROTO, (model, base), lambda: base.layout(model, even_counts(model, base), {}))
-    # ZeRO stage, micro-batch and EMA placement are valid on their own (the enumeration
-    # checked them): copy them in without rebuilding every stage.
+    # ZeRO stage, micro-batch, EMA placement and FP8 caching are valid on their own (the
+    # enumeration checked them): copy them in without rebuilding every stage.
     return shape.model_copy(
-        update={"zero": config.zero, "micro_batch": config.micro_batch, "ema": config.ema}
+        update={
+            "zero": config.zero,
+            "micro_batch": config.micro_batch,
+            "ema": config.ema,
+            "fp8_cache": config.fp8_cache,
+        }
     )
 
 
@@ -428,7 +440,7 @@ def _kind(
     options = _OPTIONS[key][1]
     params = cost.params
     st = state_bytes(params, job=job, layout=proto, ema_on_gpu=proto.ema == "hbm")
-    gb, wb = DTYPE_BYTES[job.grad_dtype], DTYPE_BYTES[job.weight_dtype]
+    gb, wb = DTYPE_BYTES[job.grad_dtype], DTYPE_BYTES[job.working_weight_dtype]
     return Kind(
         name=name,
         cost=cost,
@@ -617,7 +629,7 @@ def _fixed(
         held = dict.fromkeys(proto.chunks_of_rank(r))
         blocks = [b for s in held for b in per_stage.get(s, [])]
         state.append(state_bytes(union(blocks), job=job, layout=proto, ema_on_gpu=ema_on_gpu))
-    gb, wb = DTYPE_BYTES[job.grad_dtype], DTYPE_BYTES[job.weight_dtype]
+    gb, wb = DTYPE_BYTES[job.grad_dtype], DTYPE_BYTES[job.working_weight_dtype]
     grad, weight = [], []
     for s in range(stages):
         ps = union(per_stage.get(s, []))

@@ -1,0 +1,234 @@
+"""What each framework keeps: default dtypes, FP8 copies of linear inputs, FP8 caching of
+activation inputs, where MoE routing probabilities are applied, torchtitan's per-op
+selective checkpointing and its pipeline-parallel FSDP2, the loss's logits, and the
+DeepSeek-V3 recipe that fits 80 GB as it did in reality."""
+
+from __future__ import annotations
+
+import pytest
+
+import planner
+from planner.costs.blocks import FP8_SAVED_BYTES, block_cost
+from planner.costs.memory import shard_of, stage_memory, state_bytes
+from planner.export import megatron
+from planner.layout import parse_recompute
+from planner.solve.result import Plan
+from planner.solve.space import enumerate_configs
+
+LLAMA8 = planner.load_model("llama3-8b")
+MIXTRAL = planner.load_model("mixtral-8x7b")
+
+
+def _layer(model: planner.ModelSpec, job: planner.TrainingJob, **fields: object):  # type: ignore[no-untyped-def]
+    layout = planner.Layout.uniform(model, **fields)  # type: ignore[arg-type]
+    return block_cost(model, "layer.1", shard_of(job, layout))
+
+
+def _group(cost, name: str) -> int:  # type: ignore[no-untyped-def]
+    return sum(g.bytes for g in cost.saved if g.name == name)
+
+
+def test_default_dtypes_are_each_frameworks() -> None:
+    # Megatron-LM: --bf16 accumulates and reduces gradients in FP32 unless
+    # --grad-reduce-in-bf16 (megatron/training/arguments.py); FSDP2 in torchtitan keeps FP32
+    # parameters as the master copy and reduces in FP32.
+    megatron = planner.TrainingJob(seq_len=1024, global_batch=8)
+    assert (megatron.weight_dtype, megatron.grad_dtype, megatron.master_dtype) == (
+        "bf16",
+        "fp32",
+        "fp32",
+    )
+    titan = planner.TrainingJob(seq_len=1024, global_batch=8, framework="torchtitan")
+    assert (titan.weight_dtype, titan.grad_dtype, titan.master_dtype) == ("fp32", "fp32", None)
+    assert titan.working_weight_dtype == "bf16"
+    # A dtype the user gave stays when the framework changes; the others follow it.
+    given = planner.TrainingJob(seq_len=1024, global_batch=8, grad_dtype="bf16")
+    moved = given.with_framework("torchtitan")
+    assert (moved.grad_dtype, moved.weight_dtype, moved.master_dtype) == ("bf16", "fp32", None)
+    assert megatron.with_framework("torchtitan") == titan
+
+
+def test_optimizer_state_per_parameter_follows_the_framework() -> None:
+    """16 bytes per parameter under torchtitan's FSDP2 (FP32 parameter, gradient and two
+    moments), 18 under Megatron-LM (BF16 weights, FP32 main gradient, master and moments)."""
+    layout = planner.Layout.uniform(LLAMA8, zero=0)
+    params = block_cost(
+        LLAMA8, "layer.0", shard_of(planner.TrainingJob(seq_len=8, global_batch=1), layout)
+    ).params
+    n = sum(p.numel for p in params)
+    for framework, per_param in (("megatron", 18), ("torchtitan", 16)):
+        job = planner.TrainingJob(seq_len=8, global_batch=1, framework=framework)
+        state = state_bytes(params, job=job, layout=layout, ema_on_gpu=True)
+        assert state["weights"] + state["grads"] + state["optimizer"] == per_param * n
+
+
+def test_fp8_linears_keep_fp8_inputs_where_the_framework_does() -> None:
+    """Transformer Engine's linears (Megatron-LM) keep the FP8 copy of their input, 1 byte
+    plus a 1/32-byte share of the scales; torchao's (torchtitan) keep the BF16 input."""
+    tokens, heads, d = 4096, LLAMA8.num_attention_heads, LLAMA8.head_dim
+    for framework, per_element in (("megatron", FP8_SAVED_BYTES), ("torchtitan", 2)):
+        job = planner.TrainingJob(
+            seq_len=tokens, global_batch=8, compute_dtype="fp8", framework=framework
+        )
+        cost = _layer(LLAMA8, job)
+        assert _group(cost, "attn_proj_in") == round(tokens * heads * d * per_element)
+        act = round(tokens * LLAMA8.ffn_hidden_size * per_element)
+        assert _group(cost, "mlp_act") == act
+
+
+def test_fp8_cache_stores_the_activation_input_in_fp8() -> None:
+    job = planner.TrainingJob(seq_len=4096, global_batch=8, compute_dtype="fp8")
+    plain, cached = (_layer(LLAMA8, job, fp8_cache=c) for c in (False, True))
+    elements = 4096 * 2 * LLAMA8.ffn_hidden_size  # gate and up outputs
+    assert _group(plain, "mlp_fc1_out") == elements * 2
+    assert _group(cached, "mlp_fc1_out") == round(elements * FP8_SAVED_BYTES)
+    assert cached.fwd.memory > plain.fwd.memory  # it quantises the copy it keeps
+    bf16 = planner.TrainingJob(seq_len=4096, global_batch=8)
+    with pytest.raises(planner.PlannerError, match="fp8_cache=True: needs compute_dtype='fp8'"):
+        _layer(LLAMA8, bf16, fp8_cache=True)
+
+
+def test_search_offers_fp8_caching_only_where_it_exists() -> None:
+    cluster = planner.load_cluster("h100", gpus=8)
+    small = LLAMA8.model_copy(update={"num_layers": 2})
+    space = planner.SearchSpace(tp=[1], pp=[1], zero=[1], micro_batch=[1])
+    for fields, expected in (
+        ({"compute_dtype": "fp8"}, {False, True}),
+        ({}, {False}),
+        ({"compute_dtype": "fp8", "framework": "torchtitan"}, {False}),
+    ):
+        job = planner.TrainingJob(seq_len=1024, global_batch=8, **fields)  # type: ignore[arg-type]
+        caches = {c.fp8_cache for c in enumerate_configs(small, cluster, job, space)}
+        assert caches == expected, fields
+
+
+def test_megatron_experts_weight_by_probability_before_their_second_linear() -> None:
+    """Megatron-Core's grouped experts multiply the routing probabilities into the activation
+    (weighted SwiGLU), so the combine keeps nothing for their gradient; a weighted sum after
+    the combine (planner.run, eager PyTorch) keeps every expert output."""
+    tokens, k, h = 4096, MIXTRAL.experts_per_token, MIXTRAL.hidden_size
+    megatron = _layer(MIXTRAL, planner.TrainingJob(seq_len=tokens, global_batch=8))
+    torch = _layer(MIXTRAL, planner.TrainingJob(seq_len=tokens, global_batch=8, framework="torch"))
+    assert _group(megatron, "moe_expert_out") == 0
+    assert _group(megatron, "moe_probs") == tokens * k * 4
+    assert _group(torch, "moe_expert_out") == tokens * k * h * 2
+
+
+def test_per_op_checkpointing_keeps_what_torchtitans_policy_keeps() -> None:
+    """torchtitan's "op" policy keeps every other matmul output (wq, wv, w1, w2 of wq, wk,
+    wv, wo, w1, w3, w2) and the fused attention's output and statistics, besides the
+    block's input: for a Llama block of T tokens, T x (h + nq*d + nkv*d + nq*d + ffn + h)
+    BF16 elements and T x nq FP32 statistics."""
+    t = 8192
+    job = planner.TrainingJob(seq_len=t, global_batch=8, framework="torchtitan")
+    cost = _layer(LLAMA8, job, dp=8, zero=3)
+    m = LLAMA8
+    nq, nkv, d, h, f = (
+        m.num_attention_heads,
+        m.num_kv_heads,
+        m.head_dim,
+        m.hidden_size,
+        m.ffn_hidden_size,
+    )
+    expected = t * (h + nq * d + nkv * d + nq * d + f + h) * 2 + t * nq * 4
+    assert cost.saved_bytes(parse_recompute("op")) == expected
+    # It re-runs wk, wo and w3: 2 T h (nkv d + nq d + ffn) FLOPs, besides memory-bound ops.
+    assert cost.recompute_work(parse_recompute("op")).gemm == pytest.approx(
+        2 * t * h * (nkv * d + nq * d + f)
+    )
+    # Megatron-LM has no such policy: not on its menu.
+    assert parse_recompute("op") in cost.menu()
+    megatron = _layer(LLAMA8, planner.TrainingJob(seq_len=t, global_batch=8))
+    assert parse_recompute("op") not in megatron.menu()
+
+
+def test_torchtitan_pipelines_hold_unsharded_parameters_and_gradients() -> None:
+    """With PP, torchtitan keeps FSDP2's unsharded BF16 parameters from the first forward to
+    the last backward and accumulates unsharded FP32 gradients: 6 bytes per local parameter
+    on top of the 16/dp of the shards."""
+    job = planner.TrainingJob(seq_len=1024, global_batch=64, framework="torchtitan")
+    small = LLAMA8.model_copy(update={"num_layers": 4})
+    flat = planner.Layout.uniform(small, pp=1, dp=8, zero=3)
+    piped = planner.Layout.uniform(small, pp=2, dp=4, zero=3)
+    params = block_cost(small, "layer.0", shard_of(job, piped)).params
+    n = sum(p.numel for p in params)
+    held = state_bytes(params, job=job, layout=piped, ema_on_gpu=True)
+    assert held["weights"] == pytest.approx(n * (4 / 4 + 2))
+    assert held["grads"] == pytest.approx(n * (4 / 4 + 4))
+    sharded = state_bytes(params, job=job, layout=flat, ema_on_gpu=True)
+    assert sharded["weights"] == pytest.approx(n * 4 / 8)
+
+
+def test_the_loss_holds_its_logits_for_a_moment() -> None:
+    """BF16 logits live while the loss forms the FP32 softmax: in place (Megatron-LM's fused
+    cross-entropy) 2 bytes per logit above the 4 kept; torchtitan's cross-entropy on
+    logits.float() adds its own FP32 copy, 6."""
+    small = LLAMA8.model_copy(update={"num_layers": 1})
+    layout = planner.Layout.uniform(small)
+    logits = 2048 * small.vocab_size
+    for framework, moment in (("megatron", 2), ("torchtitan", 6)):
+        job = planner.TrainingJob(seq_len=2048, global_batch=1, framework=framework)
+        head = block_cost(small, "head", shard_of(job, layout))
+        assert head.transient == logits * moment
+        assert head.rebuilt_bytes(frozenset()) == logits * moment
+    fp32 = planner.TrainingJob(seq_len=2048, global_batch=1, activation_dtype="fp32")
+    assert block_cost(small, "head", shard_of(fp32, layout)).transient == 0
+
+
+def test_deepseek_v3_recipe_fits_80_gb_as_it_did() -> None:
+    """DeepSeek-V3 trained with this layout on 80 GB H800s (report section 3.2): FP8 linear
+    inputs, SwiGLU inputs cached in FP8 with the output recomputed, RMSNorm and MLA
+    up-projections recomputed (section 3.3), FP32 gradients (3.3.3)."""
+    r = planner.load_recipe("deepseek-v3-pretraining")
+    assert r.layout.fp8_cache and r.job.grad_dtype == "fp32"
+    est = planner.evaluate(r.model, r.cluster, r.job, r.layout)
+    assert est.fits
+    # DeepSeek's own figure of what the FP8 cache saves is not given; without it, or without
+    # recomputing the SwiGLU output, the same layout does not fit.
+    for fp8_cache, recompute in (
+        (False, "layernorm+mla_up_proj+moe_act"),
+        (True, "layernorm+mla_up_proj"),
+    ):
+        other = planner.Layout.from_counts(
+            r.model,
+            counts=[sum(b.block.startswith("layer.") for b in s.blocks) for s in r.layout.stages],
+            pp=16,
+            dp=128,
+            ep=64,
+            zero=1,
+            schedule="dualpipe",
+            recompute=recompute,
+            fp8_cache=fp8_cache,
+        )
+        assert not planner.evaluate(r.model, r.cluster, r.job, other).fits, (fp8_cache, recompute)
+
+
+def test_megatron_export_states_gradient_precision_and_fp8_cache() -> None:
+    r = planner.load_recipe("deepseek-v3-pretraining")
+    est = planner.evaluate(r.model, r.cluster, r.job, r.layout)
+    plan = Plan(
+        status="feasible",
+        layout=r.layout,
+        estimate=est,
+        solve_time_s=0.0,
+        model=r.model,
+        cluster=r.cluster,
+        job=r.job,
+    )
+    out = megatron(plan)
+    text = "\n".join(out.files.values())
+    assert "--grad-reduce-in-bf16" not in text
+    assert any("activation_func_fp8_input_store" in d for d in out.differences)
+    bf16 = plan.model_copy(update={"job": r.job.model_copy(update={"grad_dtype": "bf16"})})
+    assert "--grad-reduce-in-bf16" in "\n".join(megatron(bf16).files.values())
+
+
+def test_stage_memory_reports_allocated_and_reserved() -> None:
+    job = planner.TrainingJob(seq_len=2048, global_batch=8)
+    layout = planner.Layout.uniform(LLAMA8.model_copy(update={"num_layers": 2}))
+    (rank,) = stage_memory(
+        LLAMA8.model_copy(update={"num_layers": 2}), job, layout, num_microbatches=8
+    )
+    b = rank.buckets
+    assert rank.reserved_bytes == rank.allocated_bytes + b["fragmentation"]
+    assert rank.peak_bytes == rank.reserved_bytes + b["context"]
