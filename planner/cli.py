@@ -55,6 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--schedule", nargs="+", choices=SCHEDULES, default=None, help="allowed")
     pl.add_argument("--recompute", nargs="+", default=None, help="allowed recompute choices")
     pl.add_argument(
+        "--fp8-cache",
+        action="store_true",
+        help="also try keeping SwiGLU inputs in FP8 (FP8 compute, framework megatron)",
+    )
+    pl.add_argument(
         "--target",
         default="any",
         choices=["any", "megatron", "torchtitan", "deepspeed"],
@@ -180,7 +185,14 @@ def _layout_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule")
     cmd.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank")
     cmd.add_argument(
-        "--recompute", default="none", help="none | selective | full | modules joined by '+'"
+        "--recompute",
+        default="none",
+        help="none | selective | full | op (torchtitan's per-op) | modules joined by '+'",
+    )
+    cmd.add_argument(
+        "--fp8-cache",
+        action="store_true",
+        help="keep SwiGLU inputs in FP8 (FP8 compute, framework megatron)",
     )
     cmd.add_argument("--ema-on-host", action="store_true", help="keep the EMA in host RAM")
     cmd.add_argument(
@@ -341,6 +353,7 @@ def _build(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJo
         virtual_stages=args.virtual_stages,
         recompute=args.recompute,
         ema="host" if args.ema_on_host else "hbm",
+        fp8_cache=args.fp8_cache,
     )
     return model, cluster, job, layout
 
@@ -427,6 +440,7 @@ def _plan(args: argparse.Namespace) -> None:
         zero=args.zero,
         schedules=args.schedule,
         recompute=args.recompute,
+        fp8_cache=[False, True] if args.fp8_cache else None,
         target=args.target,
     )
     console = Console(width=max(Console().width, 132), stderr=True)
@@ -463,6 +477,7 @@ def _plan(args: argparse.Namespace) -> None:
         f"dp={lay.dp} ep={lay.ep} ZeRO-{lay.zero} micro-batch {lay.micro_batch} x"
         f"{result.estimate.num_microbatches} {lay.schedule}"
         + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
+        + (", SwiGLU inputs kept in FP8" if lay.fp8_cache else "")
         + f", layers per stage {layers}."
     )
 

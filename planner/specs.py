@@ -395,7 +395,8 @@ class SearchSpace(Spec):
     ema: list[Literal["hbm", "host"]] | None = Field(default=None, description="EMA placements.")
     fp8_cache: list[bool] | None = Field(
         default=None,
-        description="Allowed Layout.fp8_cache values (None: both for FP8 Megatron-LM jobs).",
+        description="Allowed Layout.fp8_cache values (None: off; [False, True] searches both, "
+        "for FP8 Megatron-LM jobs).",
     )
     target: Literal["any", "megatron", "torchtitan", "deepspeed"] = Field(
         default="any", description="Only plans this launcher can state exactly."

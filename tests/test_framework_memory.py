@@ -88,18 +88,26 @@ def test_fp8_cache_stores_the_activation_input_in_fp8() -> None:
         _layer(LLAMA8, bf16, fp8_cache=True)
 
 
-def test_search_offers_fp8_caching_only_where_it_exists() -> None:
+def test_search_offers_fp8_caching_where_asked_and_where_it_exists() -> None:
     cluster = planner.load_cluster("h100", gpus=8)
     small = LLAMA8.model_copy(update={"num_layers": 2})
-    space = planner.SearchSpace(tp=[1], pp=[1], zero=[1], micro_batch=[1])
-    for fields, expected in (
-        ({"compute_dtype": "fp8"}, {False, True}),
-        ({}, {False}),
-        ({"compute_dtype": "fp8", "framework": "torchtitan"}, {False}),
-    ):
-        job = planner.TrainingJob(seq_len=1024, global_batch=8, **fields)  # type: ignore[arg-type]
-        caches = {c.fp8_cache for c in enumerate_configs(small, cluster, job, space)}
-        assert caches == expected, fields
+    both = [False, True]
+    fp8 = planner.TrainingJob(seq_len=1024, global_batch=8, compute_dtype="fp8")
+
+    def caches(job: planner.TrainingJob, asked: list[bool] | None) -> set[bool]:
+        space = planner.SearchSpace(tp=[1], pp=[1], zero=[1], micro_batch=[1], fp8_cache=asked)
+        return {c.fp8_cache for c in enumerate_configs(small, cluster, job, space)}
+
+    assert caches(fp8, None) == {False}  # off unless asked: it doubles the configurations
+    assert caches(fp8, both) == {False, True}
+    titan = planner.TrainingJob(
+        seq_len=1024, global_batch=8, compute_dtype="fp8", framework="torchtitan"
+    )
+    with pytest.raises(planner.PlannerError, match=r"SearchSpace\.fp8_cache"):
+        caches(titan, both)
+    bf16 = planner.TrainingJob(seq_len=1024, global_batch=8)
+    with pytest.raises(planner.PlannerError, match="needs compute_dtype='fp8'"):
+        caches(bf16, both)
 
 
 def test_megatron_experts_weight_by_probability_before_their_second_linear() -> None:
