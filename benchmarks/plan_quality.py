@@ -258,18 +258,12 @@ BRIDGE_DSV3 = (
 
 
 def _deepseek_recipe(dp: int) -> Callable[[planner.ModelSpec], planner.Layout]:
+    """models/recipes/deepseek-v3-pretraining.yaml's layout (its recompute, FP8 cache and
+    layer split) at ``dp``."""
+
     def build(model: planner.ModelSpec) -> planner.Layout:
-        return planner.Layout.uniform(
-            model,
-            pp=16,
-            tp=1,
-            dp=dp,
-            ep=64,
-            zero=1,
-            micro_batch=1,
-            schedule="dualpipe",
-            recompute="layernorm+mla_up_proj",
-        )
+        recipe = planner.load_recipe("deepseek-v3-pretraining").layout
+        return recipe.model_copy(update={"dp": dp})
 
     return build
 
@@ -421,10 +415,7 @@ JOBS: list[Job] = [
                 source=DEEPSEEK_REPORT + "; section 1: 'each trillion tokens requires only 180K "
                 "H800 GPU hours, i.e., 3.7 days on our cluster with 2048 H800 GPUs'",
                 build=_deepseek_recipe(dp=128),
-                assumed="micro-batch size not stated: 1; layers split as evenly as possible "
-                "(the report does not give its split); the model saves every activation in "
-                "BF16 where DeepSeek cached several in FP8 (report section 3.3), so this "
-                "recipe's memory is over-predicted",
+                assumed=planner.load_recipe("deepseek-v3-pretraining").assumed,
                 measured=gpu_hours_per_tokens(180e3, 1e12, "180K H800 GPU hours per 1T tokens"),
             )
         ],
@@ -698,6 +689,8 @@ def pinned_space(layout: planner.Layout, expert: Expert) -> planner.SearchSpace:
         ep=[layout.ep],
         schedules=[layout.schedule],
         virtual_stages=[layout.virtual_stages] if expert.pin_virtual_stages else None,
+        # the expert's FP8 cache is open to the search within its degrees
+        fp8_cache=[False, True] if layout.fp8_cache else None,
     )
 
 

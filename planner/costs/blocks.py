@@ -213,12 +213,32 @@ class BlockCost:
         return self.recompute_work(dropped).flops
 
     def menu(self) -> list[frozenset[str] | str]:
-        """Recompute choices worth considering: none, each module this block has, full."""
+        """Recompute choices worth considering: none, each module this block has, the
+        cheapest combinations of modules, full.
+
+        Combinations: modules in order of the recompute each costs per byte it frees
+        (FLOPs first, then memory traffic), and every prefix of that order of two modules or
+        more: the greedy frontier of the knapsack "free the most bytes for the least
+        recompute". It holds the set DeepSeek-V3 trained with (RMSNorm, MLA up-projections
+        and the SwiGLU output: layernorm+mla_up_proj+moe_act) without listing all 2^k sets."""
         modules = sorted({m for g in self.saved for m in g.modules} - {OP})
         choices: list[frozenset[str] | str] = [frozenset()]
         if any(OP in g.modules for g in self.saved):
             choices.append(frozenset({OP}))
         choices += [frozenset({m}) for m in modules]
+        kept = self.saved_bytes(frozenset())
+        freed = {m: kept - self.saved_bytes(frozenset({m})) for m in modules}
+        useful = [m for m in modules if freed[m] > 0]
+
+        def price(m: str) -> tuple[float, float, str]:
+            work = self.recompute_work(frozenset({m}))
+            return (work.flops / freed[m], work.memory / freed[m], m)
+
+        order = sorted(useful, key=price)
+        for k in range(2, len(order) + 1):
+            choice = frozenset(order[:k])
+            if choice not in choices:
+                choices.append(choice)
         if any(not g.keep_always for g in self.saved):
             choices.append("full")
         return choices

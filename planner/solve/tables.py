@@ -38,7 +38,7 @@ from planner.costs.timing import (
     first_rank,
     stage_send,
 )
-from planner.layout import Layout
+from planner.layout import Layout, parse_recompute
 from planner.schedules import Op, op_order
 from planner.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, TrainingJob
 
@@ -468,6 +468,9 @@ def _options(
 ) -> list[Option]:
     """A block's undominated recompute options (cached: many configurations share them)."""
     menu = cost.menu()
+    if allowed is not None:  # a listed module set applies to every block, in its menu or not
+        listed = (parse_recompute(a) for a in sorted(allowed) if a != "op")
+        menu += [c for c in listed if c not in menu]
     if name in ("embedding", "head"):
         menu = [frozenset()]  # launchers do not recompute them (Megatron-LM has no option)
     options = []
