@@ -249,8 +249,7 @@ class BlockCost:
         self.fwd += fwd
         self.bwd_input += bwd_input
         self.bwd_weight += bwd_weight
-        for m in modules:
-            self.module_work[m] = self.module_work.get(m, ZERO) + fwd
+        self.rerun(fwd, *modules)
 
     def gemm(self, shape: Gemm, *modules: str, kind: str = "gemm", quantized: bool = True) -> None:
         """A GEMM and its two backward GEMMs (input and weight gradient), same FLOPs each,
@@ -296,8 +295,8 @@ class BlockCost:
         self.saved.append(ActGroup(name, round(nbytes), tuple(modules), keep, added_by))
 
     def rerun(self, work: Work, *modules: str) -> None:
-        """Work a recompute of ``modules`` repeats that forward does as part of another op
-        (counted there): one half of a fused GEMM."""
+        """Forward work a recompute of ``modules`` repeats (``add`` registers its own; alone,
+        work forward counts as part of another op: one half of a fused GEMM)."""
         for m in modules:
             self.module_work[m] = self.module_work.get(m, ZERO) + work
 
