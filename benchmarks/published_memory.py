@@ -14,11 +14,14 @@ The heaviest pipeline rank is compared, as the sources report the maximum over r
 What a source leaves unstated is assumed and printed beside the row: micro-batch 1; one
 micro-batch per data-parallel rank when the global batch is unstated without pipelining;
 2 virtual stages for an interleaved schedule. torchtitan's selective activation
-checkpointing ("op": every other matmul output and the attention outputs kept, norms and
-activation functions recomputed) has no exact counterpart among Megatron-LM's recompute
-modules; it is costed as ``layernorm`` (norm outputs recomputed, matmul outputs and the MLP
-activation kept), which keeps a little more. ``torch.compile`` (most torchtitan rows) fuses
-elementwise kernels and frees some intermediates earlier; the model does not see it.
+checkpointing (option "op": every other matmul output and the attention outputs kept, norms and
+activation functions recomputed) is costed as the planner's ``op`` recompute choice, which
+keeps the same tensors. ``torch.compile`` (most torchtitan rows) fuses
+elementwise kernels and frees some intermediates earlier; the model sees only its loss: the
+``compiled_loss`` column says whether the row's torchtitan compiled the cross-entropy
+(``TrainingJob.compiled_loss``): true for runs with compile on at torchtitan commits from
+bbb1b616e (2025-04-02, PR #1033) on, false before (at 9dec370, December 2024, train.py left
+the loss eager: "compiling loss function causes CUDA errors, turning off for now").
 
 Rows the planner cannot cost yet are listed with the reason (context parallelism) and left
 out of the error.

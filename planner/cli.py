@@ -174,6 +174,12 @@ def _job_args(cmd: argparse.ArgumentParser) -> None:
         choices=["megatron", "torchtitan", "deepspeed", "torch"],
         help="training software: what overlaps with compute (default megatron, or --target's)",
     )
+    cmd.add_argument(
+        "--compiled-loss",
+        action="store_true",
+        help="the loss runs under torch.compile (torchtitan with compile on, or torch): BF16 "
+        "logits kept, no FP32 copy",
+    )
 
 
 def _layout_args(cmd: argparse.ArgumentParser) -> None:
@@ -294,6 +300,7 @@ def _training_job(args: argparse.Namespace, seq_len: int, global_batch: int) -> 
         ema=args.ema,
         **({"grad_dtype": args.grad_dtype} if args.grad_dtype else {}),
         **({"framework": args.framework} if getattr(args, "framework", None) else {}),
+        **({"compiled_loss": True} if getattr(args, "compiled_loss", False) else {}),
     )
 
 

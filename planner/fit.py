@@ -360,6 +360,8 @@ OPTIONAL_COLUMNS = {
     "gpu": "machine type; must match the cluster when given",
     "flash_attention": "true (default) or false: fused attention, or scores in HBM",
     "fp8_cache": "true or false (default): SwiGLU inputs kept in FP8 (Layout.fp8_cache)",
+    "compiled_loss": "true or false (default): the loss under torch.compile "
+    "(TrainingJob.compiled_loss; torchtitan or torch)",
     "step_s": "measured seconds per step (or metric + value)",
     "metric": "step_s or tokens_per_s_per_gpu, with value",
     "value": "the measured figure in metric's unit",
@@ -459,6 +461,9 @@ def layout_from_row(
     flash = text("flash_attention", "true").lower()
     if flash not in ("true", "false"):
         raise PlannerError(f"{where}: flash_attention={flash!r} must be true or false")
+    compiled = text("compiled_loss", "false").lower()
+    if compiled not in ("true", "false"):
+        raise PlannerError(f"{where}: compiled_loss={compiled!r} must be true or false")
     framework = text("framework", "megatron").lower()
     if framework not in ("megatron", "torchtitan", "deepspeed", "torch"):
         raise PlannerError(
@@ -474,6 +479,7 @@ def layout_from_row(
             compute_dtype="fp8" if precision == "fp8" else "bf16",
             framework=framework,
             flash_attention=flash == "true",
+            compiled_loss=compiled == "true",
         )
         schedule = text("schedule", "1f1b").lower()
         fields_: dict[str, Any] = {

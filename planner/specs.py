@@ -276,10 +276,22 @@ class TrainingJob(Spec):
                 object.__setattr__(self, key, value)
         return self
 
+    @model_validator(mode="after")
+    def _compiled_loss_framework(self) -> TrainingJob:
+        if self.compiled_loss and self.framework not in ("torchtitan", "torch"):
+            raise PlannerError(
+                f"TrainingJob.compiled_loss=True: framework={self.framework!r} runs its own "
+                "cross-entropy; only torchtitan and torch compile the loss"
+            )
+        return self
+
     def with_framework(self, framework: str) -> TrainingJob:
         """This job run by ``framework``: the dtypes it was given stay, the others become
-        that framework's defaults."""
+        that framework's defaults; a compiled loss stays only where the framework compiles
+        its loss (torchtitan, torch), the others run their own cross-entropy."""
         given = self.model_dump(include=self.model_fields_set - {"framework"})
+        if framework not in ("torchtitan", "torch"):
+            given.pop("compiled_loss", None)
         return TrainingJob(**given, framework=framework)
 
     seq_len: int = Field(gt=0, description="Tokens per sequence.")
@@ -318,6 +330,19 @@ class TrainingJob(Spec):
     )
     sequence_parallel: bool = Field(
         default=True, description="With tp > 1, shard norm/dropout activations over tp."
+    )
+    # torchtitan compiles its loss with torch.compile when compile is on (compile.components
+    # holds "loss" by default) since commit bbb1b616e (2025-04-02, PR #1033, "result in
+    # reduction of memory"); before it, train.py left the loss eager ("compiling loss function
+    # causes CUDA errors, turning off for now", at 9dec370, 2024-12-26). Inductor fuses the
+    # FP32 upcast, log-softmax and its backward: the loss keeps the BF16 logits and writes their
+    # BF16 gradient, where the eager loss keeps an FP32 copy and FP32 gradients.
+    compiled_loss: bool = Field(
+        default=False,
+        description="The cross-entropy runs under torch.compile (torchtitan with "
+        "compile.enable since April 2025, or an eager torch runtime that compiles it): the "
+        "loss keeps the logits in the activation dtype and no FP32 copy. torchtitan and torch "
+        "only.",
     )
     # Default 1.04: Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for
     # Mixture-of-Experts" (arXiv 2408.15664), Table 2: MaxVio_global = max expert load / mean

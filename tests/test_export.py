@@ -96,6 +96,7 @@ TORCHTITAN_KEYS = {
         "determinism_check",
         "debug",
     },
+    "compile": {"enable", "components", "backend"},
 }
 TORCHTITAN_SCHEDULES = {
     "1F1B",
@@ -298,9 +299,12 @@ def test_torchtitan_toml_uses_its_keys_and_states_the_stages(schedule: str) -> N
     )
     cluster = H100_16K.model_copy(update={"num_gpus": 8192})
     # Planned for torchtitan (what it overlaps), so the export can state the plan exactly.
-    job = LLAMA_JOB.model_copy(update={"framework": "torchtitan"})
+    # A compiled loss (costed as such) turns torchtitan's compile on, the loss with it.
+    compiled = schedule == "1f1b"
+    job = LLAMA_JOB.model_copy(update={"framework": "torchtitan", "compiled_loss": compiled})
     out = planner.export.torchtitan(plan_of(LLAMA405, cluster, job, layout))
     config = tomllib.loads(out.files["torchtitan.toml"])
+    assert ("loss" in config.get("compile", {}).get("components", [])) == compiled
     for section, table in config.items():
         assert set(table) <= TORCHTITAN_KEYS[section], (section, set(table))
     par = config["parallelism"]

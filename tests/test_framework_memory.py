@@ -183,6 +183,29 @@ def test_the_loss_holds_its_logits_for_a_moment() -> None:
     assert block_cost(small, "head", shard_of(fp32, layout)).transient == 0
 
 
+def test_a_compiled_loss_keeps_bf16_logits_and_no_fp32_copy() -> None:
+    """torchtitan compiles its loss since April 2025 (PR #1033): one fused kernel reads the
+    BF16 logits and writes their BF16 gradient, 2 + 2 bytes per logit against the eager
+    loss's 4 kept + 6 held for a moment. Only the stacks that compile the loss take it."""
+    small = LLAMA8.model_copy(update={"num_layers": 1})
+    layout = planner.Layout.uniform(small)
+    logits = 2048 * small.vocab_size
+    eager = planner.TrainingJob(seq_len=2048, global_batch=1, framework="torchtitan")
+    job = eager.model_copy(update={"compiled_loss": True})
+    head = block_cost(small, "head", shard_of(job, layout))
+    assert _group(head, "logits") == logits * 2
+    assert head.rebuilt_bytes(frozenset()) == logits * 2
+    before = stage_memory(small, eager, layout, num_microbatches=1)[0].buckets["activations"]
+    after = stage_memory(small, job, layout, num_microbatches=1)[0].buckets["activations"]
+    assert before - after == logits * (4 + 6 - 2 - 2)
+    with pytest.raises(planner.PlannerError, match="compiled_loss"):
+        planner.TrainingJob(seq_len=8, global_batch=1, compiled_loss=True)
+    titan = planner.TrainingJob(
+        seq_len=8, global_batch=1, framework="torchtitan", compiled_loss=True
+    )
+    assert not titan.with_framework("megatron").compiled_loss
+
+
 def test_deepseek_v3_recipe_fits_80_gb_as_it_did() -> None:
     """DeepSeek-V3 trained with this layout on 80 GB H800s (report section 3.2): FP8 linear
     inputs, SwiGLU inputs cached in FP8 with the output recomputed, RMSNorm and MLA

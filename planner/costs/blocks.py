@@ -114,6 +114,9 @@ class Shard:
     # logits.float(), as torchtitan runs it) rather than in place (Megatron's fused
     # vocab-parallel cross-entropy; planner.run's loss).
     loss_copies_logits: bool = False
+    # The loss is compiled (TrainingJob.compiled_loss): it keeps the logits in the activation
+    # dtype and writes their gradient in it, with no FP32 copy.
+    loss_compiled: bool = False
     op_sac: bool = False  # per-op selective checkpointing is on the menu (torchtitan's; OP)
 
     @property
@@ -465,6 +468,14 @@ def _head(cost: BlockCost, model: ModelSpec, shard: Shard, *, prefix: str = "") 
     cost.gemm(Gemm(shard.tokens, v / shard.tp, h), quantized=False)
     elements = shard.tokens * v / shard.tp
     logits = elements * LOGIT_BYTES
+    if shard.loss_compiled:
+        # One fused kernel forms the log-softmax from the logits as they are and, in backward,
+        # their gradient in the same dtype: those logits are kept, and the gradient is what
+        # the backward holds above them.
+        cost.save(prefix + "logits", elements * shard.act_bytes)
+        cost.transient = max(cost.transient, round(elements * shard.act_bytes))
+        cost.elementwise(2 * logits)
+        return
     cost.save(prefix + "logits", logits)
     # Logits narrower than FP32 live while the loss forms its FP32 softmax from them (and,
     # with a separate FP32 copy, that copy too); FP32 logits become the softmax in place.

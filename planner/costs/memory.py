@@ -258,6 +258,7 @@ def shard_of(job: TrainingJob, layout: Layout) -> Shard:
         fp8_cache=layout.fp8_cache,
         probs_in_expert=job.framework == "megatron",
         loss_copies_logits=job.framework == "torchtitan",
+        loss_compiled=job.compiled_loss,
         op_sac=job.framework == "torchtitan",
     )
 

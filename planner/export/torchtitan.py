@@ -101,6 +101,8 @@ def torchtitan(plan: Plan) -> Export:
         sections["activation_checkpoint"]["selective_ac_option"] = "op"
     if job.compute_dtype == "fp8":
         sections["model"]["converters"] = ["quantize.linear.float8"]
+    if job.compiled_loss:  # the loss compiled as costed (and the model: one switch)
+        sections["compile"] = {"enable": True, "components": ["model", "loss"]}
     text = (
         f"# {model.name}: {runs.tp * runs.pp * runs.dp} GPUs (torchtitan job config, keys as "
         f"of {COMMIT[:8]}, v0.2.2)\n" + dumps(sections)
