@@ -276,9 +276,11 @@ def _one_f_one_b(p: int, m: int, r: int, *, split: bool) -> list[Op]:
 
 
 def _interleaved_warmup(p: int, v: int, m: int, r: int) -> int:
-    """Megatron-LM: all m*v forwards first when m == p, else (p-r-1)*2 + (v-1)*p, capped."""
-    if m == p:
-        return m * v
+    """Megatron-LM: (p-r-1)*2 + (v-1)*p forwards before the first backward, capped at m*v.
+    Since commit 4295be1a6c (2024-11-01, "tunable schedule with overlapping") Megatron-Core
+    no longer runs all m*v forwards first when m == p: the last rank then starts its 1F1B
+    after (v-1)*p forwards, holding one micro-batch of its last chunk at a time (its CI
+    measures that: published_memory.csv, mlm_ci_7b_tp1_pp4_*)."""
     return min((p - r - 1) * 2 + (v - 1) * p, m * v)
 
 
