@@ -6,10 +6,13 @@ the source reports the allocator's peak allocated or peak reserved bytes, and th
 Each row is costed with ``planner.estimate.stage_memory`` under the row's framework and its
 default dtypes (``planner.specs.FRAMEWORK_DTYPES``); nothing is fitted to these rows.
 
-What is compared: ``torch.cuda.max_memory_reserved`` (what torchtitan logs as
-``max_reserved_gib``) holds the allocator's segments, so it is compared with the predicted
-peak less the CUDA context; ``max_memory_allocated`` with that less the fragmentation too.
-The heaviest pipeline rank is compared, as the sources report the maximum over ranks.
+What is compared (column ``kind``): ``reserved``, ``torch.cuda.max_memory_reserved`` (what
+torchtitan logs as ``max_reserved_gib``), holds the allocator's segments, so it is compared
+with the predicted peak less the CUDA context; ``allocated``, ``max_memory_allocated``
+(Megatron-LM's "max allocated" and ``mem-max-allocated-bytes``), with that less the
+fragmentation too; ``device``, what nvidia-smi shows for the process, with the whole peak.
+The heaviest pipeline rank is compared, as most sources report the maximum over ranks, or
+the one in column ``pp_rank`` when the source names it (-1: the last).
 
 What a source leaves unstated is assumed and printed beside the row: micro-batch 1; one
 micro-batch per data-parallel rank when the global batch is unstated without pipelining;
@@ -47,6 +50,7 @@ GIB = 2**30
 SCHEDULES = {"": "1f1b", "1f1b": "1f1b", "interleaved 1f1b": "interleaved"}
 FRAMEWORKS = {"nemo": "megatron", "fsdp": "torch"}  # the planner's name for each stack
 TORCHTITAN_SELECTIVE = "op"  # see the module docstring
+KINDS = ("allocated", "reserved", "device")  # see the module docstring
 
 
 def predict(row: dict[str, str]) -> tuple[float, str, list[str]]:
@@ -77,8 +81,18 @@ def predict(row: dict[str, str]) -> tuple[float, str, list[str]]:
     model, job, layout = layout_from_row(fields, row["id"])
     m = job.global_batch // (layout.dp * layout.micro_batch)
     ranks = stage_memory(model, job, layout, num_microbatches=m)
-    heaviest = max(ranks, key=lambda r: r.peak_bytes)
-    value = heaviest.reserved_bytes if row["kind"] == "reserved" else heaviest.allocated_bytes
+    if row.get("pp_rank"):  # the source measured one pipeline rank
+        heaviest = ranks[int(row["pp_rank"]) % layout.pp]
+    else:
+        heaviest = max(ranks, key=lambda r: r.peak_bytes)
+    kind = row["kind"]
+    if kind not in KINDS:
+        raise PlannerError(f"kind={kind!r}: not one of {', '.join(KINDS)}")
+    value = {
+        "reserved": heaviest.reserved_bytes,
+        "allocated": heaviest.allocated_bytes,
+        "device": heaviest.peak_bytes,
+    }[kind]
     text = (
         f"tp{layout.tp} pp{layout.pp} dp{layout.dp} ep{layout.ep} mb{layout.micro_batch} "
         f"z{layout.zero} {fields['recompute']}"

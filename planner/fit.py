@@ -360,6 +360,8 @@ OPTIONAL_COLUMNS = {
     "gpu": "machine type; must match the cluster when given",
     "flash_attention": "true (default) or false: fused attention, or scores in HBM",
     "fp8_cache": "true or false (default): SwiGLU inputs kept in FP8 (Layout.fp8_cache)",
+    "sequence_parallel": "true (default) or false: with tp > 1, norm and dropout activations "
+    "split over tp",
     "compiled_loss": "true or false (default): the loss under torch.compile "
     "(TrainingJob.compiled_loss; torchtitan or torch)",
     "step_s": "measured seconds per step (or metric + value)",
@@ -369,44 +371,66 @@ OPTIONAL_COLUMNS = {
 }
 
 
+GPT_KEYS = {
+    "hidden": "hidden size",
+    "layers": "transformer layers",
+    "heads": "attention heads",
+    "vocab": "vocabulary (as padded by the framework)",
+    "kv": "key/value heads (default: heads)",
+    "ffn": "MLP hidden size (default 4*hidden)",
+    "swiglu": "1: gated SiLU MLP (default 0: GeLU)",
+    "rmsnorm": "1: RMSNorm (default 0: LayerNorm)",
+    "rope": "1: rotary positions (default 0: learned)",
+    "seq": "rows of the learned position embedding (default 2048; a run's seq_len)",
+    "bias": "0: no linear biases (default 1)",
+    "tied": "0: untied embedding and head (default 1)",
+    "dropout": "hidden and attention dropout (default 0)",
+}
+
+
 def gpt_model(spec: str) -> ModelSpec:
-    """A Megatron-LM GPT (LayerNorm, GeLU MLP of 4h, biases, learned positions, tied
-    embeddings) from ``gpt:hidden=H;layers=L;heads=A;vocab=V[;dropout=P]``; no dropout
-    unless stated (Megatron-LM's own default is 0.1 for both)."""
-    fields_: dict[str, int] = {}
-    dropout = 0.0
+    """A Megatron-LM GPT from ``gpt:hidden=H;layers=L;heads=A;vocab=V[;key=value...]``
+    (``GPT_KEYS``): by default LayerNorm, GeLU MLP of 4h, biases, learned positions, tied
+    embeddings and no dropout (Megatron-LM's own default is 0.1 for both dropouts)."""
+    fields_: dict[str, float] = {}
     for part in spec.removeprefix("gpt:").split(";"):
         key, _, value = part.partition("=")
+        key = key.strip()
+        if key not in GPT_KEYS:
+            raise PlannerError(
+                f"model={spec!r}: {key!r} is not one of {', '.join(GPT_KEYS)} "
+                "(gpt:hidden=H;layers=L;heads=A;vocab=V[;key=value...])"
+            )
         try:
-            if key.strip() == "dropout":
-                dropout = float(value)
-            else:
-                fields_[key.strip()] = int(value)
+            fields_[key] = float(value) if key == "dropout" else int(value)
         except ValueError:
             raise PlannerError(
-                f"model={spec!r}: {part!r} is not key=integer (gpt:hidden=H;layers=L;heads=A;"
-                "vocab=V[;dropout=P])"
+                f"model={spec!r}: {part!r} is not key=number (gpt:hidden=H;layers=L;heads=A;"
+                "vocab=V[;key=value...])"
             ) from None
     missing = [k for k in ("hidden", "layers", "heads", "vocab") if k not in fields_]
     if missing:
         raise PlannerError(f"model={spec!r}: missing {', '.join(missing)}")
-    h, heads = fields_["hidden"], fields_["heads"]
+    h, heads = int(fields_["hidden"]), int(fields_["heads"])
+    kv = int(fields_.get("kv", heads))
+    dropout = fields_.get("dropout", 0.0)
+    bias = bool(fields_.get("bias", 1))
     return ModelSpec(
-        name=f"gpt-h{h}-l{fields_['layers']}",
+        name=f"gpt-h{h}-l{int(fields_['layers'])}",
         hidden_size=h,
-        num_layers=fields_["layers"],
-        vocab_size=fields_["vocab"],
+        num_layers=int(fields_["layers"]),
+        vocab_size=int(fields_["vocab"]),
         num_attention_heads=heads,
-        num_kv_heads=heads,
+        num_kv_heads=kv,
         head_dim=h // heads,
-        attention="mha",
-        mlp="gelu",
-        ffn_hidden_size=4 * h,
-        norm="layernorm",
-        qkv_bias=True,
-        linear_bias=True,
-        tie_word_embeddings=True,
-        learned_positions=fields_.get("seq", 2048),
+        attention="mha" if kv == heads else "gqa",
+        mlp="swiglu" if fields_.get("swiglu") else "gelu",
+        ffn_hidden_size=int(fields_.get("ffn", 4 * h)),
+        norm="rmsnorm" if fields_.get("rmsnorm") else "layernorm",
+        qkv_bias=bias,
+        linear_bias=bias,
+        tie_word_embeddings=bool(fields_.get("tied", 1)),
+        learned_positions=0 if fields_.get("rope") else int(fields_.get("seq", 2048)),
         hidden_dropout=dropout,
         attention_dropout=dropout,
     )
@@ -452,7 +476,7 @@ def layout_from_row(
         raise PlannerError(f"{where}: column 'model' is empty ({RUN_COLUMNS['model']})")
     model = gpt_model(source) if source.startswith("gpt:") else load_model(source)
     seq = whole("seq_len")
-    if source.startswith("gpt:"):
+    if source.startswith("gpt:") and model.learned_positions:
         model = model.model_copy(update={"learned_positions": seq})
     precision = text("precision", "bf16").lower()
     if precision not in ("bf16", "fp16", "fp8"):
@@ -461,6 +485,9 @@ def layout_from_row(
     flash = text("flash_attention", "true").lower()
     if flash not in ("true", "false"):
         raise PlannerError(f"{where}: flash_attention={flash!r} must be true or false")
+    sp = text("sequence_parallel", "true").lower()
+    if sp not in ("true", "false"):
+        raise PlannerError(f"{where}: sequence_parallel={sp!r} must be true or false")
     compiled = text("compiled_loss", "false").lower()
     if compiled not in ("true", "false"):
         raise PlannerError(f"{where}: compiled_loss={compiled!r} must be true or false")
@@ -480,6 +507,7 @@ def layout_from_row(
             framework=framework,
             flash_attention=flash == "true",
             compiled_loss=compiled == "true",
+            sequence_parallel=sp == "true",
         )
         schedule = text("schedule", "1f1b").lower()
         fields_: dict[str, Any] = {

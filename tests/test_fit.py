@@ -214,3 +214,16 @@ def test_cli_writes_a_profile_evaluate_reads(
     assert np.isfinite(est.step_time_s)
     assert main(["calibrate", "--runs", str(csv_path)]) == 2
     assert "needs --cluster" in capsys.readouterr().err
+
+
+def test_gpt_spec_states_a_llama_shape_exactly() -> None:
+    # Llama 2 7B (meta-llama/Llama-2-7b-hf config.json: hidden 4096, 32 layers, 32 heads,
+    # intermediate 11008, vocab 32000, RMSNorm, SwiGLU, RoPE, no biases, untied): 6,738,415,616
+    # parameters, the count its model card's checkpoint holds.
+    spec = "gpt:hidden=4096;layers=32;heads=32;ffn=11008;swiglu=1;rmsnorm=1;rope=1;bias=0;tied=0"
+    model = gpt_model(spec + ";vocab=32000")
+    assert model.num_params() == 6_738_415_616
+    assert (model.attention, model.learned_positions) == ("mha", 0)
+    assert gpt_model(spec + ";vocab=32000;kv=8").attention == "gqa"
+    with pytest.raises(planner.PlannerError, match="'window' is not one of"):
+        gpt_model(spec + ";vocab=32000;window=4096")

@@ -263,3 +263,39 @@ def test_stage_memory_reports_allocated_and_reserved() -> None:
     b = rank.buckets
     assert rank.reserved_bytes == rank.allocated_bytes + b["fragmentation"]
     assert rank.peak_bytes == rank.reserved_bytes + b["context"]
+
+
+def test_deepspeed_buffers_are_its_bucket_sizes() -> None:
+    """DeepSpeed's ZeRO allocates its gradient bucket at reduce_bucket_size (5e8 elements)
+    whatever the model's size, twice with overlap_comm in stages 1-2; stage 3 keeps up to
+    stage3_max_live_parameters (1e9) gathered parameters (deepspeed/runtime/zero/config.py)."""
+    small = LLAMA8.model_copy(update={"num_layers": 8, "vocab_size": 32_000})
+    job = planner.TrainingJob(seq_len=1024, global_batch=8, framework="deepspeed")
+
+    def buffers(**fields: object) -> int:
+        layout = planner.Layout.uniform(small, dp=8, **fields)  # type: ignore[arg-type]
+        return stage_memory(small, job, layout, num_microbatches=1)[0].buckets["buffers"]
+
+    comm = job.comm_buffer_bytes
+    assert buffers(zero=0) == comm
+    assert buffers(zero=2) == comm + 2 * 500_000_000 * 2  # two BF16 buckets
+    resident = sum(
+        p.numel
+        for name in ["embedding", *(f"layer.{i}" for i in range(8)), "head"]
+        for p in block_cost(small, name, shard_of(job, planner.Layout.uniform(small))).params
+    )
+    assert resident > 1e9  # so the live-parameter limit binds
+    assert buffers(zero=3) == comm + 500_000_000 * 2 + 1_000_000_000 * 2
+
+
+def test_torchtitan_zero2_keeps_the_gathered_copy_from_forward_to_backward() -> None:
+    """FSDP2 shards the FP32 parameters in every mode; without resharding after forward
+    (torchtitan's fsdp_reshard_after_forward "never", the planner's ZeRO-2) each block's BF16
+    working copy stays gathered until its backward: 4/dp + 2 bytes per parameter."""
+    job = planner.TrainingJob(seq_len=1024, global_batch=8, framework="torchtitan")
+    layout = planner.Layout.uniform(LLAMA8, dp=8, zero=2)
+    params = block_cost(LLAMA8, "layer.0", shard_of(job, layout)).params
+    n = sum(p.numel for p in params)
+    held = state_bytes(params, job=job, layout=layout, ema_on_gpu=True)
+    assert held["weights"] == pytest.approx(n * (4 / 8 + 2))
+    assert held["grads"] == pytest.approx(n * 4 / 8)

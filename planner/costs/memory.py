@@ -63,6 +63,19 @@ EMBEDDING_HEAD_KEYS = frozenset({"word_embeddings", "output", "position_embeddin
 # 77.0 GiB with torch.compile and 76.8 GiB with Float8 added
 # (benchmarks/llama3_h100_202412_torchtitan.md, Table 1).
 FP8_LINEARS_KEEP_FP8 = frozenset({"megatron", "deepspeed"})
+# DeepSpeed's ZeRO buffers (deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig defaults;
+# planner.export.deepspeed writes both values into ds_config.json):
+# - reduce_bucket_size = 5e8 elements. With contiguous_gradients (default on), stages 1-2
+#   allocate a gradient bucket ("ipg_buffer") of that many elements in the 16-bit dtype before
+#   each backward, and a second one with overlap_comm (stage_1_and_2.py,
+#   DeepSpeedZeroOptimizer.backward); with pipeline parallelism, one
+#   (DeepSpeedZeroOptimizer.reduce_gradients). Stage 3 allocates one flat bucket of that size
+#   at start-up (stage3.py). Whatever the model's size: 0.93 GiB each in BF16.
+# - stage3_max_live_parameters = 1e9 elements: stage 3 keeps up to that many gathered
+#   parameters resident before it releases any (and, with max_reuse_distance = 1e9, does not
+#   release those it will reuse soon, as at the turn from forward to backward).
+DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000
+DEEPSPEED_MAX_LIVE_PARAMETERS = 1_000_000_000
 
 
 def usable_hbm(cluster: ClusterSpec) -> int:
@@ -206,16 +219,19 @@ def state_bytes(
     z = layout.zero
     held = held_unsharded(job, layout)
     working = DTYPE_BYTES[job.working_weight_dtype]
+    # FSDP2 shards the parameters' storage whenever it shards anything: torchtitan's "ZeRO-2"
+    # is reshard_after_forward off, which keeps the gathered working copy (held_unsharded).
+    sharded_weights = 2 if job.framework == "torchtitan" else 3
     for p in params:
         local = p.numel / shards(p, layout)
         group = edp if p.expert else layout.dp
-        out["weights"] += local * wb / (group if z >= 3 else 1)
+        out["weights"] += local * wb / (group if z >= sharded_weights else 1)
         if held:
             out["weights"] += local * working
         if not p.trainable:
             continue
         out["grads"] += local * gb / (group if z >= 2 else 1)
-        if held:
+        if held and layout.pp > 1:
             out["grads"] += local * gb
         out["optimizer"] += local * opt_b / (group if z >= 1 else 1)
         ema = local * ema_b / (group if z >= 1 else 1)
@@ -224,13 +240,16 @@ def state_bytes(
 
 
 def held_unsharded(job: TrainingJob, layout: Layout) -> bool:
-    """torchtitan with pipeline parallelism keeps FSDP2's unsharded parameters from the first
-    forward to the last backward (reshard_after_forward off when PP is on, its default
-    policy), and the pipeline schedule turns gradient sync off for every micro-batch but the
-    last, so FSDP2 accumulates unsharded gradients in its reduce dtype until then
-    (torch.distributed.pipelining's stage backward; FSDP2's to_accumulated_grad_if_needed).
-    Such a rank holds both on top of its shards."""
-    return job.framework == "torchtitan" and layout.zero >= 3 and layout.pp > 1
+    """Whether a torchtitan rank keeps FSDP2's unsharded working parameters from forward to
+    backward on top of its shards: with ``zero=2`` (exported as fsdp_reshard_after_forward
+    "never") and with pipeline parallelism (reshard_after_forward off when PP is on, its
+    default policy). With PP the schedule also turns gradient sync off for every micro-batch
+    but the last, so FSDP2 accumulates unsharded gradients in its reduce dtype until then
+    (torch.distributed.pipelining's stage backward; FSDP2's to_accumulated_grad_if_needed):
+    such a rank holds those too (``state_bytes``)."""
+    return job.framework == "torchtitan" and (
+        layout.zero == 2 or (layout.zero >= 3 and layout.pp > 1)
+    )
 
 
 def shard_of(job: TrainingJob, layout: Layout) -> Shard:
@@ -267,6 +286,13 @@ def reduce_bucket_bytes(model: ModelSpec, job: TrainingJob, layout: Layout) -> f
     """ZeRO-2 and -3 shard the gradients, but a block's gradients exist whole on the rank
     until they are reduce-scattered: one reduce bucket, here the largest block's gradients
     (the same on every rank; measured with ZeRO-2 and FSDP2 in ``planner.run``)."""
+    if job.framework == "deepspeed":
+        if layout.zero == 0:
+            return 0.0
+        # stages 1-2 double their bucket for overlap_comm (as exported) unless pipelined
+        buckets = 2 if layout.zero < 3 and layout.pp == 1 else 1
+        bucket = DEEPSPEED_REDUCE_BUCKET_ELEMENTS * DTYPE_BYTES[job.working_weight_dtype]
+        return float(buckets * bucket)
     if layout.zero < 2:
         return 0.0
     shard = shard_of(job, layout)
@@ -374,7 +400,11 @@ def _rank_memory(
         buffers += max(_backward_temporaries(costs[n], job, layout, shard, model) for n in names)
     if layout.zero >= 3:  # the gathered working copy of the largest block, and the prefetched
         biggest = max(sum(p.numel / shards(p, layout) for p in costs[n].params) for n in names)
-        buffers += 2 * biggest * DTYPE_BYTES[job.working_weight_dtype]
+        gathered = 2 * biggest
+        if job.framework == "deepspeed":  # resident up to stage3_max_live_parameters
+            resident = sum(p.numel / shards(p, layout) for p in plist)
+            gathered = max(gathered, min(DEEPSPEED_MAX_LIVE_PARAMETERS, resident))
+        buffers += gathered * DTYPE_BYTES[job.working_weight_dtype]
     buckets = {
         "weights": state["weights"],
         "grads": state["grads"],

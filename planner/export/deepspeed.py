@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 
+from planner.costs.memory import DEEPSPEED_MAX_LIVE_PARAMETERS, DEEPSPEED_REDUCE_BUCKET_ELEMENTS
 from planner.export import (
     Export,
     finish,
@@ -79,6 +80,13 @@ def deepspeed(plan: Plan) -> Export:
             "overlap_comm": True,
             "contiguous_gradients": True,
             "reduce_scatter": True,
+            # the buffers planner.costs.memory prices (DeepSpeed's defaults, stated)
+            "reduce_bucket_size": DEEPSPEED_REDUCE_BUCKET_ELEMENTS,
+            **(
+                {"stage3_max_live_parameters": DEEPSPEED_MAX_LIVE_PARAMETERS}
+                if runs.zero == 3
+                else {}
+            ),
         },
     }
     if runs.tp > 1:

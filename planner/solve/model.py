@@ -28,11 +28,11 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from planner.costs.memory import memory_cap
+from planner.costs.memory import DEEPSPEED_MAX_LIVE_PARAMETERS, memory_cap
 from planner.costs.overlap import OVERLAPS, Prim, TaskKey, Term, task_terms
 from planner.costs.timing import optimizer_traffic
 from planner.solve.tables import Affine, Tables
-from planner.specs import ClusterSpec, TrainingJob
+from planner.specs import DTYPE_BYTES, ClusterSpec, TrainingJob
 from planner.timeline import Form
 
 UNIT = 1e-6  # seconds per time unit
@@ -296,6 +296,22 @@ class StageModel:
                     for name in self._fixed_of(c):
                         m.add(biggest >= _ceil(t.kinds[name].shard_weight))
                 extra = 2 * biggest
+                if job.framework == "deepspeed":  # resident up to stage3_max_live_parameters
+                    resident = sum(
+                        [self._layers(c, lambda k: _ceil(k.shard_weight)) for c in chunks],
+                        sum(
+                            _ceil(t.kinds[n].shard_weight)
+                            for c in chunks
+                            for n in self._fixed_of(c)
+                        ),
+                    )
+                    wb = DTYPE_BYTES[job.working_weight_dtype]
+                    live = m.new_int_var(0, 2**40, f"live[{r}]")
+                    m.add_min_equality(live, [resident, DEEPSPEED_MAX_LIVE_PARAMETERS * wb // KIB])
+                    gathered = m.new_int_var(0, 2**40, f"gathered[{r}]")
+                    m.add(gathered >= 2 * biggest)
+                    m.add(gathered >= live)
+                    extra = gathered
             m.add(static + act + extra <= usable)
             if t.config.ema == "host":
                 per_node = min(self.cluster.gpus_per_node, self.cluster.num_gpus)
