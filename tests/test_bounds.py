@@ -42,8 +42,8 @@ CASES = [  # model, layers, global batch, HBM GiB, schedules
     ("llama3-8b", 6, 16, 20, ["interleaved"]),
     ("llama3-8b", 5, 16, 20, ["1f1b", "zb-h1"]),
     ("llama3-8b", 4, 16, 10, ["1f1b", "zb-h1", "dualpipe", "dualpipev"]),
-    ("mixtral-8x7b", 4, 32, 40, ["1f1b", "interleaved", "dualpipe", "dualpipev"]),
-    ("mixtral-8x7b", 4, 32, 80, ["zb-h1", "dualpipe"]),
+    ("mixtral-8x7b", 4, 16, 40, ["1f1b", "interleaved", "dualpipe", "dualpipev"]),
+    ("mixtral-8x7b", 4, 16, 80, ["zb-h1", "dualpipe"]),
 ]
 
 

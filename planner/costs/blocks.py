@@ -166,6 +166,9 @@ class BlockCost:
     tokens_per_expert: float = 0.0  # tokens each local expert's GEMMs see (busiest rank)
     tp: int = 1  # tensor-parallel degree the block is sharded over (GEMM shapes)
     fp8: bool = False  # linears cast their inputs and output gradients to FP8
+    # saved_bytes / rebuilt_bytes by recompute choice, keyed with the saved groups' count
+    # and the transient so that a block still being built is never answered from it
+    _memo: dict[tuple[object, ...], int] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def fwd_flops(self) -> float:
@@ -185,7 +188,10 @@ class BlockCost:
 
     def saved_bytes(self, dropped: frozenset[str] | str = frozenset()) -> int:
         """Bytes kept for backward under a recompute choice (a module set or ``"full"``)."""
-        return sum(g.bytes for g in self.saved if _is_kept(g, dropped))
+        key = ("saved", dropped, len(self.saved))
+        if key not in self._memo:
+            self._memo[key] = sum(g.bytes for g in self.saved if _is_kept(g, dropped))
+        return self._memo[key]
 
     def kept_bytes(self, name: str, dropped: frozenset[str] | str = frozenset()) -> int:
         """Bytes of the saved group ``name`` kept for backward under a recompute choice."""
@@ -194,8 +200,11 @@ class BlockCost:
     def rebuilt_bytes(self, dropped: frozenset[str] | str) -> int:
         """Bytes a backward holds above the saved ones under a recompute choice (one
         micro-batch): what it re-materialises, or the block's ``transient`` if more."""
-        rebuilt = sum(g.bytes for g in self.saved if not g.added_by and _is_dropped(g, dropped))
-        return max(rebuilt, self.transient)
+        key = ("rebuilt", dropped, len(self.saved), self.transient)
+        if key not in self._memo:
+            rebuilt = sum(g.bytes for g in self.saved if not g.added_by and _is_dropped(g, dropped))
+            self._memo[key] = max(rebuilt, self.transient)
+        return self._memo[key]
 
     def recompute_work(self, dropped: frozenset[str] | str) -> Work:
         """Forward work repeated in backward to rebuild what ``dropped`` discards."""

@@ -75,6 +75,9 @@ FP8_LINEARS_KEEP_FP8 = frozenset({"megatron", "deepspeed"})
 #   parameters resident before it releases any (and, with max_reuse_distance = 1e9, does not
 #   release those it will reuse soon, as at the turn from forward to backward).
 DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000
+# Schedules planner.run runs with torch.distributed.pipelining's _PipelineScheduleRuntime
+# (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleDualPipeV).
+RUNTIME_SCHEDULES = frozenset({"interleaved", "zb-h1", "dualpipev"})
 DEEPSPEED_MAX_LIVE_PARAMETERS = 1_000_000_000
 
 
@@ -146,23 +149,29 @@ def activation_peak(
     num_microbatches: int,
     per_chunk: dict[int, float],
     rebuild: dict[int, float],
+    kept: tuple[dict[int, float], dict[int, float]] | None = None,
 ) -> float:
     """Highest activation level on ``rank`` as its op order runs: each forward adds its
     chunk's saved bytes for one micro-batch and the backward that consumes them (the
     weight-gradient op when the schedule splits it off) removes them; while a backward runs,
     the block it recomputes holds its rebuilt tensors too (``rebuild``: see ``rebuild_peak``).
-    ``schedules.in_flight`` gives the same counts in closed form where chunks save equal
-    bytes."""
+    ``kept``: bytes each forward and each backward of a chunk leave until the step ends
+    (tensors a runtime holds on to, see ``stage_memory``). ``schedules.in_flight`` gives the
+    same counts in closed form where chunks save equal bytes and nothing is kept."""
     order = layout_order(layout, rank, num_microbatches)
+    after_forward, after_backward = kept or ({}, {})
     level = peak = 0.0
     for op in order:
         if op.kind == "F":
-            level += per_chunk[op.stage]
+            level += per_chunk[op.stage] + after_forward.get(op.stage, 0.0)
             peak = max(peak, level)
         if op.kind in ("B", "BW"):
             peak = max(peak, level + rebuild[op.stage])
         if op.kind in ("BW", "W"):
             level -= per_chunk[op.stage]
+        if op.kind in ("B", "BW"):
+            level += after_backward.get(op.stage, 0.0)
+            peak = max(peak, level)
     return peak
 
 
@@ -334,6 +343,9 @@ def stage_memory(
     - every micro-batch has its own receive buffers, made once and kept: hidden states
       into a chunk that is not the first (the chunk's saved input is that buffer), their
       gradients into one that is not the last;
+    - its multi-chunk schedules (interleaved, zb-h1, dualpipev) keep every send until the
+      step ends: each stage output sent forward and each input gradient sent back stays
+      (counted with the activations, in op order);
     - an eager backward holds the gradient flowing back and a parameter's fresh gradient
       before accumulation (``_backward_temporaries``; in ``buffers``, like the reduce
       bucket)."""
@@ -362,6 +374,13 @@ def _rank_memory(
     rebuild: dict[int, float] = {}
     hidden = shard.sp_tokens * model.hidden_size * shard.act_bytes  # one micro-batch's
     torch_pp = runtime == "torch" and layout.pp > 1
+    # torch.distributed.pipelining's multi-chunk schedules (_PipelineScheduleRuntime) wait on
+    # their sends only when the step ends ("send ops should be waited on before step()
+    # exits"): every stage output sent forward and every input gradient sent back stays
+    # referenced until then.
+    held_sends = torch_pp and layout.schedule in RUNTIME_SCHEDULES
+    after_forward: dict[int, float] = {}
+    after_backward: dict[int, float] = {}
     last = len(layout.stages) - 1
     for c in dict.fromkeys(chunks):  # a chunk listed twice is held once
         blocks = [(costs[b.block], parse_recompute(b.recompute)) for b in layout.stages[c].blocks]
@@ -372,14 +391,20 @@ def _rank_memory(
         per_chunk[c] = float(sum(cost.saved_bytes(choice) for cost, choice in blocks))
         kept = 0.0
         if torch_pp:
-            if c < last:
-                per_chunk[c] += hidden
-            else:  # the last stage's output is the logits: held through its backward
+            if c == last:  # the last stage's output is the logits: held through its backward
                 kept = blocks[-1][0].kept_bytes("logits")
+            elif held_sends:
+                after_forward[c] = hidden
+            else:
+                per_chunk[c] += hidden
+            if c > 0 and held_sends:
+                after_backward[c] = hidden
             if c > 0:  # the input a chunk keeps is its receive buffer, counted in buffers
                 per_chunk[c] -= blocks[0][0].kept_bytes("block_input", blocks[0][1])
         rebuild[c] = rebuild_peak(blocks, kept)
-    activations = activation_peak(layout, rank, num_microbatches, per_chunk, rebuild)
+    activations = activation_peak(
+        layout, rank, num_microbatches, per_chunk, rebuild, (after_forward, after_backward)
+    )
     plist = list(params.values())
     ema_on_gpu = layout.ema == "hbm"
     state = state_bytes(plist, job=job, layout=layout, ema_on_gpu=ema_on_gpu)
