@@ -109,8 +109,9 @@ def main() -> None:
     errors: dict[str, list[float]] = defaultdict(list)
     signed: dict[str, list[float]] = defaultdict(list)
     skipped = []
+    wide = max(len(row["id"]) for row in rows)
     print(
-        f"{'id':22} {'framework':10} {'gpu':5} {'layout':40} {'kind':9} "
+        f"{'id':{wide}} {'framework':10} {'gpu':5} {'layout':40} {'kind':9} "
         f"{'measured':>9} {'predicted':>9} {'error':>7}"
     )
     for row in rows:
@@ -126,7 +127,7 @@ def main() -> None:
             signed[key].append(error)
         note = f"  [{'; '.join(assumed)}]" if assumed else ""
         print(
-            f"{row['id']:22} {row['framework']:10} {row['gpu']:5} {text:40} {row['kind']:9} "
+            f"{row['id']:{wide}} {row['framework']:10} {row['gpu']:5} {text:40} {row['kind']:9} "
             f"{measured:8.1f}G {predicted:8.1f}G {error:+7.1%}{note}"
         )
     print("\nmean absolute error (signed mean), GiB per GPU:")

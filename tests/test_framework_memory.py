@@ -181,6 +181,12 @@ def test_the_loss_holds_its_logits_for_a_moment() -> None:
         assert head.rebuilt_bytes(frozenset()) == logits * moment
     fp32 = planner.TrainingJob(seq_len=2048, global_batch=1, activation_dtype="fp32")
     assert block_cost(small, "head", shard_of(fp32, layout)).transient == 0
+    # tp > 1: DTensor's loss-parallel log-softmax holds the FP32 copy, the shifted copy and
+    # its exponential at once, each over the vocabulary shard: 2 + 4 + 4 above the 4 kept.
+    titan = planner.TrainingJob(seq_len=2048, global_batch=1, framework="torchtitan")
+    tp8 = planner.Layout.uniform(small, tp=8)
+    head = block_cost(small, "head", shard_of(titan, tp8))
+    assert head.transient == logits // 8 * (2 + 4 + 4)
 
 
 def test_a_compiled_loss_keeps_bf16_logits_and_no_fp32_copy() -> None:

@@ -489,9 +489,16 @@ def _head(cost: BlockCost, model: ModelSpec, shard: Shard, *, prefix: str = "") 
     # Logits narrower than FP32 live while the loss forms its FP32 softmax from them (and,
     # with a separate FP32 copy, that copy too); FP32 logits become the softmax in place.
     # Its backward holds as much in gradients.
+    # With tp > 1 the copying loss is DTensor's loss-parallel log-softmax (torchtitan's
+    # default, parallelism.disable_loss_parallel false), which follows the decomposition:
+    # the FP32 copy, the shifted copy and its exponential live at once
+    # (torch/distributed/tensor/parallel/loss.py, _log_softmax): two FP32 tensors above the
+    # one it keeps.
     if shard.act_bytes < LOGIT_BYTES:
-        copy = LOGIT_BYTES if shard.loss_copies_logits else 0
-        cost.transient = max(cost.transient, round(elements * (shard.act_bytes + copy)))
+        copies = (2 if shard.tp > 1 else 1) if shard.loss_copies_logits else 0
+        cost.transient = max(
+            cost.transient, round(elements * (shard.act_bytes + copies * LOGIT_BYTES))
+        )
     cost.elementwise(2 * logits)  # fp32 softmax cross-entropy: read and write the logits
 
 
