@@ -32,6 +32,7 @@ CPU side of the EMA (reported as ``host_bytes``).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Literal
@@ -304,15 +305,25 @@ def reduce_bucket_bytes(model: ModelSpec, job: TrainingJob, layout: Layout) -> f
         return float(buckets * bucket)
     if layout.zero < 2:
         return 0.0
-    shard = shard_of(job, layout)
+    biggest = _largest_block_grads(model, shard_of(job, layout), layout.tp, layout.ep)
+    return biggest * DTYPE_BYTES[job.grad_dtype]
+
+
+@functools.lru_cache(maxsize=4096)
+def _largest_block_grads(model: ModelSpec, shard: Shard, tp: int, ep: int) -> float:
+    """Trainable elements of the block with the most of them on one rank (the search asks
+    for every configuration it bounds)."""
     names = ["embedding", "head"]
     names += list({model.is_moe_layer(i): f"layer.{i}" for i in range(model.num_layers)}.values())
     names += [f"mtp.{j}" for j in range(min(model.num_mtp_layers, 1))]
-    biggest = max(
-        sum(p.numel / shards(p, layout) for p in block_cost(model, n, shard).params if p.trainable)
+    return max(
+        sum(
+            p.numel / ((tp if p.tp_split else 1) * (ep if p.expert else 1))
+            for p in block_cost(model, n, shard).params
+            if p.trainable
+        )
         for n in names
     )
-    return biggest * DTYPE_BYTES[job.grad_dtype]
 
 
 def block_costs(model: ModelSpec, layout: Layout, shard: Shard) -> dict[str, BlockCost]:
