@@ -4,7 +4,8 @@ For every configuration of small search spaces (dense and MoE models, every sche
 1-3, tight and loose HBM), the exhaustive optimum of that configuration alone
 (``bruteforce.best_layout``, each layout's step time the timeline's, as ``simulate`` reports
 it) is at least every bound the search prunes with: the per-degrees ``degrees_bound``, the
-mean-rank ``lower_bound`` and the linear relaxation ``lp_bound``. A bound that cut off a
+mean-rank ``lower_bound`` (with the busiest rank's whole layers, ``busiest_rank``) and the
+linear relaxation ``lp_bound``. A bound that cut off a
 better layout would make the planner call a worse layout optimal.
 """
 
@@ -14,7 +15,7 @@ import pytest
 from bruteforce import best_layout
 
 import planner
-from planner.solve.bounds import degrees_bound, lower_bound
+from planner.solve.bounds import bound_tables, busiest_rank, degrees_bound, lower_bound
 from planner.solve.lpbound import lp_bound
 from planner.solve.space import enumerate_configs
 from planner.solve.tables import Config
@@ -61,9 +62,11 @@ def test_bounds_never_exceed_the_exhaustive_optimum(
     )
     if layers > 4:  # a smaller space where the exhaustive search is slow
         space = space.model_copy(update={"tp": [2], "zero": [1, 3], "micro_batch": [1]})
-    checked = 0
+    checked = binding = 0
     for config in enumerate_configs(model, cluster, job, space):
         mean = lower_bound(model, cluster, job, config)
+        tables = bound_tables(model, cluster, job, config)
+        rank = busiest_rank(tables, config) if tables is not None else 0.0
         degrees = degrees_bound(model, cluster, job, config)
         relaxed = lp_bound(model, cluster, job, config)
         best = best_layout(model, cluster, job, _pinned(config))
@@ -74,5 +77,10 @@ def test_bounds_never_exceed_the_exhaustive_optimum(
         assert mean <= optimum * (1 + 1e-9), (config, mean, optimum)
         assert degrees is not None and degrees <= optimum * (1 + 1e-9), (config, degrees, optimum)
         assert relaxed is not None and relaxed <= optimum * (1 + 1e-9), (config, relaxed, optimum)
+        assert rank <= optimum * (1 + 1e-9), (config, rank, optimum)
         checked += 1
+        binding += rank >= mean * (1 - 1e-12)
     assert checked >= 5
+    # The busiest rank with whole layers is what the bound is somewhere (it lifts the mean
+    # rank's share), so the checks above test it.
+    assert binding >= 1, (name, schedules)

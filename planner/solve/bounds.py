@@ -7,6 +7,7 @@ Each bound holds for every layout of the configuration under the timeline's step
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 from collections import Counter
 from collections.abc import Callable
@@ -76,7 +77,94 @@ def lower_bound(
         # compute), so at least half of the two; an unpaired op all of its own.
         comm = moe * (fpair + 2 * comb) + p2p + back
         busy = max(busy, m * comm / (2 * p))
-    return busy + tail
+    return max(busy + tail, busiest_rank(t, config))
+
+
+def busiest_rank(t: Tables, config: Config) -> float:
+    """The least, over every way to give the ranks whole layers, of the busiest rank's
+    tasks back to back plus its optimizer step.
+
+    A rank's end is at least its own tasks' sum and then its optimizer step
+    (``planner.timeline``). Each task lasts at least its first term (its compute and, but for
+    DualPipe pairs, the sends and all-to-alls in series), each block at its cheapest option,
+    the embedding, MTP and head on the ranks that hold the first and last stage. What is
+    left free is how many layers each rank holds (each stage between the first and the last
+    holds one at least). Ranks that hold the same stages (DualPipe's two copies) share their
+    count and are taken as one. Filling the ranks one layer at a time, each to the rank that
+    would end earliest, gives the least busiest rank when every layer costs the same, so the
+    layers are priced at the cheapest kind's cost; and again, for each costlier kind, only
+    the layers of that kind or costlier, each at that kind's cost (the others taken as
+    free). The mean rank (``lower_bound``'s other term) spreads the head's work and a
+    fraction of a layer over every rank; this does not. 0.0 when the schedule's ranks do
+    not split the stages into such groups."""
+    from planner.timeline import program
+
+    prog = program(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
+    runs: list[dict[int, int]] = []  # per rank: stage -> forwards it runs
+    for tasks in prog.by_rank:
+        mine: dict[int, int] = {}
+        for g in tasks:
+            for op in prog.ops[g]:
+                if op.kind == "F":
+                    mine[op.stage] = mine.get(op.stage, 0) + 1
+        runs.append(mine)
+    groups: dict[frozenset[int], list[int]] = {}
+    for r, mine in enumerate(runs):
+        groups.setdefault(frozenset(mine), []).append(r)
+    held = [s for stages in groups for s in stages]
+    counts = {n for mine in runs for n in mine.values()}
+    if len(held) != len(set(held)) or len(counts) != 1:
+        return 0.0
+    count = counts.pop()
+    dual = config.schedule in ("dualpipe", "dualpipev")
+    fpair = min(x.seconds for x in t.forward_pair)
+    comb = min(x.seconds for x in t.combine)
+
+    def work(option: Option) -> float:
+        """Per micro-batch: the block's compute and, unless paired, its all-to-alls."""
+        row = option.row
+        comm = 0.0 if dual else row.moe_layers * (fpair + 2 * comb)
+        return row.fwd + row.bwd_input + row.bwd_weight + comm
+
+    last = config.stages - 1
+    fixed: list[float] = []
+    least: list[int] = []
+    for stages, ranks in groups.items():
+        seconds = max(optimizer_traffic(t.fixed_state[r]) / t.opt_Bps for r in ranks)
+        for stage in stages:
+            names = (t.first_fixed if stage == 0 else []) + (t.last_fixed if stage == last else [])
+            seconds += count * sum(min(work(o) for o in t.kinds[b].options) for b in names)
+            if not dual:
+                seconds += count * (t.p2p[stage].seconds + t.p2p_back[stage].seconds)
+        fixed.append(seconds)
+        least.append(sum(1 for stage in stages if 0 < stage < last))
+    unit = {
+        k: count * min(work(o) for o in t.kinds[k].options)
+        + optimizer_traffic(t.kinds[k].state) / t.opt_Bps
+        for k in set(t.layer_kinds)
+    }
+    best = 0.0
+    cheapest = min(unit.values())
+    for u in sorted(set(unit.values())):
+        layers = sum(1 for x in t.layer_kinds if unit[x] >= u)
+        best = max(best, _fill(fixed, u, layers, least if u == cheapest else [0] * len(fixed)))
+    return best
+
+
+def _fill(fixed: list[float], unit: float, layers: int, least: list[int]) -> float:
+    """The least busiest rank when rank r starts at ``fixed[r]`` with ``least[r]`` layers
+    and ``layers`` layers of ``unit`` seconds each are shared out (none left over)."""
+    held = list(least)
+    left = layers - sum(held)
+    if left < 0:
+        return 0.0  # more layers required than there are: no layout, no bound from here
+    heap = [(fixed[r] + (held[r] + 1) * unit, r) for r in range(len(fixed))]
+    heapq.heapify(heap)
+    for _ in range(left):
+        _, r = heapq.heappop(heap)
+        held[r] += 1
+        heapq.heappush(heap, (fixed[r] + (held[r] + 1) * unit, r))
+    return max(fixed[r] + held[r] * unit for r in range(len(fixed)))
 
 
 def degrees_bound(
