@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 import planner
+from planner.errors import PlannerError
 from planner.layout import Layout
 
 PROVEN = 0.005  # a gap this small counts as proven optimal
@@ -140,19 +141,22 @@ def best_uniform(
     """The fastest fitting uniform split at ``lay``'s degrees, one recompute for all."""
     best = None
     for recompute in ("none", "selective", "full"):
-        uniform = Layout.uniform(
-            model,
-            pp=lay.pp,
-            tp=lay.tp,
-            dp=lay.dp,
-            ep=lay.ep,
-            zero=lay.zero,
-            micro_batch=lay.micro_batch,
-            schedule=lay.schedule,
-            virtual_stages=lay.virtual_stages,
-            recompute=recompute,
-            ema=lay.ema,
-        )
+        try:
+            uniform = Layout.uniform(
+                model,
+                pp=lay.pp,
+                tp=lay.tp,
+                dp=lay.dp,
+                ep=lay.ep,
+                zero=lay.zero,
+                micro_batch=lay.micro_batch,
+                schedule=lay.schedule,
+                virtual_stages=lay.virtual_stages,
+                recompute=recompute,
+                ema=lay.ema,
+            )
+        except PlannerError:  # the plan's stage count leaves some stage without a layer
+            return None
         est = planner.evaluate(model, cluster, job, uniform)
         if est.fits and (best is None or est.step_time_s < best):
             best = est.step_time_s
@@ -239,7 +243,7 @@ def main() -> None:
         cluster = planner.load_cluster(case.gpu, gpus=case.gpus)
         uniform = best_uniform(model, cluster, case.job, r.layout)
         lay = r.layout
-        gain = f"{uniform / r.step - 1:+.1%} slower" if uniform else "none fits"
+        gain = f"{uniform / r.step - 1:+.1%} slower" if uniform else "none fits or splits evenly"
         print(
             f"  {case.name}: plan {r.step:.2f} s (tp={lay.tp} pp={lay.pp} dp={lay.dp} "
             f"ep={lay.ep} ZeRO-{lay.zero} mb={lay.micro_batch} {lay.schedule} "

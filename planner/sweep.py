@@ -121,7 +121,8 @@ def run_case(case: Case) -> dict[str, Any]:
         cluster = load_cluster(case.gpu, gpus=case.gpus)
         job = TrainingJob(**case.job)
         space = SearchSpace(**case.space)
-        result = plan(model, cluster, job, space, time_limit_s=case.time_limit_s)
+        # One process per case: the sweep's own workers take the cores.
+        result = plan(model, cluster, job, space, time_limit_s=case.time_limit_s, processes=1)
     except PlannerError as exc:
         return {**row, "status": "failed", "error": str(exc), "plan": None}
     except Exception as exc:  # a bug in one case must not stop the sweep

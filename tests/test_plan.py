@@ -108,6 +108,11 @@ def test_same_inputs_same_plan() -> None:
     # makes even that repeatable.
     first, second = solve(model, cluster, job, limit=2), solve(model, cluster, job, limit=2)
     assert stripped(first) == stripped(second)
+    # One process doing both lanes' rounds, or one process per lane: the same plan.
+    alone = planner.plan(model, cluster, job, time_limit_s=2, processes=1)
+    side_by_side = planner.plan(model, cluster, job, time_limit_s=2, processes=2)
+    assert stripped(alone) == stripped(side_by_side) == stripped(first)
+    assert not alone.stopped_by_clock and not side_by_side.stopped_by_clock
 
 
 def test_pinned_decisions_are_kept() -> None:

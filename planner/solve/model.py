@@ -498,13 +498,33 @@ class StageModel:
             return None, solver.deterministic_time
         return list(solver.response_proto.solution), solver.deterministic_time
 
-    def hint_all(self, values: list[int]) -> None:
+    def hint_all(self, values: list[int]) -> float:
         """Warm start from a completed candidate of an identically built model (the
-        variables every such model makes when built; task lengths made later for the
-        chains each one has met are left to the solver)."""
+        variables every such model makes when built), with the task lengths and step the
+        chains made since completed for it: a whole assignment, which the solver takes as
+        its first solution. Returns the deterministic time that completion took."""
         self.m.clear_hints()  # type: ignore[no-untyped-call]
-        for index, value in enumerate(values[: self.base_vars]):
+        base = values[: self.base_vars]
+        full, work = self._completed(base)
+        for index, value in enumerate(full or base):
             self.m.add_hint(self.m.get_int_var_from_proto_index(index), value)
+        return work
+
+    def _completed(self, base: list[int]) -> tuple[list[int] | None, float]:
+        """Every variable's value with the built ones fixed to ``base``: the least task
+        lengths and step they allow (None when they do not fit, as a stale candidate may)."""
+        if len(self.m.proto.variables) == len(base):
+            return base, 0.0
+        pinned = self.m.clone()
+        step = self.step.Index()  # the candidate's own step knew none of the chains
+        for index, value in enumerate(base):
+            if index != step:
+                pinned.add(pinned.get_int_var_from_proto_index(index) == value)
+        solver = _solver(0.5, workers=1, seed=0)
+        status = solver.solve(pinned)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return None, solver.deterministic_time
+        return list(solver.response_proto.solution), solver.deterministic_time
 
 
 def _solver(

@@ -26,21 +26,32 @@ Dominance rules applied before solving (each says why it loses nothing):
   unless the average rank's share times the GPUs of a node exceeds the node's RAM (then the
   HBM variant is searched too; the model checks the heaviest rank's host RAM either way).
 
-What the search explores is decided by a deterministic budget, 40% of ``time_limit_s``:
-CP-SAT's own deterministic time (one worker, interleaved search) plus a fixed charge for each
-piece of Python work (per bound, per relaxation by its size, per layout costed by its blocks
-and ops, per model built by its ops; ``Budget``), so the same inputs give the same plan on a
-loaded or an idle machine. ``time_limit_s`` of wall clock is a safety stop only: when it
-cuts the search short (a machine several times slower than the charges assume) the plan says
-so (``Plan.stopped_by_clock``) and may then depend on the machine.
+Both cores: the sets of degrees (tp, pp, dp, ep, micro-batch) are split between ``LANES``
+lanes by a hash of their degrees (``planner.solve.lanes``); each lane searches its own sets
+as above (``_Lane``), in rounds of a fixed deterministic length run side by side, one lane in
+this process and one in a forked one, and the best layout found is shared between rounds.
+What each lane does in a round depends only on its own state and the best step time at the
+round's start, so the plan is the same with one process or two: two only bring it sooner.
+
+What the search explores is decided by a deterministic budget, 30% of ``time_limit_s`` per
+lane: CP-SAT's own deterministic time (one worker, interleaved search) plus a fixed charge
+for each piece of Python work (per bound, per relaxation by its size, per layout costed by its
+blocks and ops, per model built by its ops; ``Budget``), so the same inputs give the same
+plan on a loaded or an idle machine. ``time_limit_s`` of wall clock is a safety stop only:
+when it cuts the search short (a machine several times slower than the charges assume, or
+one core doing both lanes' work on a loaded machine) the plan says so
+(``Plan.stopped_by_clock``) and may then depend on the machine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
+import itertools
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +61,7 @@ from planner.costs.memory import stage_memory, usable_peak_bytes
 from planner.errors import PlannerError
 from planner.estimate import Estimate, evaluate, step_run
 from planner.layout import Layout, parse_recompute
+from planner.solve import lanes
 from planner.solve.bounds import (
     bound_tables,
     communication_floor,
@@ -59,6 +71,7 @@ from planner.solve.bounds import (
     memory_floor,
 )
 from planner.solve.explain import Replan, explain
+from planner.solve.lanes import LANES, default_processes
 from planner.solve.lpbound import lp_bound, lp_counts
 from planner.solve.model import StageModel
 from planner.solve.result import Alternative, Plan
@@ -70,20 +83,28 @@ from planner.timeline import shape_forms
 
 log = logging.getLogger(__name__)
 
-DETERMINISTIC_SHARE = 0.4  # of time_limit_s: the budget (see the module docstring)
+DETERMINISTIC_SHARE = 0.3  # of time_limit_s per lane: the budget (see the module docstring)
 # Deterministic charges for Python work, in seconds of budget, fitted to times measured on
 # this project's 2-core reference machine (an op is one forward or backward of one
-# micro-batch on one stage, ``_order_size``): a bound per configuration; a relaxation (its
-# timeline runs and linear program); costing a layout (its memory and stage tables per
-# block, then the timeline); building a CP-SAT model and stating its chains.
-SECONDS_PER_BOUND = 2e-3
-SECONDS_PER_RELAXATION = 5e-3
-SECONDS_PER_RELAXATION_OP = 1e-5
-SECONDS_PER_RELAXATION_STAGE2 = 1.3e-4  # its chains span every stage: per stage squared
-SECONDS_PER_BLOCK = 8e-4
-SECONDS_PER_MEMORY_BLOCK = 3e-4
-SECONDS_PER_TIMELINE_OP = 3e-6
+# micro-batch on one stage, ``_order_size``): a configuration's own bound and the bound of a
+# set of degrees (which builds two tables); a relaxation (its timeline runs and linear
+# program); costing a layout (its memory and stage tables per block, then the timeline);
+# checking a layout's memory alone; building a CP-SAT model and stating its chains. Refitted
+# on the 11 jobs of benchmarks/plan_speed.py at 10 s (wall time per call against the
+# charge; benchmarks/RESULTS.md, 2026-11-25).
+SECONDS_PER_BOUND = 1.2e-3
+SECONDS_PER_DEGREES_BOUND = 2.2e-3
+SECONDS_PER_RELAXATION = 4.2e-3
+SECONDS_PER_RELAXATION_OP = 8.4e-6
+SECONDS_PER_RELAXATION_STAGE2 = 1.1e-4  # its chains span every stage: per stage squared
+SECONDS_PER_BLOCK = 2.2e-4
+SECONDS_PER_MEMORY_BLOCK = 5.5e-5
+SECONDS_PER_TIMELINE_OP = 1e-6
 SECONDS_PER_MODEL_OP = 1e-5
+# Budget seconds per second of CP-SAT's deterministic time: its models here take 1.7 s of
+# wall time per deterministic second on the reference machine (the 38 solves of
+# llama3-8b-8-h100 at 10 s in benchmarks/plan_speed.py: 7.19 s against 4.15).
+CPSAT_SECONDS = 1.7
 QUICK_SHARE = 0.4  # of the budget left after the bounds, at most, for layouts before proofs
 
 
@@ -120,14 +141,17 @@ def plan(
     workers: int = 1,
     seed: int = 0,
     explain_infeasible: bool = True,
+    processes: int | None = None,
 ) -> Plan:
     """The fastest layout of ``model`` on ``cluster`` for ``job`` within ``space``, with a
-    proof of how close to optimal it is (see the module docstring)."""
+    proof of how close to optimal it is (see the module docstring). ``workers``: CP-SAT's
+    workers per configuration (more than one interleaved in one thread, deterministically);
+    ``processes``: how many processes run the search's lanes (default: the CPUs, at most
+    ``lanes.LANES``); the plan does not depend on it, only how soon it comes."""
     started = time.perf_counter()
     asked = space or SearchSpace()
     space = for_target(asked)
     job = _framework_for(job, space)
-    network = Network.of(cluster)
     configs = list(enumerate_configs(model, cluster, job, space))
     if job.ema and space.ema is None:
         # The EMA goes to host RAM (no HBM, no step time) unless the host cannot hold it;
@@ -143,10 +167,9 @@ def plan(
             for c in configs
             if crowded[(c.tp, c.pp, c.dp, c.ep, c.zero, c.schedule == "dualpipe")]
         ]
-    budget = Budget(DETERMINISTIC_SHARE * time_limit_s, started + time_limit_s)
+    budget = Budget(DETERMINISTIC_SHARE * LANES * time_limit_s, started + time_limit_s)
+    procs = default_processes() if processes is None else max(1, processes)
     found: list[tuple[float, Config, Layout]] = []
-    pending: list[tuple[float, Config]] = []  # not closed yet: (bound, config)
-    relaxed: set[Config] = set()  # configurations whose relaxation was charged
 
     def best() -> float:
         return found[0][0] if found else math.inf
@@ -158,138 +181,62 @@ def plan(
     first = _feasible(model, cluster, job, space, configs, budget)
     if first is not None:
         keep(*first)
-    # Tier 0: one bound per degrees and micro-batch (the ZeRO stages, schedules and EMA
-    # placements of those share it); tier 1: each configuration's own cheap bound; tier 2:
-    # its relaxation; then its CP-SAT model. A configuration's entry only moves to the next
-    # tier when it comes to the front of the line, with the larger of the bounds.
+    # The sets of degrees (and micro-batch) go to the lanes by their key; each lane searches
+    # its own (``_Lane``), the lanes side by side in rounds of a fixed deterministic length,
+    # sharing the best layout found between rounds (``planner.solve.lanes``).
     groups: dict[tuple[int, ...], list[Config]] = {}
     for c in configs:
-        groups.setdefault((c.tp, c.pp, c.dp, c.ep, c.micro_batch), []).append(c)
-    queue: list[tuple[float, tuple[object, ...], int, Any]] = []
-    order: dict[int, float] = {}  # per set of degrees: its bound plus its communication floor
-    for members in groups.values():
-        budget.charge(SECONDS_PER_BOUND)
-        rep = max(members, key=lambda c: (c.zero, _key(c)))
-        bound = degrees_bound(model, cluster, job, rep)
-        if bound is not None:
-            queue.append((bound, (_key(rep), 0), 0, members))
-            order[id(members)] = bound + communication_floor(model, cluster, job, rep)
-    # Layouts early, so bounds prune: each set of degrees' configuration with the lowest
-    # bound of each schedule gets a layout costed (``_quick``), within ``QUICK_SHARE`` of the
-    # budget left, and their members' own bounds join the line. The sets go in order of
-    # their bound plus the expert all-to-alls and sends no schedule hides, with the
-    # pipeline's fill and drain added as if the stages were even (an order only: nothing is
-    # proven with it).
+        groups.setdefault(_degrees_key(c), []).append(c)
+    shares = [
+        [m for k, m in groups.items() if lanes.lane_of(k, LANES) == lane] for lane in range(LANES)
+    ]
+    settings = _Settings(
+        quick_budget=QUICK_SHARE * max(0.0, budget.limit - budget.spent) / LANES,
+        first_limit=max(0.3, min(2.0, budget.limit / LANES / 10)),
+        workers=workers,
+        seed=seed,
+    )
+    token = f"{os.getpid()}:{next(_TOKENS)}"
+    round_s = settings.first_limit  # a round: about one first-pass solve per lane
 
-    def expand(bound: float, members: list[Config]) -> list[Any]:
-        """The tier-1 entries of a set of degrees' members."""
-        out = []
-        for config in members:
-            budget.charge(SECONDS_PER_BOUND)
-            cheap = lower_bound(model, cluster, job, config)
-            if cheap is not None:
-                out.append((max(bound, cheap), (_key(config), 1), 1, config))
-        return out
+    def on_lanes(call: Any, *rest: Any) -> list[Any]:
+        return lanes.run_on([(lane, (call, (token, lane, *rest))) for lane in range(LANES)], procs)
 
-    queue.sort(key=lambda e: (order[id(e[3])] * _fill(e[3][0]), e[1]))
-    rest: list[tuple[float, tuple[object, ...], int, Any]] = []
-    quick_until = budget.spent + QUICK_SHARE * max(0.0, budget.limit - budget.spent)
-    for index, (bound, _, _, members) in enumerate(queue):
-        if budget.spent >= quick_until or budget.left() <= 0:
-            rest += queue[index:]  # the rest keep their tier-0 entries
-            break
-        if bound >= best() * (1 - 1e-9):
-            rest.append(queue[index])
-            continue
-        own = expand(bound, members)
-        rest += own
-        # One configuration per schedule: the bound alone cannot tell a schedule's bubble
-        # or memory, which decide which even layout is fast.
-        firsts: dict[str, tuple[float, tuple[object, ...], int, Any]] = {}
-        for entry in sorted(own, key=lambda e: (e[0], e[1])):
-            firsts.setdefault(entry[3].schedule, entry)
-        for first_bound, _, _, config in sorted(firsts.values(), key=lambda e: (e[0], e[1])):
-            if first_bound < best() and budget.spent < quick_until:
-                even = _quick(model, cluster, job, space, config, budget)
-                if even is not None:
-                    keep(even[0], config, even[1])
-    queue = rest
-    heapq.heapify(queue)
-
-    def attempt(bound: float, config: Config, limit: float) -> bool:
-        """Solve ``config``; False when there is no time left to build its model."""
-        t0 = time.perf_counter()
-        if _order_size(config) * SECONDS_PER_OP > budget.wall_left():
-            pending.append((bound, config))
-            return False
-        if config not in relaxed:  # its warm start solves the relaxation
-            relaxed.add(config)
-            budget.charge(_relaxation_charge(config))
-        out = solve_config(
-            model,
-            cluster,
-            job,
-            config,
-            network,
-            space=space,
-            time_limit_s=limit,
-            workers=workers,
-            seed=seed,
-            wall_s=budget.wall_left(),
+    pending: list[tuple[float, Config]] = []  # not closed: (bound, config)
+    opened = False
+    try:
+        lanes.run_on(
+            [
+                (lane, (_lane_open, (token, lane, model, cluster, job, space, share, settings)))
+                for lane, share in enumerate(shares)
+            ],
+            procs,
         )
-        budget.charge(out.work)
-        if out.layout is not None:
-            keep(out.objective, config, out.layout)
-        if out.status in ("unknown", "feasible"):
-            pending.append((max(bound, out.bound), config))
-        log.debug(
-            "%s bound %.4f: %s %.4f (proven >= %.4f) in %.2f s",
-            config,
-            bound,
-            out.status,
-            out.objective,
-            out.bound,
-            time.perf_counter() - t0,
-        )
-        return True
-
-    # First pass: every configuration whose bound beats the best so far, briefly.
-    quick = max(0.3, min(2.0, budget.limit / 10))
-    while queue:
-        bound, key, tier, item = queue[0]
-        if bound >= best() * (1 - 1e-9) or budget.left() <= 0:
-            break
-        heapq.heappop(queue)
-        if tier == 0:
-            for entry in expand(bound, item):
-                heapq.heappush(queue, entry)
-        elif tier == 1:
-            lifted = None  # no relaxation for this one: the cheap bound stays
-            if _order_size(item) <= RELAXATION_OPS and _relaxation_may_prune(item, bound, best()):
-                budget.charge(_relaxation_charge(item))
-                relaxed.add(item)
-                lifted = lp_bound(model, cluster, job, item)
-            heapq.heappush(queue, (max(bound, lifted or bound), (key[0], 2), 2, item))
-        else:
-            attempt(bound, item, min(quick, budget.left()))
-    for bound, _, tier, item in queue:
-        pending += [(bound, c) for c in item] if tier == 0 else [(bound, item)]
-    # Second pass: reopen the unclosed ones in order of bound, with the budget that is left.
-    # One that comes back with no better bound is not tried again (its bound stays open).
-    stuck: list[tuple[float, Config]] = []
-    while pending and budget.left() > 0:
-        pending.sort(key=lambda x: (x[0], _key(x[1])))
-        bound, config = pending.pop(0)
-        if bound >= best() * (1 - 1e-9):
-            pending.insert(0, (bound, config))
-            break
-        before = len(pending)
-        if not attempt(bound, config, budget.left()):
-            break
-        if len(pending) > before and pending[-1][0] <= bound * (1 + 1e-9):
-            stuck.append(pending.pop())
-    pending += stuck
+        opened = True
+        while budget.left() > 0:
+            left = budget.left()
+            steps = on_lanes(
+                _lane_step, best(), min(round_s, left / LANES), left / LANES, budget.wall_left()
+            )
+            busy = False
+            for out in steps:  # in lane order: the same whatever finished first
+                budget.charge(out.spent)
+                for item in out.found:
+                    keep(*item)
+                busy = busy or out.busy
+            if not busy:
+                break
+        for still in on_lanes(_lane_close):
+            pending += still
+        opened = False
+    finally:
+        if opened:  # interrupted: free the lanes' state
+            with contextlib.suppress(Exception):
+                on_lanes(_lane_close)
     open_bounds = [b for b, _ in pending if b < best() * (1 - 1e-9)]
+    if log.isEnabledFor(logging.DEBUG):
+        for b, c in sorted(pending, key=lambda x: (x[0], _key(x[1])))[:12]:
+            log.debug("open %.4f %s", b, c)
     if not found:
         if open_bounds or any(b < math.inf for b, _ in pending):
             raise PlannerError(
@@ -586,6 +533,264 @@ def _key(c: Config) -> tuple[object, ...]:
     )
 
 
+# -- the lanes (see ``plan``): each searches its share of the sets of degrees ------------
+
+# A line's entry: (bound, tie-break key, tier, a set of degrees' members or a configuration).
+Entry = tuple[float, tuple[object, ...], int, Any]
+_TOKENS = itertools.count()
+_LANE_STATE: dict[tuple[str, int], _Lane] = {}  # per plan call and lane, in its process
+
+
+def _degrees_key(c: Config) -> tuple[int, ...]:
+    """What a configuration's lane is chosen by: its degrees and micro-batch, which its
+    cost tables, relaxation and schedule program depend on (and so are cached with it)."""
+    return (c.tp, c.pp, c.dp, c.ep, c.micro_batch)
+
+
+@dataclass(frozen=True)
+class _Settings:
+    quick_budget: float  # each lane's budget for layouts before proofs (``QUICK_SHARE``)
+    first_limit: float  # a first-pass solve's limit
+    workers: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class _StepOut:
+    spent: float  # charged in the round
+    found: list[tuple[float, Config, Layout]]  # layouts found in the round
+    busy: bool  # something of the lane's is still below the best
+
+
+def _lane_open(
+    token: str,
+    lane: int,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    job: TrainingJob,
+    space: SearchSpace,
+    sets: list[list[Config]],
+    settings: _Settings,
+) -> None:
+    _LANE_STATE[(token, lane)] = _Lane(model, cluster, job, space, sets, settings)
+
+
+def _lane_step(
+    token: str, lane: int, best: float, round_s: float, share: float, wall_s: float
+) -> _StepOut:
+    return _LANE_STATE[(token, lane)].step(best, round_s, share, wall_s)
+
+
+def _lane_close(token: str, lane: int) -> list[tuple[float, Config]]:
+    """The lane's configurations still open, and its state dropped."""
+    state = _LANE_STATE.pop((token, lane), None)
+    return [] if state is None else state.open_entries()
+
+
+class _Lane:
+    """One lane's search over its sets of degrees: the tiers and passes of the module
+    docstring, run a round at a time (``step``), each round until the lane has charged the
+    round's budget. Every decision depends only on the lane's own state, the best step time
+    it is told at the start of the round and what it finds itself in the round."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        cluster: ClusterSpec,
+        job: TrainingJob,
+        space: SearchSpace,
+        sets: list[list[Config]],
+        settings: _Settings,
+    ) -> None:
+        self.model, self.cluster, self.job, self.space = model, cluster, job, space
+        self.settings = settings
+        self.spent = self.round_spent = self.unreported = 0.0
+        self.share = 0.0
+        self.best = math.inf
+        self.found: list[tuple[float, Config, Layout]] = []
+        self.relaxed: set[Config] = set()  # configurations whose relaxation was charged
+        self.pending: list[tuple[float, Config]] = []
+        self.stuck: list[tuple[float, Config]] = []
+        self.phase = "quick"
+        self.deadline = math.inf
+        # Tier 0: one bound per set of degrees (its ZeRO stages, schedules and EMA
+        # placements share it). The sets go in order of their bound plus the expert
+        # all-to-alls and sends no schedule hides, with the pipeline's fill and drain added
+        # as if the stages were even (an order for the quick phase only: nothing is proven
+        # with it).
+        line: list[tuple[float, Entry]] = []
+        for members in sets:
+            self.charge(SECONDS_PER_DEGREES_BOUND)
+            rep = max(members, key=lambda c: (c.zero, _key(c)))
+            bound = degrees_bound(model, cluster, job, rep)
+            if bound is not None:
+                rank = (bound + communication_floor(model, cluster, job, rep)) * _fill(rep)
+                line.append((rank, (bound, (_key(rep), 0), 0, members)))
+        line.sort(key=lambda x: (x[0], x[1][1]))
+        self.line = [entry for _, entry in line]
+        self.head = 0
+        self.heap: list[Entry] = []
+        self.quick_until = self.spent + settings.quick_budget
+
+    def charge(self, seconds: float) -> None:
+        self.spent += seconds
+        self.round_spent += seconds
+        self.unreported += seconds
+
+    def keep(self, step: float, config: Config, layout: Layout) -> None:
+        self.found.append((step, config, layout))
+        self.best = min(self.best, step)
+
+    def step(self, best: float, round_s: float, share: float, wall_s: float) -> _StepOut:
+        """Work until the round's budget is charged (or nothing of the lane's is below the
+        best); ``share``: the lane's part of the whole search's budget left."""
+        self.best = min(self.best, best)
+        self.round_spent = 0.0
+        self.deadline = time.perf_counter() + wall_s
+        self.share = share
+        while self.round_spent < round_s and time.perf_counter() < self.deadline:
+            if self.phase == "quick" and not self._quick():
+                self.phase = "first"
+                self.heap = self.line[self.head :] + self.heap
+                self.head = len(self.line)
+                heapq.heapify(self.heap)
+            elif self.phase == "first" and not self._first():
+                self.phase = "second"
+                for bound, _, tier, item in self.heap:
+                    self.pending += [(bound, c) for c in item] if tier == 0 else [(bound, item)]
+                self.heap = []
+            elif self.phase == "second" and not self._second():
+                self.phase = "done"
+            if self.phase == "done":
+                break
+        found, self.found = self.found, []
+        spent, self.unreported = self.unreported, 0.0
+        return _StepOut(spent, found, self.phase != "done")
+
+    def open_entries(self) -> list[tuple[float, Config]]:
+        """Every configuration not closed: its bound."""
+        out = self.pending + self.stuck
+        for bound, _, tier, item in self.line[self.head :] + self.heap:
+            out += [(bound, c) for c in item] if tier == 0 else [(bound, item)]
+        return out
+
+    def _below(self, bound: float) -> bool:
+        return bound < self.best * (1 - 1e-9)
+
+    def _expand(self, bound: float, members: list[Config]) -> list[Entry]:
+        """The tier-1 entries of a set of degrees' members."""
+        out: list[Entry] = []
+        for config in members:
+            self.charge(SECONDS_PER_BOUND)
+            cheap = lower_bound(self.model, self.cluster, self.job, config)
+            if cheap is not None:
+                out.append((max(bound, cheap), (_key(config), 1), 1, config))
+        return out
+
+    def _quick(self) -> bool:
+        """Layouts early, so bounds prune: the next set of degrees below the best gets its
+        members' bounds, and its configuration with the lowest bound of each schedule a
+        layout costed (``_quick``); False when the quick budget or the line is done."""
+        if self.spent >= self.quick_until:
+            return False
+        while self.head < len(self.line):
+            bound, _, _, members = self.line[self.head]
+            self.head += 1
+            if not self._below(bound):
+                self.heap.append(self.line[self.head - 1])
+                continue
+            own = self._expand(bound, members)
+            self.heap += own
+            # One configuration per schedule: the bound alone cannot tell a schedule's
+            # bubble or memory, which decide which even layout is fast.
+            firsts: dict[str, Entry] = {}
+            for entry in sorted(own, key=lambda e: (e[0], e[1])):
+                firsts.setdefault(entry[3].schedule, entry)
+            for first_bound, _, _, config in sorted(firsts.values(), key=lambda e: (e[0], e[1])):
+                if first_bound < self.best and self.spent < self.quick_until:
+                    tally = Budget(math.inf, math.inf)
+                    even = _quick(self.model, self.cluster, self.job, self.space, config, tally)
+                    self.charge(tally.spent)
+                    if even is not None:
+                        self.keep(even[0], config, even[1])
+            return True
+        return False
+
+    def _first(self) -> bool:
+        """Tier 1: a configuration's own cheap bound; tier 2: its relaxation; then its
+        CP-SAT model, briefly. An entry moves to the next tier when it comes to the front
+        of the line, with the larger of the bounds. False when the front is not below the
+        best."""
+        if not self.heap or not self._below(self.heap[0][0]):
+            return False
+        bound, key, tier, item = heapq.heappop(self.heap)
+        if tier == 0:
+            for entry in self._expand(bound, item):
+                heapq.heappush(self.heap, entry)
+        elif tier == 1:
+            lifted = None  # no relaxation for this one: the cheap bound stays
+            if _order_size(item) <= RELAXATION_OPS and _relaxation_may_prune(
+                item, bound, self.best
+            ):
+                self.charge(_relaxation_charge(item))
+                self.relaxed.add(item)
+                lifted = lp_bound(self.model, self.cluster, self.job, item)
+            heapq.heappush(self.heap, (max(bound, lifted or bound), (key[0], 2), 2, item))
+        else:
+            again = self._attempt(bound, item, min(self.settings.first_limit, self.share))
+            if again is not None:
+                self.pending.append(again)
+        return True
+
+    def _second(self) -> bool:
+        """Reopen the unclosed ones in order of bound, with the lane's share of the budget
+        left. One that comes back with no better bound is not tried again (its bound stays
+        open). False when none is below the best."""
+        self.pending.sort(key=lambda x: (x[0], _key(x[1])))
+        if not self.pending or not self._below(self.pending[0][0]):
+            return False
+        bound, config = self.pending.pop(0)
+        again = self._attempt(bound, config, self.share)
+        if again is not None:
+            (self.stuck if again[0] <= bound * (1 + 1e-9) else self.pending).append(again)
+        return True
+
+    def _attempt(self, bound: float, config: Config, limit: float) -> tuple[float, Config] | None:
+        """Solve ``config``; its entry when it stays open."""
+        wall = self.deadline - time.perf_counter()
+        if _order_size(config) * SECONDS_PER_OP > wall:
+            return (bound, config)  # no time left to build its model
+        if config not in self.relaxed:  # its warm start solves the relaxation
+            self.relaxed.add(config)
+            self.charge(_relaxation_charge(config))
+        out = solve_config(
+            self.model,
+            self.cluster,
+            self.job,
+            config,
+            Network.of(self.cluster),
+            space=self.space,
+            time_limit_s=limit,
+            workers=self.settings.workers,
+            seed=self.settings.seed,
+            wall_s=wall,
+        )
+        self.charge(out.work)
+        if out.layout is not None:
+            self.keep(out.objective, config, out.layout)
+        log.debug(
+            "%s bound %.4f: %s %.4f (proven >= %.4f)",
+            config,
+            bound,
+            out.status,
+            out.objective,
+            out.bound,
+        )
+        if out.status in ("unknown", "feasible"):
+            return (max(bound, out.bound), config)
+        return None
+
+
 # -- one configuration -----------------------------------------------------------------------
 
 
@@ -634,6 +839,7 @@ def solve_config(
     if rules is not None and rules.get("even_stages"):
         even = even_counts(model, config)
     values, work = warm_start(tables, cluster, job, time_limit_s, even)
+    work *= CPSAT_SECONDS  # warm_start's work is CP-SAT's (completions of pinned models)
     sm = StageModel(tables, cluster, job)
     if rules is not None:  # what the target launcher can state
         sm.one_recompute_choice()
@@ -647,7 +853,6 @@ def solve_config(
     seeds = [config.layout(model, even_counts(model, config), {})]
     if values is not None:
         seeds.append(config.layout(model, *sm.decode(values)))
-        sm.hint_all(values)
     tasks = _costing(model, config)  # the charge for one costed layout
     work += _order_size(config) * SECONDS_PER_MODEL_OP  # building the model
     best: tuple[float, Layout] | None = None
@@ -660,15 +865,27 @@ def solve_config(
         candidate = layout is not seeds[0] and rules is None
         if candidate and (best is None or timeline.step_s < best[0]):
             best = (timeline.step_s, layout)
+    if values is not None:  # after the seeds' chains, so the hint completes with them
+        work += sm.hint_all(values) * CPSAT_SECONDS
     status, bound = "unknown", 0.0
+    # Short solves first, each longer than the last: a layout the model's chains misjudge
+    # comes back soon and its chains join the model, where one long solve would spend the
+    # whole budget on the optimum of a model that lacks them.
+    step = FIRST_SOLVE
     while True:
         sol = sm.solve(
-            time_limit_s=max(0.01, time_limit_s - work), workers=workers, seed=seed, wall_s=wall_s
+            time_limit_s=max(0.01, min(step, time_limit_s - work) / CPSAT_SECONDS),
+            workers=workers,
+            seed=seed,
+            wall_s=wall_s,
         )
-        work += sol.work
+        step *= GROWTH
+        work += sol.work * CPSAT_SECONDS
         if sol.status == "infeasible":
             return Outcome("infeasible", work=work)
         if sol.status == "unknown":
+            if time_limit_s - work > 0.01:
+                continue
             break
         bound = sol.bound_s
         layout = config.layout(model, sol.counts, sol.recompute)
@@ -680,11 +897,11 @@ def solve_config(
         # No chain of this layout is new to the model: the two differ by the model's
         # rounding of each block to whole microseconds alone.
         stated = exact or not sm.add_forms(timeline.forms)
-        if stated or time_limit_s - work <= 0.01:
+        if (stated and sol.status == "optimal") or time_limit_s - work <= 0.01:
             status = sol.status if stated else "feasible"
             break
         assert sol.values is not None
-        sm.hint_all(sol.values)
+        work += sm.hint_all(sol.values) * CPSAT_SECONDS
     if best is None:
         return Outcome("unknown", work=work)
     return Outcome(status, best[0], min(bound, best[0]), best[1], work)
@@ -693,6 +910,8 @@ def solve_config(
 # The model's step time, in whole microseconds per block, and the timeline's differ by
 # rounding: within this fraction they are taken as one.
 EXACT = 1e-5
+FIRST_SOLVE = 0.05  # deterministic seconds of the first solve of a configuration's model
+GROWTH = 1.5  # each later solve's limit over the one before
 
 
 def _choices(space: SearchSpace) -> list[str] | None:
