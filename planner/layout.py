@@ -57,6 +57,16 @@ def parse_recompute(choice: str) -> frozenset[str] | Literal["full"]:
     return modules
 
 
+def chunks_of(schedule: str, pp: int, virtual_stages: int, rank: int) -> list[int]:
+    """Stage indices pipeline rank ``rank`` holds under ``schedule`` (see
+    ``Layout.chunks_of_rank``)."""
+    if schedule == "dualpipe":
+        return [rank, pp - 1 - rank]
+    if schedule == "dualpipev":
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + k * pp for k in range(virtual_stages)]
+
+
 class BlockPlacement(Spec):
     """One block of the model on a stage, with its recompute choice."""
 
@@ -155,11 +165,7 @@ class Layout(Spec):
         copies of the model across the pipeline, DeepSeek-V3 report Table 2: parameters 2x).
         """
         assert 0 <= rank < self.pp
-        if self.schedule == "dualpipe":
-            return [rank, self.pp - 1 - rank]
-        if self.schedule == "dualpipev":
-            return [rank, 2 * self.pp - 1 - rank]
-        return [rank + k * self.pp for k in range(self.virtual_stages)]
+        return chunks_of(self.schedule, self.pp, self.virtual_stages, rank)
 
     @classmethod
     def uniform(

@@ -4,9 +4,10 @@ For every configuration of small search spaces (dense and MoE models, every sche
 1-3, tight and loose HBM), the exhaustive optimum of that configuration alone
 (``bruteforce.best_layout``, each layout's step time the timeline's, as ``simulate`` reports
 it) is at least every bound the search prunes with: the per-degrees ``degrees_bound``, the
-mean-rank ``lower_bound`` (with the busiest rank's whole layers, ``busiest_rank``) and the
-linear relaxation ``lp_bound``. A bound that cut off a
-better layout would make the planner call a worse layout optimal.
+mean-rank ``lower_bound`` (with the busiest rank's whole layers, ``busiest_rank``), the
+pipeline's fill and drain over the schedule's chains (``fill_and_drain``) and the linear
+relaxation ``lp_bound``. A bound that cut off a better layout would make the planner call a
+worse layout optimal.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ import pytest
 from bruteforce import best_layout
 
 import planner
-from planner.solve.bounds import bound_tables, busiest_rank, degrees_bound, lower_bound
+from planner.solve.bounds import (
+    bound_tables,
+    busiest_rank,
+    degrees_bound,
+    fill_and_drain,
+    lower_bound,
+)
 from planner.solve.lpbound import lp_bound
 from planner.solve.space import enumerate_configs
 from planner.solve.tables import Config
@@ -62,11 +69,12 @@ def test_bounds_never_exceed_the_exhaustive_optimum(
     )
     if layers > 4:  # a smaller space where the exhaustive search is slow
         space = space.model_copy(update={"tp": [2], "zero": [1, 3], "micro_batch": [1]})
-    checked = binding = 0
+    checked = binding = drained = 0
     for config in enumerate_configs(model, cluster, job, space):
         mean = lower_bound(model, cluster, job, config)
         tables = bound_tables(model, cluster, job, config)
         rank = busiest_rank(tables, config) if tables is not None else 0.0
+        drain = fill_and_drain(tables, config) if tables is not None else 0.0
         degrees = degrees_bound(model, cluster, job, config)
         relaxed = lp_bound(model, cluster, job, config)
         best = best_layout(model, cluster, job, _pinned(config))
@@ -78,9 +86,39 @@ def test_bounds_never_exceed_the_exhaustive_optimum(
         assert degrees is not None and degrees <= optimum * (1 + 1e-9), (config, degrees, optimum)
         assert relaxed is not None and relaxed <= optimum * (1 + 1e-9), (config, relaxed, optimum)
         assert rank <= optimum * (1 + 1e-9), (config, rank, optimum)
+        assert drain <= optimum * (1 + 1e-9), (config, drain, optimum)
         checked += 1
         binding += rank >= mean * (1 - 1e-12)
+        drained += drain >= mean * (1 - 1e-12)
     assert checked >= 5
     # The busiest rank with whole layers is what the bound is somewhere (it lifts the mean
     # rank's share), so the checks above test it.
     assert binding >= 1, (name, schedules)
+    print(name, schedules, "fill and drain binds", drained, "of", checked)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-h1", "dualpipev"])
+def test_fill_and_drain_holds_where_it_binds(schedule: str) -> None:
+    """Few micro-batches on a 4-deep pipeline, where the fill and drain are a large part of
+    the step: the bound over the schedule's chains is under the exhaustive optimum, and on
+    the one-chunk schedules well above the busiest rank's work alone."""
+    model = planner.load_model("llama3-8b").model_copy(update={"num_layers": 12})
+    cluster = planner.load_cluster("h100", gpus=4)
+    job = planner.TrainingJob(seq_len=2048, global_batch=8 if schedule == "dualpipev" else 4)
+    space = planner.SearchSpace(
+        tp=[1], pp=[4], zero=[1], micro_batch=[1], schedules=[schedule], recompute=["none"]
+    )
+    configs = list(enumerate_configs(model, cluster, job, space))
+    assert configs
+    for config in configs:
+        tables = bound_tables(model, cluster, job, config)
+        assert tables is not None
+        drain = fill_and_drain(tables, config)
+        pinned = _pinned(config).model_copy(update={"recompute": ["none"]})
+        best = best_layout(model, cluster, job, pinned)
+        assert best is not None
+        optimum = best[1].step_time_s
+        assert drain <= optimum * (1 + 1e-9), (config, drain, optimum)
+        if schedule in ("1f1b", "zb-h1"):
+            busiest = busiest_rank(tables, config)
+            assert drain >= 1.1 * busiest, (config, drain, busiest)

@@ -66,6 +66,7 @@ from planner.solve.bounds import (
     bound_tables,
     communication_floor,
     degrees_bound,
+    fill_and_drain,
     host_fits,
     lower_bound,
     memory_floor,
@@ -92,13 +93,16 @@ DETERMINISTIC_SHARE = 0.3  # of time_limit_s per lane: the budget (see the modul
 # checking a layout's memory alone; building a CP-SAT model and stating its chains. Refitted
 # on the 11 jobs of benchmarks/plan_speed.py at 10 s (wall time per call against the
 # charge; benchmarks/RESULTS.md, 2026-11-25).
-SECONDS_PER_BOUND = 1.2e-3
+SECONDS_PER_BOUND = 5e-4
 SECONDS_PER_DEGREES_BOUND = 2.2e-3
 SECONDS_PER_RELAXATION = 4.2e-3
+SECONDS_PER_DRAIN = 1.5e-3
+SECONDS_PER_DRAIN_CELL = 2e-7  # per chain and stage of the dual descent
+SECONDS_PER_SHAPE_OP = 2e-6  # per op and timeline run, more on deep pipelines
 SECONDS_PER_RELAXATION_OP = 8.4e-6
 SECONDS_PER_RELAXATION_STAGE2 = 1.1e-4  # its chains span every stage: per stage squared
-SECONDS_PER_BLOCK = 2.2e-4
-SECONDS_PER_MEMORY_BLOCK = 5.5e-5
+SECONDS_PER_BLOCK = 3.4e-4
+SECONDS_PER_MEMORY_BLOCK = 8.5e-5
 SECONDS_PER_TIMELINE_OP = 1e-6
 SECONDS_PER_MODEL_OP = 1e-5
 # Budget seconds per second of CP-SAT's deterministic time: its models here take 1.7 s of
@@ -450,6 +454,21 @@ def _costing(model: ModelSpec, config: Config) -> float:
     return blocks * SECONDS_PER_BLOCK + _order_size(config) * SECONDS_PER_TIMELINE_OP
 
 
+def _drain_charge(config: Config, *, new_shape: bool) -> float:
+    """The charge for a configuration's fill-and-drain bound (``bounds.fill_and_drain``):
+    its dual descent over the chains, and, the first time a lane meets the shape, building
+    the shape's chains (one timeline run per profile of ``timeline.shape_forms``)."""
+    from planner.timeline import heavy_ranks
+
+    profiles = 1 + len(heavy_ranks(config.pp))
+    chains = config.pp * profiles
+    charge = SECONDS_PER_DRAIN + chains * config.stages * SECONDS_PER_DRAIN_CELL
+    if new_shape:
+        per_op = SECONDS_PER_SHAPE_OP * (1 + config.pp / 20)
+        charge += _order_size(config) * profiles * per_op
+    return charge
+
+
 def _relaxation_charge(config: Config) -> float:
     """The charge for a configuration's relaxation (``lp_bound``)."""
     return (
@@ -609,6 +628,7 @@ class _Lane:
         self.best = math.inf
         self.found: list[tuple[float, Config, Layout]] = []
         self.relaxed: set[Config] = set()  # configurations whose relaxation was charged
+        self.shapes: set[tuple[str, int, int, int]] = set()  # whose chains were charged
         self.pending: list[tuple[float, Config]] = []
         self.stuck: list[tuple[float, Config]] = []
         self.phase = "quick"
@@ -728,14 +748,26 @@ class _Lane:
             for entry in self._expand(bound, item):
                 heapq.heappush(self.heap, entry)
         elif tier == 1:
-            lifted = None  # no relaxation for this one: the cheap bound stays
-            if _order_size(item) <= RELAXATION_OPS and _relaxation_may_prune(
-                item, bound, self.best
+            # The fill and drain over the schedule's chains first (cheap once its shape's
+            # chains are built), then, if the bound may still be lifted to the best, the
+            # relaxation.
+            lifted = bound
+            if item.pp > 1 and _order_size(item) <= RELAXATION_OPS:
+                shape = (item.schedule, item.pp, item.num_microbatches, item.virtual_stages)
+                self.charge(_drain_charge(item, new_shape=shape not in self.shapes))
+                self.shapes.add(shape)
+                tables = bound_tables(self.model, self.cluster, self.job, item)
+                if tables is not None:
+                    lifted = max(lifted, fill_and_drain(tables, item))
+            if (
+                self._below(lifted)
+                and _order_size(item) <= RELAXATION_OPS
+                and _relaxation_may_prune(item, lifted, self.best)
             ):
                 self.charge(_relaxation_charge(item))
                 self.relaxed.add(item)
-                lifted = lp_bound(self.model, self.cluster, self.job, item)
-            heapq.heappush(self.heap, (max(bound, lifted or bound), (key[0], 2), 2, item))
+                lifted = max(lifted, lp_bound(self.model, self.cluster, self.job, item) or 0.0)
+            heapq.heappush(self.heap, (lifted, (key[0], 2), 2, item))
         else:
             again = self._attempt(bound, item, min(self.settings.first_limit, self.share))
             if again is not None:
