@@ -45,9 +45,18 @@ def main() -> None:
         runs.append(time.perf_counter() - started)
         print(f"{attempt} run: {len(rows)} cases in {runs[-1]:.1f} s")
     for r in rows:
-        figure = f"{r['step_time_s']:.2f} s, MFU {r['mfu']:.1%}" if r.get("step_time_s") else ""
+        figure = ""
+        if r.get("step_time_s"):
+            figure = f"{r['step_time_s']:.2f} s, gap {r['gap']:.1%}, MFU {r['mfu']:.1%}"
         where = f"  {r['model']:12} {r['gpus']:>6} GPUs: {r['status']:10}"
         print(f"{where} {figure} {r.get('layout') or ''}")
+    gaps = sorted(r["gap"] for r in rows if r.get("gap") is not None)
+    proven = sum(1 for r in rows if r["status"] in ("optimal", "infeasible"))
+    if gaps:
+        print(
+            f"{proven} of {len(rows)} cases proven (optimal or infeasible); gap median "
+            f"{gaps[len(gaps) // 2]:.1%}, worst {gaps[-1]:.1%}"
+        )
     picture = sweep_svg(rows, db.with_suffix(".svg"))
     print(f"first run {runs[0]:.1f} s, second {runs[1]:.2f} s; curves in {picture}")
 

@@ -39,7 +39,7 @@ def lower_bound(
     t = bound_tables(model, cluster, job, config)
     if t is None or any(not k.options for k in t.kinds.values()):
         return None
-    if not _fits_at_all(t, cluster, job, config):
+    if not state_fits(t, cluster, job, config):
         return None
     if config.ema == "host" and not host_fits(t, cluster, config):
         return None
@@ -309,7 +309,7 @@ def degrees_bound(
     # GPU. If even its state is over the cap, none of them fits.
     lean = dataclasses.replace(config, schedule="1f1b", virtual_stages=1, ema="host")
     lean_tables = bound_tables(model, cluster, job, lean)
-    if lean_tables is not None and not _fits_at_all(lean_tables, cluster, job, lean):
+    if lean_tables is not None and not state_fits(lean_tables, cluster, job, lean):
         return None
     count = Counter(t.layer_kinds + t.first_fixed + t.last_fixed)
     opts = {b: t.kinds[b].options for b in count}
@@ -451,7 +451,7 @@ def _collective(t: Tables, kind: str, *, low: bool) -> float:
     return a_d * dense + a_e * expert + stages * c_d + expert_latency
 
 
-def _fits_at_all(tables: Tables, cluster: ClusterSpec, job: TrainingJob, config: Config) -> bool:
+def state_fits(tables: Tables, cluster: ClusterSpec, job: TrainingJob, config: Config) -> bool:
     """Every rank holds its share of the model state: if the average share alone is over
     the usable HBM, no partition fits."""
     usable = memory_cap(cluster, job)

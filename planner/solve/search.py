@@ -70,6 +70,7 @@ from planner.solve.bounds import (
     host_fits,
     lower_bound,
     memory_floor,
+    state_fits,
 )
 from planner.solve.explain import Replan, explain
 from planner.solve.lanes import LANES, default_processes
@@ -327,6 +328,13 @@ def _feasible(
         if shape in seen:  # one try per degrees: the leanest of them
             continue
         seen.add(shape)
+        # Sets whose share of the model state alone is over the cap are passed over before
+        # any layout is costed (an infeasible job's thousands of micro-batches make each
+        # costing long).
+        budget.charge(SECONDS_PER_BOUND)
+        tables = bound_tables(model, cluster, job, config)
+        if tables is None or not state_fits(tables, cluster, job, config):
+            continue
         budget.charge(_costing(model, config))
         try:
             layout = config.layout(model, even_counts(model, config), _uniform(model, lean))
