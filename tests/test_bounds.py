@@ -16,9 +16,11 @@ import pytest
 from bruteforce import best_layout
 
 import planner
+from planner.costs.memory import memory_cap
 from planner.solve.bounds import (
     bound_tables,
     busiest_rank,
+    crowded_rank,
     degrees_bound,
     fill_and_drain,
     lower_bound,
@@ -69,12 +71,14 @@ def test_bounds_never_exceed_the_exhaustive_optimum(
     )
     if layers > 4:  # a smaller space where the exhaustive search is slow
         space = space.model_copy(update={"tp": [2], "zero": [1, 3], "micro_batch": [1]})
-    checked = binding = drained = 0
+    checked = binding = drained = crowded = 0
     for config in enumerate_configs(model, cluster, job, space):
         mean = lower_bound(model, cluster, job, config)
         tables = bound_tables(model, cluster, job, config)
         rank = busiest_rank(tables, config) if tables is not None else 0.0
         drain = fill_and_drain(tables, config) if tables is not None else 0.0
+        cap = memory_cap(cluster, job)
+        crowd = crowded_rank(tables, config, cap) if tables is not None else 0.0
         degrees = degrees_bound(model, cluster, job, config)
         relaxed = lp_bound(model, cluster, job, config)
         best = best_layout(model, cluster, job, _pinned(config))
@@ -87,6 +91,8 @@ def test_bounds_never_exceed_the_exhaustive_optimum(
         assert relaxed is not None and relaxed <= optimum * (1 + 1e-9), (config, relaxed, optimum)
         assert rank <= optimum * (1 + 1e-9), (config, rank, optimum)
         assert drain <= optimum * (1 + 1e-9), (config, drain, optimum)
+        assert crowd <= optimum * (1 + 1e-9), (config, crowd, optimum)
+        crowded += crowd > max(mean, rank) * (1 + 1e-9)
         checked += 1
         binding += rank >= mean * (1 - 1e-12)
         drained += drain >= mean * (1 - 1e-12)
@@ -94,7 +100,7 @@ def test_bounds_never_exceed_the_exhaustive_optimum(
     # The busiest rank with whole layers is what the bound is somewhere (it lifts the mean
     # rank's share), so the checks above test it.
     assert binding >= 1, (name, schedules)
-    print(name, schedules, "fill and drain binds", drained, "of", checked)
+    print(name, schedules, "fill and drain binds", drained, "crowded lifts", crowded, "of", checked)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-h1", "dualpipev"])

@@ -148,6 +148,126 @@ def busiest_rank(t: Tables, config: Config) -> float:
     return best
 
 
+def crowded_rank(t: Tables, config: Config, cap: float) -> float:
+    """The least, over every way to give the ranks whole layers, of the busiest rank's
+    tasks back to back plus its optimizer step, where each rank's layers take the recompute
+    that its own memory forces.
+
+    ``busiest_rank`` prices every layer at its fastest option; but a rank holds its layers'
+    state and, at its peak, their saved activations times the micro-batches in flight, and
+    what does not fit within ``cap`` (allocated bytes: ``memory_cap``) must be recomputed.
+    For a rank with n layers, the least recompute is the fractional knapsack over the
+    options' convex hull of (saved bytes, seconds) with every layer at the same point (the
+    hull is convex, so spreading the saving evenly is cheapest); the bytes a rank may keep
+    are its cap less its fixed blocks' state, the buffers and its layers' state, over the
+    fewest micro-batches its op order can keep in flight at its peak, whatever the split of
+    its layers between its chunks (``_in_flight_floor``). Each rank's time is then
+    increasing in its layer count, so filling the ranks one layer at a time, each to the
+    rank that would end earliest, gives the least busiest rank. Each kind of layer is taken
+    alone (the others left out: they would only add time and bytes). ``math.inf`` when some
+    kind's layers cannot fit on the ranks at all; 0.0 when DualPipe-like copies or a shape
+    this does not cover leave it nothing to say. The embedding's, MTP's and head's saved
+    activations, recompute's rebuilt tensors and ZeRO-3's gathered copies are left out."""
+    from planner.layout import chunks_of
+
+    pp, v, m = config.pp, config.virtual_stages, config.num_microbatches
+    groups: dict[frozenset[int], list[int]] = {}
+    for r in range(pp):
+        groups.setdefault(frozenset(chunks_of(config.schedule, pp, v, r)), []).append(r)
+    held = [s for stages in groups for s in stages]
+    if len(held) != len(set(held)):
+        return 0.0
+    count = m // 2 if config.schedule == "dualpipe" else m
+    crowd = [_in_flight_floor(config.schedule, pp, m, v, r) for r in range(pp)]
+    dual = config.schedule in ("dualpipe", "dualpipev")
+    fpair = min(x.seconds for x in t.forward_pair)
+    comb = min(x.seconds for x in t.combine)
+    last = config.stages - 1
+    rank_time: list[float] = []
+    rank_bytes: list[float] = []
+    rank_crowd: list[float] = []
+    for stages, ranks in groups.items():
+        seconds = max(optimizer_traffic(t.fixed_state[r]) / t.opt_Bps for r in ranks)
+        for stage in stages:
+            names = (t.first_fixed if stage == 0 else []) + (t.last_fixed if stage == last else [])
+            for b in names:
+                row = min((o.row for o in t.kinds[b].options), key=lambda r_: r_.fwd)
+                comm = 0.0 if dual else row.moe_layers * (fpair + 2 * comb)
+                seconds += count * (min(o.time for o in t.kinds[b].options) + comm)
+            if not dual:
+                seconds += count * (t.p2p[stage].seconds + t.p2p_back[stage].seconds)
+        rank_time.append(seconds)
+        rank_bytes.append(max(gpu_state(t.fixed_state[r]) for r in ranks) + t.buffers)
+        rank_crowd.append(max(crowd[r] for r in ranks))
+    best = 0.0
+    for kind in sorted(set(t.layer_kinds)):
+        k = t.kinds[kind]
+        hull = _hull(k.options)
+        comm = 0.0 if dual else k.options[0].row.moe_layers * (fpair + 2 * comb)
+        state = gpu_state(k.state)
+        opt = optimizer_traffic(k.state) / t.opt_Bps
+
+        def ends(
+            g: int,
+            n: int,
+            hull: list[tuple[float, float]] = hull,
+            unit: tuple[float, float, float] = (state, comm, opt),
+        ) -> float:
+            """Group g's end with n layers of this kind (inf when they cannot fit)."""
+            state_, comm_, opt_ = unit
+            if n == 0:
+                return rank_time[g]
+            room = cap - rank_bytes[g] - n * state_
+            if room < 0:
+                return math.inf
+            keep = room / (n * rank_crowd[g]) if rank_crowd[g] > 0 else math.inf
+            per_layer = _along(hull, keep)
+            return rank_time[g] + count * n * (per_layer + comm_) + n * opt_
+
+        layers = sum(1 for x in t.layer_kinds if x == kind)
+        held_n = [0] * len(rank_time)
+        heap = [(ends(g, 1), g) for g in range(len(rank_time))]
+        heapq.heapify(heap)
+        for _ in range(layers):
+            value, g = heapq.heappop(heap)
+            if math.isinf(value):
+                return math.inf
+            held_n[g] += 1
+            heapq.heappush(heap, (ends(g, held_n[g] + 1), g))
+        best = max(best, max(ends(g, n) for g, n in enumerate(held_n)))
+    return best
+
+
+def _along(hull: list[tuple[float, float]], keep: float) -> float:
+    """Seconds per micro-batch of a layer keeping at most ``keep`` saved bytes: the
+    cheapest point of the (saved, seconds) hull at or under it (inf under the leanest)."""
+    if keep >= hull[0][0]:
+        return hull[0][1]
+    if keep < hull[-1][0]:
+        return math.inf
+    for (s0, t0), (s1, t1) in itertools.pairwise(hull):
+        if s1 <= keep <= s0:
+            return t0 + (t1 - t0) * (s0 - keep) / (s0 - s1) if s0 > s1 else t1
+    return hull[-1][1]
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_flight_floor(schedule: str, pp: int, m: int, v: int, rank: int) -> float:
+    """The fewest micro-batches' saved activations a rank can hold at its peak, over every
+    split of its layers between its chunks: min over fractions x of max over the levels its
+    op order passes through of sum_c count_c x_c (bounded by ``_dual_bound``)."""
+    from planner.layout import chunks_of
+    from planner.schedules import op_order
+    from planner.solve.tables import _levels
+
+    order = op_order(schedule, pp=pp, num_microbatches=m, rank=rank, virtual_stages=v)
+    chunks = list(dict.fromkeys(chunks_of(schedule, pp, v, rank)))
+    levels = np.array([counts for counts, _ in _levels(order, chunks)], dtype=float)
+    if levels.size == 0:
+        return 0.0
+    return _dual_bound(levels, np.zeros(len(levels)), np.zeros(len(chunks)), 1.0)
+
+
 def fill_and_drain(t: Tables, config: Config) -> float:
     """A step no layout of ``config`` beats, with the pipeline's fill and drain: the least,
     over every split of the layers between stages, of the longest of the schedule's chains

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.costs.comm import Network
-from planner.costs.memory import stage_memory, usable_peak_bytes
+from planner.costs.memory import memory_cap, stage_memory, usable_peak_bytes
 from planner.errors import PlannerError
 from planner.estimate import Estimate, evaluate, step_run
 from planner.layout import Layout, parse_recompute
@@ -65,6 +65,7 @@ from planner.solve import lanes
 from planner.solve.bounds import (
     bound_tables,
     communication_floor,
+    crowded_rank,
     degrees_bound,
     fill_and_drain,
     host_fits,
@@ -468,7 +469,7 @@ def _drain_charge(config: Config, *, new_shape: bool) -> float:
     the shape's chains (one timeline run per profile of ``timeline.shape_forms``)."""
     from planner.timeline import heavy_ranks
 
-    profiles = 1 + len(heavy_ranks(config.pp))
+    profiles = 2 + len(heavy_ranks(config.pp))  # and the ranks' peaks (``crowded_rank``)
     chains = config.pp * profiles
     charge = SECONDS_PER_DRAIN + chains * config.stages * SECONDS_PER_DRAIN_CELL
     if new_shape:
@@ -756,9 +757,9 @@ class _Lane:
             for entry in self._expand(bound, item):
                 heapq.heappush(self.heap, entry)
         elif tier == 1:
-            # The fill and drain over the schedule's chains first (cheap once its shape's
-            # chains are built), then, if the bound may still be lifted to the best, the
-            # relaxation.
+            # The fill and drain over the schedule's chains and the busiest rank under its
+            # own memory first (cheap once its shape's chains and peaks are known), then, if
+            # the bound may still be lifted to the best, the relaxation.
             lifted = bound
             if item.pp > 1 and _order_size(item) <= RELAXATION_OPS:
                 shape = (item.schedule, item.pp, item.num_microbatches, item.virtual_stages)
@@ -766,7 +767,10 @@ class _Lane:
                 self.shapes.add(shape)
                 tables = bound_tables(self.model, self.cluster, self.job, item)
                 if tables is not None:
-                    lifted = max(lifted, fill_and_drain(tables, item))
+                    cap = memory_cap(self.cluster, self.job)
+                    lifted = max(
+                        lifted, fill_and_drain(tables, item), crowded_rank(tables, item, cap)
+                    )
             if (
                 self._below(lifted)
                 and _order_size(item) <= RELAXATION_OPS
