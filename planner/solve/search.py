@@ -79,7 +79,15 @@ from planner.solve.lpbound import lp_bound, lp_counts
 from planner.solve.model import StageModel
 from planner.solve.result import Alternative, Plan
 from planner.solve.space import TARGETS, enumerate_configs, for_target
-from planner.solve.tables import Config, build, choice_name, even_counts, rank_orders
+from planner.solve.tables import (
+    Config,
+    Option,
+    Tables,
+    build,
+    choice_name,
+    even_counts,
+    rank_orders,
+)
 from planner.solve.warm import balanced, warm_start
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 from planner.timeline import shape_forms
@@ -356,22 +364,13 @@ def _quick(
     budget: Budget,
 ) -> tuple[float, Layout] | None:
     """The faster of two layouts of ``config`` (even layer counts; stages even in time),
-    each with the fastest recompute choice every layer can take (in the space) that fits,
-    and its step time; None when none fits."""
+    each with the fastest choice of ``_ladder`` (a recompute option per kind of layer, in
+    the space) whose memory fits, and its step time; None when none fits."""
     t = bound_tables(model, cluster, job, config)
     if t is None:
         return None
-    names: set[str] | None = None
-    for kind in set(t.layer_kinds):
-        opts = {o.name for o in t.kinds[kind].options}
-        names = opts if names is None else names & opts
     allowed = {choice_name(parse_recompute(r)) for r in space.recompute or []}
-    ordered = sorted(
-        (n for n in names or set() if not allowed or n in allowed),
-        key=lambda n: sum(
-            next(o.time for o in t.kinds[k].options if o.name == n) for k in set(t.layer_kinds)
-        ),
-    )
+    ordered = _ladder(t, allowed)
     # Two partitions: even layer counts, and stages even in time with the embedding's and
     # head's own work counted (``warm.balanced``), unless the target launcher runs even
     # layer counts only.
@@ -381,28 +380,33 @@ def _quick(
     cap = usable_peak_bytes(cluster, job)
     blocks = model.num_layers + model.num_mtp_layers + 2
 
-    def fits(counts: list[int], name: str) -> Layout | None:
-        """The layout with ``name`` for every layer when its memory alone fits."""
+    def fits(counts: list[int], choice: dict[str, str]) -> Layout | None:
+        """The layout with ``choice`` for every layer (by kind) when its memory alone fits."""
         budget.charge(blocks * SECONDS_PER_MEMORY_BLOCK)
-        layout = config.layout(model, counts, _uniform(model, name))
+        layout = config.layout(model, counts, _by_kind(model, t, choice))
         memory = stage_memory(model, job, layout, num_microbatches=config.num_microbatches)
         return layout if max(s.peak_bytes for s in memory) <= cap else None
 
     best: tuple[float, Layout] | None = None
     for counts in dict.fromkeys(map(tuple, partitions)):
         try:
-            if not ordered or fits(list(counts), ordered[-1]) is None:
+            lean = fits(list(counts), ordered[-1]) if ordered else None
+            if lean is None:
                 continue  # the leanest choice does not fit: no choice does
-            for name in ordered:  # fastest first
-                layout = fits(list(counts), name)
-                if layout is None:
-                    continue
-                budget.charge(_costing(model, config))
-                est = evaluate(model, cluster, job, layout)
-                if est.fits and _host_ok(job, cluster, layout, est):
-                    if best is None or est.step_time_s < best[0]:
-                        best = (est.step_time_s, layout)
-                    break
+            # The fastest choice that fits: the ladder's bytes fall as its time rises.
+            low, high, layout = 0, len(ordered) - 1, lean
+            while low < high:
+                middle = (low + high) // 2
+                trial = fits(list(counts), ordered[middle])
+                if trial is None:
+                    low = middle + 1
+                else:
+                    high, layout = middle, trial
+            budget.charge(_costing(model, config))
+            est = evaluate(model, cluster, job, layout)
+            good = est.fits and _host_ok(job, cluster, layout, est)
+            if good and (best is None or est.step_time_s < best[0]):
+                best = (est.step_time_s, layout)
         except PlannerError:
             continue
     return best
@@ -434,6 +438,66 @@ def _framework_for(job: TrainingJob, space: SearchSpace) -> TrainingJob:
             f"runs the plan with {space.target}; leave the framework out or make them agree"
         )
     return job.with_framework(space.target)
+
+
+def _ladder(t: Tables, allowed: set[str]) -> list[dict[str, str]]:
+    """Recompute choices for the quick layouts, fastest first: each name every kind has, for
+    all of them; and, for each option of the layer kind with the most layers, every other
+    layer kind and MTP module at its fastest option that keeps no larger a share of its
+    most saved bytes (kinds have different menus: DeepSeek-V3's dense and MoE layers share
+    only five of their options, and the best of its MoE layers' is not one of them).
+    Options outside the space's recompute list are left out (MTP modules may stay as they
+    are)."""
+    kinds = sorted(set(t.layer_kinds))
+    main = max(kinds, key=lambda k: (t.layer_kinds.count(k), k))
+    mtp = [n for n in t.first_fixed + t.last_fixed if n.startswith("mtp.")]
+    weight = {k: t.layer_kinds.count(k) for k in kinds} | dict.fromkeys(mtp, 1)
+
+    def menu(k: str) -> list[Option]:
+        options = t.kinds[k].options
+        keep = [o for o in options if not allowed or o.name in allowed or k in mtp]
+        return keep or options
+
+    most = {k: max(o.saved for o in menu(k)) or 1.0 for k in weight}
+    ladder: dict[tuple[tuple[str, str], ...], float] = {}
+    # The names every kind has, as one choice for all.
+    shared = set.intersection(*({o.name for o in menu(k)} for k in weight))
+    for name in shared:
+        same = {k: next(o for o in menu(k) if o.name == name) for k in weight}
+        key = tuple(sorted((k, o.name) for k, o in same.items()))
+        ladder[key] = sum(weight[k] * o.time for k, o in same.items())
+    for lead in menu(main):
+        share = lead.saved / most[main]
+        choice = {main: lead}
+        for k in weight:
+            if k == main:
+                continue
+            under = [o for o in menu(k) if o.saved <= share * most[k] * (1 + 1e-9)]
+            choice[k] = (
+                min(under, key=lambda o: (o.time, o.name))
+                if under
+                else min(menu(k), key=lambda o: (o.saved, o.time))
+            )
+        key = tuple(sorted((k, o.name) for k, o in choice.items()))
+        ladder[key] = sum(weight[k] * o.time for k, o in choice.items())
+    # Each choice slower than the one before keeps fewer bytes (the others lose to it), so
+    # what fits is a tail of the list (``_quick`` bisects it).
+    saved = {(k, o.name): o.saved for k in weight for o in menu(k)}
+    out: list[dict[str, str]] = []
+    least = math.inf
+    for key, _ in sorted(ladder.items(), key=lambda kv: (kv[1], kv[0])):
+        kept = sum(weight[k] * saved[(k, name)] for k, name in key)
+        if kept < least:
+            least = kept
+            out.append(dict(key))
+    return out
+
+
+def _by_kind(model: ModelSpec, t: Tables, choice: dict[str, str]) -> dict[str, str]:
+    """Each layer's and MTP module's recompute from its kind's choice."""
+    out = {f"layer.{i}": choice[k] for i, k in enumerate(t.layer_kinds)}
+    out |= {n: choice[n] for n in t.first_fixed + t.last_fixed if n in choice}
+    return out
 
 
 def _uniform(model: ModelSpec, choice: str) -> dict[str, str]:
