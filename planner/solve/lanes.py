@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import os
+import sys
 import zlib
 from collections.abc import Callable, Sequence
 from multiprocessing.pool import AsyncResult, Pool
@@ -80,10 +81,12 @@ def _run_all(batch: list[Job]) -> list[Any]:
 
 
 def _can_fork() -> bool:
-    """Fork keeps the parent's imports and caches; a daemonic process (a worker of some
-    other pool) may not have children."""
+    """Fork keeps the parent's imports and caches; it is safe on Linux only (macOS's system
+    libraries do not survive a fork after they start threads), and a daemonic process (a
+    worker of some other pool) may not have children. Elsewhere the lanes run in turn."""
     return (
-        "fork" in multiprocessing.get_all_start_methods()
+        sys.platform == "linux"
+        and "fork" in multiprocessing.get_all_start_methods()
         and not multiprocessing.current_process().daemon
     )
 
