@@ -85,6 +85,48 @@ def lower_bound(
     return max(busy + tail, busiest_rank(t, config))
 
 
+def _rank_groups(
+    t: Tables, config: Config
+) -> tuple[dict[frozenset[int], list[int]], int, list[float], Callable[[Option], float]] | None:
+    """The ranks grouped by the stages they hold (DualPipe's two copies of a pair of stages
+    are one group), the forwards each stage runs per rank, each group's fixed seconds (its
+    optimizer step for the embedding, MTP and head state, their work at their cheapest and,
+    unless DualPipe pairs the chunks, the sends), and a block option's seconds per
+    micro-batch (its compute and, unless paired, its all-to-alls); None when groups share a
+    stage."""
+    from planner.layout import chunks_of
+
+    pp, v, m = config.pp, config.virtual_stages, config.num_microbatches
+    groups: dict[frozenset[int], list[int]] = {}
+    for r in range(pp):
+        groups.setdefault(frozenset(chunks_of(config.schedule, pp, v, r)), []).append(r)
+    held = [s for stages in groups for s in stages]
+    if len(held) != len(set(held)):
+        return None
+    # Every stage runs every micro-batch once; DualPipe's two copies of a stage half each.
+    count = m // 2 if config.schedule == "dualpipe" else m
+    dual = config.schedule in ("dualpipe", "dualpipev")
+    fpair = min(x.seconds for x in t.forward_pair)
+    comb = min(x.seconds for x in t.combine)
+
+    def work(option: Option) -> float:
+        row = option.row
+        comm = 0.0 if dual else row.moe_layers * (fpair + 2 * comb)
+        return row.fwd + row.bwd_input + row.bwd_weight + comm
+
+    last = config.stages - 1
+    fixed: list[float] = []
+    for stages, ranks in groups.items():
+        seconds = max(optimizer_traffic(t.fixed_state[r]) / t.opt_Bps for r in ranks)
+        for stage in stages:
+            names = (t.first_fixed if stage == 0 else []) + (t.last_fixed if stage == last else [])
+            seconds += count * sum(min(work(o) for o in t.kinds[b].options) for b in names)
+            if not dual:
+                seconds += count * (t.p2p[stage].seconds + t.p2p_back[stage].seconds)
+        fixed.append(seconds)
+    return groups, count, fixed, work
+
+
 def busiest_rank(t: Tables, config: Config) -> float:
     """The least, over every way to give the ranks whole layers, of the busiest rank's
     tasks back to back plus its optimizer step.
@@ -102,39 +144,12 @@ def busiest_rank(t: Tables, config: Config) -> float:
     free). The mean rank (``lower_bound``'s other term) spreads the head's work and a
     fraction of a layer over every rank; this does not. 0.0 when the schedule's ranks do
     not split the stages into such groups."""
-    from planner.layout import chunks_of
-
-    pp, v, m = config.pp, config.virtual_stages, config.num_microbatches
-    groups: dict[frozenset[int], list[int]] = {}
-    for r in range(pp):
-        groups.setdefault(frozenset(chunks_of(config.schedule, pp, v, r)), []).append(r)
-    held = [s for stages in groups for s in stages]
-    if len(held) != len(set(held)):
+    ranks = _rank_groups(t, config)
+    if ranks is None:
         return 0.0
-    # Every stage runs every micro-batch once; DualPipe's two copies of a stage half each.
-    count = m // 2 if config.schedule == "dualpipe" else m
-    dual = config.schedule in ("dualpipe", "dualpipev")
-    fpair = min(x.seconds for x in t.forward_pair)
-    comb = min(x.seconds for x in t.combine)
-
-    def work(option: Option) -> float:
-        """Per micro-batch: the block's compute and, unless paired, its all-to-alls."""
-        row = option.row
-        comm = 0.0 if dual else row.moe_layers * (fpair + 2 * comb)
-        return row.fwd + row.bwd_input + row.bwd_weight + comm
-
+    groups, count, fixed, work = ranks
     last = config.stages - 1
-    fixed: list[float] = []
-    least: list[int] = []
-    for stages, ranks in groups.items():
-        seconds = max(optimizer_traffic(t.fixed_state[r]) / t.opt_Bps for r in ranks)
-        for stage in stages:
-            names = (t.first_fixed if stage == 0 else []) + (t.last_fixed if stage == last else [])
-            seconds += count * sum(min(work(o) for o in t.kinds[b].options) for b in names)
-            if not dual:
-                seconds += count * (t.p2p[stage].seconds + t.p2p_back[stage].seconds)
-        fixed.append(seconds)
-        least.append(sum(1 for stage in stages if 0 < stage < last))
+    least = [sum(1 for stage in stages if 0 < stage < last) for stages in groups]
     unit = {
         k: count * min(work(o) for o in t.kinds[k].options)
         + optimizer_traffic(t.kinds[k].state) / t.opt_Bps
@@ -168,42 +183,21 @@ def crowded_rank(t: Tables, config: Config, cap: float) -> float:
     kind's layers cannot fit on the ranks at all; 0.0 when DualPipe-like copies or a shape
     this does not cover leave it nothing to say. The embedding's, MTP's and head's saved
     activations, recompute's rebuilt tensors and ZeRO-3's gathered copies are left out."""
-    from planner.layout import chunks_of
-
-    pp, v, m = config.pp, config.virtual_stages, config.num_microbatches
-    groups: dict[frozenset[int], list[int]] = {}
-    for r in range(pp):
-        groups.setdefault(frozenset(chunks_of(config.schedule, pp, v, r)), []).append(r)
-    held = [s for stages in groups for s in stages]
-    if len(held) != len(set(held)):
+    ranks = _rank_groups(t, config)
+    if ranks is None:
         return 0.0
-    count = m // 2 if config.schedule == "dualpipe" else m
+    groups, count, rank_time, work = ranks
+    pp, v, m = config.pp, config.virtual_stages, config.num_microbatches
     crowd = [_in_flight_floor(config.schedule, pp, m, v, r) for r in range(pp)]
-    dual = config.schedule in ("dualpipe", "dualpipev")
-    fpair = min(x.seconds for x in t.forward_pair)
-    comb = min(x.seconds for x in t.combine)
-    last = config.stages - 1
-    rank_time: list[float] = []
-    rank_bytes: list[float] = []
-    rank_crowd: list[float] = []
-    for stages, ranks in groups.items():
-        seconds = max(optimizer_traffic(t.fixed_state[r]) / t.opt_Bps for r in ranks)
-        for stage in stages:
-            names = (t.first_fixed if stage == 0 else []) + (t.last_fixed if stage == last else [])
-            for b in names:
-                row = min((o.row for o in t.kinds[b].options), key=lambda r_: r_.fwd)
-                comm = 0.0 if dual else row.moe_layers * (fpair + 2 * comb)
-                seconds += count * (min(o.time for o in t.kinds[b].options) + comm)
-            if not dual:
-                seconds += count * (t.p2p[stage].seconds + t.p2p_back[stage].seconds)
-        rank_time.append(seconds)
-        rank_bytes.append(max(gpu_state(t.fixed_state[r]) for r in ranks) + t.buffers)
-        rank_crowd.append(max(crowd[r] for r in ranks))
+    rank_bytes = [
+        max(gpu_state(t.fixed_state[r]) for r in rs) + t.buffers for rs in groups.values()
+    ]
+    rank_crowd = [max(crowd[r] for r in rs) for rs in groups.values()]
     best = 0.0
     for kind in sorted(set(t.layer_kinds)):
         k = t.kinds[kind]
         hull = _hull(k.options)
-        comm = 0.0 if dual else k.options[0].row.moe_layers * (fpair + 2 * comb)
+        comm = work(k.options[0]) - k.options[0].time  # the all-to-alls in series, if any
         state = gpu_state(k.state)
         opt = optimizer_traffic(k.state) / t.opt_Bps
 
