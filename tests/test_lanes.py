@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
+import planner
+from planner.errors import PlannerError
 from planner.solve import lanes
 
 _STATE: dict[str, int] = {}
@@ -35,3 +39,11 @@ def test_keys_pick_lanes_stably() -> None:
     assert picked == [lanes.lane_of(k, lanes.LANES) for k in keys]
     assert set(picked) == set(range(lanes.LANES))  # both lanes get sets of degrees
     assert {lanes.lane_of(k, 1) for k in keys} == {0}
+
+
+def test_a_process_count_below_one_is_refused() -> None:
+    model = planner.load_model("llama3-8b").model_copy(update={"num_layers": 2})
+    cluster = planner.load_cluster("h100", gpus=8)
+    job = planner.TrainingJob(seq_len=2048, global_batch=8)
+    with pytest.raises(PlannerError, match=r"^processes=0: must be a positive process count$"):
+        planner.plan(model, cluster, job, time_limit_s=1, processes=0)

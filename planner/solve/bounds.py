@@ -13,6 +13,7 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -114,12 +115,11 @@ def _rank_groups(
         comm = 0.0 if dual else row.moe_layers * (fpair + 2 * comb)
         return row.fwd + row.bwd_input + row.bwd_weight + comm
 
-    last = config.stages - 1
     fixed: list[float] = []
     for stages, ranks in groups.items():
         seconds = max(optimizer_traffic(t.fixed_state[r]) / t.opt_Bps for r in ranks)
         for stage in stages:
-            names = (t.first_fixed if stage == 0 else []) + (t.last_fixed if stage == last else [])
+            names = _fixed_blocks(t, stage, config.stages)
             seconds += count * sum(min(work(o) for o in t.kinds[b].options) for b in names)
             if not dual:
                 seconds += count * (t.p2p[stage].seconds + t.p2p_back[stage].seconds)
@@ -196,40 +196,57 @@ def crowded_rank(t: Tables, config: Config, cap: float) -> float:
     best = 0.0
     for kind in sorted(set(t.layer_kinds)):
         k = t.kinds[kind]
-        hull = _hull(k.options)
-        comm = work(k.options[0]) - k.options[0].time  # the all-to-alls in series, if any
-        state = gpu_state(k.state)
-        opt = optimizer_traffic(k.state) / t.opt_Bps
-
-        def ends(
-            g: int,
-            n: int,
-            hull: list[tuple[float, float]] = hull,
-            unit: tuple[float, float, float] = (state, comm, opt),
-        ) -> float:
-            """Group g's end with n layers of this kind (inf when they cannot fit)."""
-            state_, comm_, opt_ = unit
-            if n == 0:
-                return rank_time[g]
-            room = cap - rank_bytes[g] - n * state_
-            if room < 0:
-                return math.inf
-            keep = room / (n * rank_crowd[g]) if rank_crowd[g] > 0 else math.inf
-            per_layer = _along(hull, keep)
-            return rank_time[g] + count * n * (per_layer + comm_) + n * opt_
-
+        per_layer = _Crowd(
+            hull=_hull(k.options),
+            state=gpu_state(k.state),
+            comm=work(k.options[0]) - k.options[0].time,  # the all-to-alls in series, if any
+            optimizer=optimizer_traffic(k.state) / t.opt_Bps,
+            runs=count,
+            cap=cap,
+        )
+        groups_ = list(zip(rank_time, rank_bytes, rank_crowd, strict=True))
         layers = sum(1 for x in t.layer_kinds if x == kind)
-        held_n = [0] * len(rank_time)
-        heap = [(ends(g, 1), g) for g in range(len(rank_time))]
+        best = max(best, per_layer.busiest(groups_, layers))
+    return best
+
+
+@dataclass(frozen=True)
+class _Crowd:
+    """One kind of layer in ``crowded_rank``: what a layer costs a group of ranks."""
+
+    hull: list[tuple[float, float]]  # (saved bytes, seconds per micro-batch), fastest first
+    state: float  # bytes of state per layer
+    comm: float  # seconds per micro-batch in series with it
+    optimizer: float  # optimizer seconds per layer
+    runs: int  # forwards per stage
+    cap: float
+
+    def end(self, group: tuple[float, float, float], n: int) -> float:
+        """A group's end with n layers (group: fixed seconds, fixed bytes, micro-batches
+        in flight at its peak); inf when they cannot fit."""
+        seconds, fixed, crowd = group
+        if n == 0:
+            return seconds
+        room = self.cap - fixed - n * self.state
+        if room < 0:
+            return math.inf
+        keep = room / (n * crowd) if crowd > 0 else math.inf
+        per_layer = _along(self.hull, keep)
+        return seconds + self.runs * n * (per_layer + self.comm) + n * self.optimizer
+
+    def busiest(self, groups: list[tuple[float, float, float]], layers: int) -> float:
+        """The least busiest group, filling the groups a layer at a time, each to the group
+        that would end earliest (optimal, each group's end rising with its layers)."""
+        held = [0] * len(groups)
+        heap = [(self.end(g, 1), i) for i, g in enumerate(groups)]
         heapq.heapify(heap)
         for _ in range(layers):
-            value, g = heapq.heappop(heap)
+            value, i = heapq.heappop(heap)
             if math.isinf(value):
                 return math.inf
-            held_n[g] += 1
-            heapq.heappush(heap, (ends(g, held_n[g] + 1), g))
-        best = max(best, max(ends(g, n) for g, n in enumerate(held_n)))
-    return best
+            held[i] += 1
+            heapq.heappush(heap, (self.end(groups[i], held[i] + 1), i))
+        return max(self.end(g, n) for g, n in zip(groups, held, strict=True))
 
 
 def _along(hull: list[tuple[float, float]], keep: float) -> float:

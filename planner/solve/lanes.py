@@ -46,16 +46,11 @@ def lane_of(key: object, processes: int) -> int:
     return zlib.crc32(repr(key).encode()) % processes if processes > 1 else 0
 
 
-def run(jobs: Sequence[tuple[object, Job]], processes: int) -> list[Any]:
-    """Each job's ``fn(*args)``, in the order given; a job runs in its key's lane, the
-    lanes side by side (``fn`` and the arguments must pickle for lanes other than 0)."""
-    return run_on([(lane_of(key, LANES), job) for key, job in jobs], processes)
-
-
 def run_on(jobs: Sequence[tuple[int, Job]], processes: int) -> list[Any]:
     """Each job's ``fn(*args)``, in the order given; a job given lane ``n`` runs in lane
     ``n % processes`` (0: this process), every time, so state a job leaves in its process
-    is there for the next job of that lane; the lanes run side by side."""
+    is there for the next job of that lane; the lanes run side by side (``fn`` and the
+    arguments must pickle for lanes other than 0)."""
     if processes > 1 and not _can_fork():
         processes = 1
     by_lane: dict[int, list[int]] = {}

@@ -163,6 +163,8 @@ def plan(
     ``processes``: how many processes run the search's lanes (default: the CPUs, at most
     ``lanes.LANES``); the plan does not depend on it, only how soon it comes."""
     started = time.perf_counter()
+    if processes is not None and processes < 1:
+        raise PlannerError(f"processes={processes}: must be a positive process count")
     asked = space or SearchSpace()
     space = for_target(asked)
     job = _framework_for(job, space)
@@ -182,7 +184,7 @@ def plan(
             if crowded[(c.tp, c.pp, c.dp, c.ep, c.zero, c.schedule == "dualpipe")]
         ]
     budget = Budget(DETERMINISTIC_SHARE * LANES * time_limit_s, started + time_limit_s)
-    procs = default_processes() if processes is None else max(1, processes)
+    procs = default_processes() if processes is None else processes
     found: list[tuple[float, Config, Layout]] = []
 
     def best() -> float:
@@ -695,6 +697,7 @@ class _Lane:
         settings: _Settings,
     ) -> None:
         self.model, self.cluster, self.job, self.space = model, cluster, job, space
+        self.cap = memory_cap(cluster, job)
         self.settings = settings
         self.spent = self.round_spent = self.unreported = 0.0
         self.share = 0.0
@@ -831,10 +834,8 @@ class _Lane:
                 self.shapes.add(shape)
                 tables = bound_tables(self.model, self.cluster, self.job, item)
                 if tables is not None:
-                    cap = memory_cap(self.cluster, self.job)
-                    lifted = max(
-                        lifted, fill_and_drain(tables, item), crowded_rank(tables, item, cap)
-                    )
+                    drain = fill_and_drain(tables, item)
+                    lifted = max(lifted, drain, crowded_rank(tables, item, self.cap))
             if (
                 self._below(lifted)
                 and _order_size(item) <= RELAXATION_OPS
@@ -981,20 +982,22 @@ def solve_config(
     # whole budget on the optimum of a model that lacks them.
     step = FIRST_SOLVE
     while True:
+        given = max(0.01, min(step, time_limit_s - work))
         sol = sm.solve(
-            time_limit_s=max(0.01, min(step, time_limit_s - work) / CPSAT_SECONDS),
-            workers=workers,
-            seed=seed,
-            wall_s=wall_s,
+            time_limit_s=given / CPSAT_SECONDS, workers=workers, seed=seed, wall_s=wall_s
         )
         step *= GROWTH
-        work += sol.work * CPSAT_SECONDS
+        spent = sol.work * CPSAT_SECONDS
         if sol.status == "infeasible":
-            return Outcome("infeasible", work=work)
+            return Outcome("infeasible", work=work + spent)
         if sol.status == "unknown":
+            # Nothing in the time given: all of it is charged (a solve the wall clock cut
+            # short reports less), so the loop ends however short the solves come back.
+            work += max(spent, given)
             if time_limit_s - work > 0.01:
                 continue
             break
+        work += spent
         bound = sol.bound_s
         layout = config.layout(model, sol.counts, sol.recompute)
         timeline = step_run(model, cluster, job, layout)[2]
