@@ -34,7 +34,8 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from planner.costs.comm import NO_TRANSFER
@@ -88,14 +89,20 @@ class Sync:
 
 @dataclass
 class RankRun:
-    """What one pipeline rank did in the step."""
+    """What one pipeline rank did in the step. Its ``tasks`` are listed when first asked
+    for: a step of many micro-batches has millions, and a search that costs layouts needs
+    only the critical rank's (for the breakdown)."""
 
-    tasks: list[Task]
     syncs: list[Sync]
     optimizer_start: float
     optimizer: float
     end: float
     form: Form  # the chain that set ``end``
+    listing: Callable[[], list[Task]] = field(default=list, repr=False)
+
+    @functools.cached_property
+    def tasks(self) -> list[Task]:
+        return self.listing()
 
 
 @dataclass
@@ -372,15 +379,17 @@ class _Run:
             if window[0] > best[0] * (1 + 1e-12):
                 best = window
         return RankRun(
-            tasks=[Task(r, prog.key[g], prog.ops[g], start[g], dur[g]) for g in tasks]
-            if self.detail
-            else [],
+            listing=functools.partial(self._tasks, r) if self.detail else list,
             syncs=syncs,
             optimizer_start=opt_start,
             optimizer=optimizer,
             end=best[0],
             form=self._form(best[1], r, queue),
         )
+
+    def _tasks(self, r: int) -> list[Task]:
+        prog, start, dur = self.prog, self.start, self.dur
+        return [Task(r, prog.key[g], prog.ops[g], start[g], dur[g]) for g in prog.by_rank[r]]
 
     def _windows(self, r: int, syncs: list[Sync], optimizer: float) -> tuple[float, Any]:
         """The largest link or SM budget from a reduction's first task (or the rank's first

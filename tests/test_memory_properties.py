@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -169,3 +170,70 @@ def test_rebuild_never_exceeds_the_largest_rebuilt_block(case) -> None:  # type:
         peak = rebuild_peak(blocks)
         assert 0 <= peak <= max(c.rebuilt_bytes(ch) for c, ch in blocks)
         assert peak >= blocks[-1][0].rebuilt_bytes(blocks[-1][1])
+
+
+def walked_peak(
+    schedule: str,
+    pp: int,
+    m: int,
+    v: int,
+    rank: int,
+    saved: dict[int, float],
+    rebuild: dict[int, float],
+    kept: tuple[dict[int, float], dict[int, float]],
+) -> float:
+    """The activation peak by walking the rank's whole op order, op by op (what
+    ``activation_peak`` gets from the few points ``level_points`` keeps)."""
+    from planner.schedules import op_order
+
+    after_forward, after_backward = kept
+    level = peak = 0.0
+    for op in op_order(schedule, pp=pp, num_microbatches=m, rank=rank, virtual_stages=v):
+        if op.kind == "F":
+            level += saved[op.stage] + after_forward.get(op.stage, 0.0)
+            peak = max(peak, level)
+        if op.kind in ("B", "BW"):
+            peak = max(peak, level + rebuild[op.stage])
+        if op.kind in ("BW", "W"):
+            level -= saved[op.stage]
+        if op.kind in ("B", "BW"):
+            level += after_backward.get(op.stage, 0.0)
+            peak = max(peak, level)
+    return peak
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from(
+        [
+            ("gpipe", 1),
+            ("1f1b", 1),
+            ("zb-h1", 1),
+            ("interleaved", 2),
+            ("interleaved", 3),
+            ("dualpipev", 2),
+            ("dualpipe", 1),
+        ]
+    ),
+    st.sampled_from([2, 4, 6]),
+    st.integers(1, 4),
+    st.data(),
+)
+def test_the_kept_points_give_the_walked_peak(schedule_v, pp, mult, data) -> None:  # type: ignore[no-untyped-def]
+    """Whatever bytes each chunk saves, rebuilds and keeps, the peak over the points kept
+    once per schedule shape is the peak of walking the whole order."""
+    from planner.costs.memory import activation_peak
+
+    schedule, v = schedule_v
+    m = 2 * pp * mult
+    chunks = range(2 * pp if schedule == "dualpipev" else pp * v)
+    byte = st.floats(0, 1e9, allow_nan=False)
+    saved = {c: data.draw(byte) for c in chunks}
+    rebuild = {c: data.draw(byte) for c in chunks}
+    kept = ({c: data.draw(byte) for c in chunks}, {c: data.draw(byte) for c in chunks})
+    model = MODELS["llama3-8b"]
+    layout = planner.Layout.uniform(model, pp=pp, schedule=schedule, virtual_stages=v)
+    rank = data.draw(st.integers(0, pp - 1))
+    want = walked_peak(schedule, pp, m, v, rank, saved, rebuild, kept)
+    got = activation_peak(layout, rank, m, saved, rebuild, kept)
+    assert got == pytest.approx(want, rel=1e-12, abs=1e-3)

@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from planner.costs.blocks import BlockCost, Param, Shard, block_cost
 from planner.errors import PlannerError
 from planner.layout import Layout, parse_recompute
-from planner.schedules import layout_order
+from planner.schedules import op_order
 from planner.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, TrainingJob
 
 BUCKETS = (
@@ -158,22 +158,69 @@ def activation_peak(
     the block it recomputes holds its rebuilt tensors too (``rebuild``: see ``rebuild_peak``).
     ``kept``: bytes each forward and each backward of a chunk leave until the step ends
     (tensors a runtime holds on to, see ``stage_memory``). ``schedules.in_flight`` gives the
-    same counts in closed form where chunks save equal bytes and nothing is kept."""
-    order = layout_order(layout, rank, num_microbatches)
+    same counts in closed form where chunks save equal bytes and nothing is kept.
+
+    The level at any point of the order is a sum over chunks of counts times those bytes;
+    ``level_points`` lists the counts at the points that can be highest, once per schedule
+    shape, so each call costs the points, not the order's length."""
     after_forward, after_backward = kept or ({}, {})
-    level = peak = 0.0
-    for op in order:
-        if op.kind == "F":
-            level += per_chunk[op.stage] + after_forward.get(op.stage, 0.0)
-            peak = max(peak, level)
-        if op.kind in ("B", "BW"):
-            peak = max(peak, level + rebuild[op.stage])
-        if op.kind in ("BW", "W"):
-            level -= per_chunk[op.stage]
-        if op.kind in ("B", "BW"):
-            level += after_backward.get(op.stage, 0.0)
-            peak = max(peak, level)
+    peak = 0.0
+    points = level_points(layout.schedule, layout.pp, num_microbatches, layout.virtual_stages, rank)
+    for flight, rebuilt, forwards, backwards in points:
+        level = sum(n * per_chunk[c] for c, n in flight)
+        level += sum(n * after_forward.get(c, 0.0) for c, n in forwards)
+        level += sum(n * after_backward.get(c, 0.0) for c, n in backwards)
+        if rebuilt >= 0:
+            level += rebuild[rebuilt]
+        peak = max(peak, level)
     return peak
+
+
+Counts = tuple[tuple[int, int], ...]  # (chunk, count) pairs, by chunk
+
+
+@functools.lru_cache(maxsize=1024)
+def level_points(
+    schedule: str, pp: int, num_microbatches: int, virtual_stages: int, rank: int
+) -> tuple[tuple[Counts, int, Counts, Counts], ...]:
+    """The points of ``rank``'s op order where its activation level can peak, as counts:
+    (micro-batches in flight per chunk, the chunk whose backward is rebuilding or -1,
+    forwards done per chunk, backwards done per chunk); the level there is each count times
+    the chunk's bytes (``activation_peak``). Points after a forward and after a backward,
+    and at each backward's start with its rebuild. Bytes are never negative, so of two
+    points with the same in-flight counts and rebuild the later one is at least as high
+    (the done counts only grow): only the last of each is kept."""
+    order = op_order(
+        schedule,
+        pp=pp,
+        num_microbatches=num_microbatches,
+        rank=rank,
+        virtual_stages=virtual_stages,
+    )
+    flight: dict[int, int] = {}
+    forwards: dict[int, int] = {}
+    backwards: dict[int, int] = {}
+    last: dict[tuple[Counts, int], tuple[Counts, Counts]] = {}
+
+    def mark(rebuilt: int) -> None:
+        key = (tuple(sorted((c, n) for c, n in flight.items() if n)), rebuilt)
+        last.pop(key, None)  # re-inserted: the dict keeps the points in order of last use
+        last[key] = (tuple(sorted(forwards.items())), tuple(sorted(backwards.items())))
+
+    for op in order:
+        c = op.stage
+        if op.kind == "F":
+            flight[c] = flight.get(c, 0) + 1
+            forwards[c] = forwards.get(c, 0) + 1
+            mark(-1)
+        if op.kind in ("B", "BW"):
+            mark(c)
+        if op.kind in ("BW", "W"):
+            flight[c] -= 1
+        if op.kind in ("B", "BW"):
+            backwards[c] = backwards.get(c, 0) + 1
+            mark(-1)
+    return tuple((key[0], key[1], f, b) for key, (f, b) in last.items())
 
 
 def rebuild_peak(
