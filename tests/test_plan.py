@@ -384,3 +384,90 @@ def test_an_answer_comes_even_from_a_tiny_budget() -> None:
     assert plan.status in ("feasible", "optimal") and plan.estimate is not None
     assert plan.estimate.fits
     assert check_plan(model, cluster, job, plan) == []
+
+
+def test_a_hint_from_another_gpu_count_is_costed_at_this_one() -> None:
+    """A neighbouring GPU count's layout keeps its stages, recompute and model-parallel
+    degrees and takes this count's data-parallel degree; the plan is never slower than it.
+    One of another model, or outside the space, is passed over."""
+    import math
+
+    from planner.solve.search import Budget, _hinted
+    from planner.solve.space import enumerate_configs
+
+    model = planner.load_model("llama3-8b").model_copy(update={"num_layers": 8})
+    job = planner.TrainingJob(seq_len=2048, global_batch=64)
+    cluster = planner.load_cluster("h100", gpus=16)
+    recompute = {f"layer.{i}": "full" if i < 3 else "none" for i in range(8)}
+    hint = planner.Layout.from_counts(
+        model, counts=[3, 5], pp=2, tp=2, dp=2, zero=1, micro_batch=2, recompute=recompute
+    )
+    other = planner.Layout.uniform(LLAMA4, pp=2, tp=2, dp=2)
+    space = planner.SearchSpace()
+    configs = list(enumerate_configs(model, cluster, job, space))
+    budget = Budget(math.inf, math.inf)
+    [(step, config, layout)] = _hinted(model, cluster, job, configs, [hint, other], budget)
+    assert (layout.tp, layout.pp, layout.dp, layout.micro_batch) == (2, 2, 4, 2)
+    assert layout.stages == hint.stages  # the same blocks and recompute on each stage
+    assert config.num_microbatches == 64 // (4 * 2)
+    assert step == planner.evaluate(model, cluster, job, layout).step_time_s
+    assert budget.spent > 0  # costing it is charged
+    pinned = list(enumerate_configs(model, cluster, job, planner.SearchSpace(tp=[1])))
+    assert _hinted(model, cluster, job, pinned, [hint], budget) == []
+    # The batch no longer divides by the micro-batch: the largest smaller one that does.
+    odd = planner.TrainingJob(seq_len=2048, global_batch=4)
+    wide = list(enumerate_configs(model, cluster, odd, space))
+    [(_, _, halved)] = _hinted(model, cluster, odd, wide, [hint], budget)
+    assert halved.micro_batch == 1
+    plan = planner.plan(model, cluster, job, time_limit_s=1, hints=[hint])
+    assert plan.objective_s is not None and plan.objective_s <= step * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("framework", ["megatron", "deepspeed", "torchtitan"])
+@pytest.mark.parametrize(
+    ("name", "tp", "pp", "ep", "schedule"),
+    [
+        ("llama3-8b", 8, 1, 1, "1f1b"),
+        ("llama3-8b", 2, 4, 1, "interleaved"),
+        ("mixtral-8x7b", 8, 1, 8, "1f1b"),
+        ("mixtral-8x7b", 4, 2, 4, "zb-h1"),
+    ],
+)
+def test_with_one_data_parallel_rank_zero_1_is_never_beaten(
+    framework: str, name: str, tp: int, pp: int, ep: int, schedule: str
+) -> None:
+    """The dominance rule that drops ZeRO-2 and 3 when nothing is data-parallel: on such
+    layouts ZeRO-1 is as fast and holds no more, whatever the recompute."""
+    from planner.solve.space import enumerate_configs
+
+    model = planner.load_model(name)
+    cluster = planner.load_cluster("h100", gpus=8)
+    job = planner.TrainingJob(seq_len=4096, global_batch=16, framework=framework)  # type: ignore[arg-type]
+    for recompute in ("none", "selective", "full"):
+        est = {
+            z: planner.evaluate(
+                model,
+                cluster,
+                job,
+                planner.Layout.uniform(
+                    model,
+                    tp=tp,
+                    pp=pp,
+                    dp=1,
+                    ep=ep,
+                    zero=z,
+                    schedule=schedule,
+                    recompute=recompute,
+                ),
+            )
+            for z in (1, 2, 3)
+        }
+        for z in (2, 3):
+            assert est[1].step_time_s <= est[z].step_time_s * (1 + 1e-12)
+            assert est[1].peak_bytes <= est[z].peak_bytes
+    zeros = {
+        c.zero
+        for c in enumerate_configs(model, cluster, job, planner.SearchSpace())
+        if c.dp == 1 and c.tp == tp and c.ep == ep
+    }
+    assert zeros == {1}

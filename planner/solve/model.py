@@ -15,6 +15,15 @@ real step time, and it is that step time once the forms of the layout it picks a
 Memory per rank is ``planner.costs.memory``'s buckets with the activation peak taken over
 every level the rank's op order passes through.
 
+Symmetry: there is none left to break, by construction. Layers are not assigned one by one
+(where every permutation of a stage's equal layers among its options would be a separate,
+equal solution for the search to refute): a stage is a contiguous range given by its start,
+starts are ordered by constraint, and recompute is a count of a stage's layers of each kind
+taking each option, so one layout is one assignment. Options that tie on everything the model
+reads are merged when the tables are built (``tables._undominated`` keeps the first), so no
+two values of a count describe one layout either. Between configurations, ZeRO stages that
+shard nothing are dropped before any model is built (``space.enumerate_configs``).
+
 Resolution: times are integers of ``UNIT`` seconds (each block's time rounds to the nearest
 unit); bytes are exact integers (rounded up).
 """

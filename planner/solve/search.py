@@ -22,6 +22,9 @@ Dominance rules applied before solving (each says why it loses nothing):
 - ZeRO-0 is never better than ZeRO-1: same compute, the reduce-scatter is half the all-reduce
   and the parameter all-gather overlaps the next forward; ZeRO-1 holds less.
 - GPipe is never better than 1F1B: the same bubble, more activations.
+- With one data-parallel rank (and, for MoE models, one rank in the experts' data-parallel
+  group, dp * tp / ep), ZeRO-2 and 3 are never better than ZeRO-1: they have nothing to
+  shard, and add buffers and collectives (``space.enumerate_configs``).
 - An EMA in host RAM costs no step time and no HBM: when the job has one, host RAM is used
   unless the average rank's share times the GPUs of a node exceeds the node's RAM (then the
   HBM variant is searched too; the model checks the heaviest rank's host RAM either way).
@@ -53,6 +56,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,19 +106,26 @@ DETERMINISTIC_SHARE = 0.3  # of time_limit_s per lane: the budget (see the modul
 # program); costing a layout (its memory and stage tables per block, then the timeline);
 # checking a layout's memory alone; building a CP-SAT model and stating its chains. Refitted
 # on the 11 jobs of benchmarks/plan_speed.py at 10 s (wall time per call against the
-# charge; benchmarks/RESULTS.md, 2026-11-25).
+# charge; benchmarks/RESULTS.md, 2026-11-25); the first sight of a shape (its program and
+# memory points, its chains) and the relaxation's per-op and per-stage terms refitted on 62
+# configurations of pp 2 to 64 and up to 184,320 ops (llama3-8b, llama3-70b, deepseek-v3
+# on H800; cold and warm calls timed apart).
 SECONDS_PER_BOUND = 5e-4
 SECONDS_PER_DEGREES_BOUND = 2.2e-3
 SECONDS_PER_RELAXATION = 4.2e-3
 SECONDS_PER_DRAIN = 1.5e-3
 SECONDS_PER_DRAIN_CELL = 2e-7  # per chain and stage of the dual descent
-SECONDS_PER_SHAPE_OP = 2e-6  # per op and timeline run, more on deep pipelines
-SECONDS_PER_RELAXATION_OP = 8.4e-6
-SECONDS_PER_RELAXATION_STAGE2 = 1.1e-4  # its chains span every stage: per stage squared
+SECONDS_PER_SHAPE = 6e-3  # a shape's chains, once per lane
+SECONDS_PER_SHAPE_OP = 6e-7  # per op and timeline run, more on deep pipelines
+SECONDS_PER_RELAXATION_OP = 5e-6
+SECONDS_PER_RELAXATION_STAGE2 = 5e-5  # its chains span every stage: per stage squared
 SECONDS_PER_BLOCK = 3.4e-4
 SECONDS_PER_MEMORY_BLOCK = 8.5e-5
 SECONDS_PER_TIMELINE_OP = 1e-6
 SECONDS_PER_MODEL_OP = 1e-5
+# The first time a lane meets a schedule's shape: its task program and each rank's memory
+# points (``timeline.program``, ``memory.level_points``), per op, more on deep pipelines.
+SECONDS_PER_PROGRAM_OP = 4e-6
 # Budget seconds per second of CP-SAT's deterministic time: its models here take 1.7 s of
 # wall time per deterministic second on the reference machine (the 38 solves of
 # llama3-8b-8-h100 at 10 s in benchmarks/plan_speed.py: 7.19 s against 4.15).
@@ -156,12 +167,17 @@ def plan(
     seed: int = 0,
     explain_infeasible: bool = True,
     processes: int | None = None,
+    hints: Sequence[Layout] = (),
 ) -> Plan:
     """The fastest layout of ``model`` on ``cluster`` for ``job`` within ``space``, with a
     proof of how close to optimal it is (see the module docstring). ``workers``: CP-SAT's
     workers per configuration (more than one interleaved in one thread, deterministically);
     ``processes``: how many processes run the search's lanes (default: the CPUs, at most
-    ``lanes.LANES``); the plan does not depend on it, only how soon it comes."""
+    ``lanes.LANES``); the plan does not depend on it, only how soon it comes. ``hints``:
+    layouts of neighbouring jobs (a sweep's other GPU counts, say), costed here with this
+    job's data-parallel degree before the search starts (``_hinted``): a good one prunes
+    early. They change what the search finds first, and so the plan, never what a bound
+    proves."""
     started = time.perf_counter()
     if processes is not None and processes < 1:
         raise PlannerError(f"processes={processes}: must be a positive process count")
@@ -197,6 +213,8 @@ def plan(
     first = _feasible(model, cluster, job, space, configs, budget)
     if first is not None:
         keep(*first)
+    for item in _hinted(model, cluster, job, configs, hints, budget):
+        keep(*item)
     # The sets of degrees (and micro-batch) go to the lanes by their key; each lane searches
     # its own (``_Lane``), the lanes side by side in rounds of a fixed deterministic length,
     # sharing the best layout found between rounds (``planner.solve.lanes``).
@@ -334,6 +352,7 @@ def _feasible(
         return (-c.zero, c.micro_batch, flight.get(c.schedule, 9), c.tp * c.pp, _key(c))
 
     seen: set[tuple[object, ...]] = set()
+    programs: set[tuple[str, int, int, int]] = set()
     for config in sorted(configs, key=order):
         shape = (config.tp, config.pp, config.dp, config.ep)
         if shape in seen:  # one try per degrees: the leanest of them
@@ -346,7 +365,7 @@ def _feasible(
         tables = bound_tables(model, cluster, job, config)
         if tables is None or not state_fits(tables, cluster, job, config):
             continue
-        budget.charge(_costing(model, config))
+        budget.charge(_costing(model, config) + _program_charge(config, programs))
         try:
             layout = config.layout(model, even_counts(model, config), _uniform(model, lean))
             est = evaluate(model, cluster, job, layout)
@@ -357,6 +376,74 @@ def _feasible(
     return None
 
 
+def _hinted(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    job: TrainingJob,
+    configs: list[Config],
+    hints: Sequence[Layout],
+    budget: Budget,
+) -> list[tuple[float, Config, Layout]]:
+    """The ``hints`` that fit this job, each with its step time: a hint keeps its tensor and
+    pipeline degrees, stages, recompute, ZeRO stage, schedule and micro-batch and takes the
+    data-parallel degree this job's GPU count leaves (and the micro-batches per step that
+    gives); its micro-batch, when the batch no longer divides, the largest smaller one that
+    does, and its expert-parallel degree the nearest that divides. A hint whose degrees fall
+    outside the space is passed over."""
+    out: list[tuple[float, Config, Layout]] = []
+    known = set(configs)
+    programs: set[tuple[str, int, int, int]] = set()
+    for hint in hints:
+        layers = [b.block for s in hint.stages for b in s.blocks if b.block.startswith("layer.")]
+        if len(layers) != model.num_layers:
+            continue  # another model's layout
+        dp = cluster.num_gpus // (hint.tp * hint.pp)
+        rest = dict(
+            tp=hint.tp,
+            pp=hint.pp,
+            dp=dp,
+            zero=hint.zero,
+            schedule=hint.schedule,
+            virtual_stages=hint.virtual_stages,
+            ema=hint.ema,
+            fp8_cache=hint.fp8_cache,
+        )
+        same = [c for c in known if all(getattr(c, k) == v for k, v in rest.items())]
+        if not same:
+            continue
+
+        def near(c: Config, hint: Layout = hint) -> tuple[object, ...]:
+            # The hint's micro-batch, else the largest smaller one (it holds less), then the
+            # nearest expert-parallel degree, the larger of two as near (it holds less).
+            mb = c.micro_batch
+            return (
+                mb != hint.micro_batch,
+                mb > hint.micro_batch,
+                -mb,
+                abs(math.log(c.ep / hint.ep)),
+                -c.ep,
+            )
+
+        config = min(same, key=near)
+        budget.charge(_costing(model, config) + _program_charge(config, programs))
+        try:
+            layout = Layout(
+                **{
+                    **hint.model_dump(),
+                    "dp": config.dp,
+                    "ep": config.ep,
+                    "micro_batch": config.micro_batch,
+                    "num_microbatches": None,
+                }
+            )
+            est = evaluate(model, cluster, job, layout)
+        except PlannerError:
+            continue
+        if est.fits and _host_ok(job, cluster, layout, est):
+            out.append((est.step_time_s, config, layout))
+    return out
+
+
 def _quick(
     model: ModelSpec,
     cluster: ClusterSpec,
@@ -364,6 +451,7 @@ def _quick(
     space: SearchSpace,
     config: Config,
     budget: Budget,
+    programs: set[tuple[str, int, int, int]],
 ) -> tuple[float, Layout] | None:
     """The faster of two layouts of ``config`` (even layer counts; stages even in time),
     each with the fastest choice of ``_ladder`` (a recompute option per kind of layer, in
@@ -381,6 +469,7 @@ def _quick(
         partitions.append(balanced(t, lambda o: o.time))
     cap = usable_peak_bytes(cluster, job)
     blocks = model.num_layers + model.num_mtp_layers + 2
+    budget.charge(_program_charge(config, programs))
 
     def fits(counts: list[int], choice: dict[str, str]) -> Layout | None:
         """The layout with ``choice`` for every layer (by kind) when its memory alone fits."""
@@ -529,6 +618,19 @@ def _costing(model: ModelSpec, config: Config) -> float:
     return blocks * SECONDS_PER_BLOCK + _order_size(config) * SECONDS_PER_TIMELINE_OP
 
 
+def _shape(config: Config) -> tuple[str, int, int, int]:
+    return (config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
+
+
+def _program_charge(config: Config, seen: set[tuple[str, int, int, int]]) -> float:
+    """The charge for building ``config``'s schedule program and memory points, the first
+    time (``seen``: the shapes already charged, updated)."""
+    if _shape(config) in seen:
+        return 0.0
+    seen.add(_shape(config))
+    return _order_size(config) * SECONDS_PER_PROGRAM_OP * (1 + config.pp / 16)
+
+
 def _drain_charge(config: Config, *, new_shape: bool) -> float:
     """The charge for a configuration's fill-and-drain bound (``bounds.fill_and_drain``):
     its dual descent over the chains, and, the first time a lane meets the shape, building
@@ -540,7 +642,7 @@ def _drain_charge(config: Config, *, new_shape: bool) -> float:
     charge = SECONDS_PER_DRAIN + chains * config.stages * SECONDS_PER_DRAIN_CELL
     if new_shape:
         per_op = SECONDS_PER_SHAPE_OP * (1 + config.pp / 20)
-        charge += _order_size(config) * profiles * per_op
+        charge += SECONDS_PER_SHAPE + _order_size(config) * profiles * per_op
     return charge
 
 
@@ -705,6 +807,7 @@ class _Lane:
         self.found: list[tuple[float, Config, Layout]] = []
         self.relaxed: set[Config] = set()  # configurations whose relaxation was charged
         self.shapes: set[tuple[str, int, int, int]] = set()  # whose chains were charged
+        self.programs: set[tuple[str, int, int, int]] = set()  # whose programs were charged
         self.pending: list[tuple[float, Config]] = []
         self.stuck: list[tuple[float, Config]] = []
         self.phase = "quick"
@@ -805,7 +908,9 @@ class _Lane:
             for first_bound, _, _, config in sorted(firsts.values(), key=lambda e: (e[0], e[1])):
                 if first_bound < self.best and self.spent < self.quick_until:
                     tally = Budget(math.inf, math.inf)
-                    even = _quick(self.model, self.cluster, self.job, self.space, config, tally)
+                    even = _quick(
+                        self.model, self.cluster, self.job, self.space, config, tally, self.programs
+                    )
                     self.charge(tally.spent)
                     if even is not None:
                         self.keep(even[0], config, even[1])
@@ -829,7 +934,8 @@ class _Lane:
             # the bound may still be lifted to the best, the relaxation.
             lifted = bound
             if item.pp > 1 and _order_size(item) <= RELAXATION_OPS:
-                shape = (item.schedule, item.pp, item.num_microbatches, item.virtual_stages)
+                shape = _shape(item)
+                self.charge(_program_charge(item, self.programs))
                 self.charge(_drain_charge(item, new_shape=shape not in self.shapes))
                 self.shapes.add(shape)
                 tables = bound_tables(self.model, self.cluster, self.job, item)
@@ -869,6 +975,7 @@ class _Lane:
         wall = self.deadline - time.perf_counter()
         if _order_size(config) * SECONDS_PER_OP > wall:
             return (bound, config)  # no time left to build its model
+        self.charge(_program_charge(config, self.programs))
         if config not in self.relaxed:  # its warm start solves the relaxation
             self.relaxed.add(config)
             self.charge(_relaxation_charge(config))

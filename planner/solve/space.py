@@ -101,6 +101,11 @@ def _per_degrees(
     ep: int,
 ) -> Iterator[Config]:
     zeros = space.zero or [1, 2, 3]
+    if dp == 1 and (not model.num_experts or dp * tp == ep) and 1 in zeros:
+        # Nothing to shard: every state is whole on its one data-parallel rank (the experts'
+        # too, their data-parallel group being dp * tp / ep), so ZeRO-2 and 3 hold the same
+        # state as ZeRO-1 plus their buckets and gathered copies, and add their collectives.
+        zeros = [z for z in zeros if z <= 1]
     mbs = space.micro_batch or list(DEFAULT_MICRO_BATCHES)
     schedules = space.schedules or (list(DEFAULT_SCHEDULES) if pp > 1 else ["1f1b"])
     emas = space.ema or (["host"] if job.ema else ["hbm"])
