@@ -8,6 +8,16 @@ where it stopped: finished cases are read back, not planned again. A case that r
 records its error and the sweep goes on; an infeasible job is a finished case (its row says
 why). Rows hold the headline figures (step time, MFU, tokens/s, memory) and the whole plan as
 JSON.
+
+Warm starts: the cases that differ only in their GPU count form a chain, in order of GPU
+count, and each case's search starts from the plan of the one before it (``plan``'s
+``hints``; with more GPUs the same tensor and pipeline degrees hold no more per rank, so
+that plan usually fits and prunes from the start). A case then waits for the one before it;
+chains run side by side. What a case finds depends only on its own inputs and that plan,
+so a resumed or rerun sweep gets the same rows; its key includes the key of the case it
+starts from. Bounds are not carried over: with more GPUs a step can fall by more than the
+GPU count grows (memory freed lets recomputation go), so no bound of one count holds for
+another.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from typing import Any
 
 from planner.catalog import load_cluster, load_model
 from planner.errors import PlannerError
+from planner.layout import Layout
 from planner.specs import ModelSpec, SearchSpace, TrainingJob
 
 GiB = 2**30
@@ -61,14 +72,16 @@ class Case:
     job: dict[str, Any]
     space: dict[str, Any]
     time_limit_s: float
+    warm_from: str | None = None  # the key of the case whose plan seeds this one's search
 
     @property
     def key(self) -> str:
         """Hash of everything that determines the case's answer."""
         cluster = load_cluster(self.gpu, gpus=self.gpus).model_dump(mode="json")
-        blob = json.dumps(
-            [self.model, cluster, self.job, self.space, self.time_limit_s], sort_keys=True
-        )
+        parts: list[Any] = [self.model, cluster, self.job, self.space, self.time_limit_s]
+        if self.warm_from is not None:
+            parts.append({"warm_from": self.warm_from})
+        blob = json.dumps(parts, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -80,8 +93,11 @@ def cases(
     jobs: Sequence[TrainingJob],
     space: SearchSpace | None = None,
     time_limit_s: float = 10.0,
+    warm_start: bool = True,
 ) -> list[Case]:
-    """Every combination, in a stable order (model, machine type, job, GPU count)."""
+    """Every combination, in a stable order (model, machine type, job, GPU count); with
+    ``warm_start`` each case starts from the plan of the next smaller GPU count of its
+    chain (see the module docstring)."""
     if not models or not gpus or not clusters or not jobs:
         raise PlannerError("sweep: models, gpus, clusters and jobs must each list one or more")
     for n in gpus:
@@ -91,21 +107,30 @@ def cases(
     for gpu in clusters:
         load_cluster(gpu, gpus=1)  # an unknown machine type fails here, before any work
     space_dict = (space or SearchSpace()).model_dump(mode="json")
-    return [
-        Case(
-            model=m.model_dump(mode="json"),
-            gpu=gpu,
-            gpus=n,
-            job=j.model_dump(mode="json"),
-            space=space_dict,
-            time_limit_s=time_limit_s,
-        )
-        for m, gpu, j, n in itertools.product(specs, clusters, jobs, sorted(gpus))
-    ]
+    out: list[Case] = []
+    for m, gpu, j in itertools.product(specs, clusters, jobs):
+        before: Case | None = None
+        for n in sorted(gpus):
+            if before is not None and before.gpus == n:  # listed twice: the same case
+                out.append(before)
+                continue
+            case = Case(
+                model=m.model_dump(mode="json"),
+                gpu=gpu,
+                gpus=n,
+                job=j.model_dump(mode="json"),
+                space=space_dict,
+                time_limit_s=time_limit_s,
+                warm_from=before.key if warm_start and before is not None else None,
+            )
+            out.append(case)
+            before = case
+    return out
 
 
-def run_case(case: Case) -> dict[str, Any]:
-    """Plan one case; a row for the database (never raises: errors become the row)."""
+def run_case(case: Case, hints: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """Plan one case, its search seeded with ``hints`` (layouts as JSON: the plan of the case
+    it starts from); a row for the database (never raises: errors become the row)."""
     from planner.solve import plan  # workers import the solver lazily
 
     started = time.perf_counter()
@@ -121,8 +146,17 @@ def run_case(case: Case) -> dict[str, Any]:
         cluster = load_cluster(case.gpu, gpus=case.gpus)
         job = TrainingJob(**case.job)
         space = SearchSpace(**case.space)
+        seeds = [Layout(**h) for h in hints]
         # One process per case: the sweep's own workers take the cores.
-        result = plan(model, cluster, job, space, time_limit_s=case.time_limit_s, processes=1)
+        result = plan(
+            model,
+            cluster,
+            job,
+            space,
+            time_limit_s=case.time_limit_s,
+            processes=1,
+            hints=seeds,
+        )
     except PlannerError as exc:
         return {**row, "status": "failed", "error": str(exc), "plan": None}
     except Exception as exc:  # a bug in one case must not stop the sweep
@@ -205,13 +239,24 @@ def sweep(
     ray_address: str | None = None,
     retry_failed: bool = False,
     progress: Progress | None = None,
+    warm_start: bool = True,
 ) -> list[dict[str, Any]]:
     """Plan every (model, machine type, job, GPU count) and return one row per case, in the
-    cases' order. Rows already in ``db`` are returned without planning again (failed ones
-    are retried when ``retry_failed``). ``workers``: local processes (default: the CPUs);
+    cases' order; ``warm_start``: each GPU count's search starts from the plan of the next
+    smaller one (see the module docstring). Rows already in ``db`` are returned without
+    planning again (failed ones are retried when ``retry_failed``). ``workers``: local
+    processes (default: the CPUs);
     ``ray_address``: run on Ray instead ("auto" joins a running cluster, "local" starts one
     here). ``progress(done, running, failed, total)`` is called as cases start and finish."""
-    todo = cases(models, gpus, clusters=clusters, jobs=jobs, space=space, time_limit_s=time_limit_s)
+    todo = cases(
+        models,
+        gpus,
+        clusters=clusters,
+        jobs=jobs,
+        space=space,
+        time_limit_s=time_limit_s,
+        warm_start=warm_start,
+    )
     return run(
         todo,
         db=db,
@@ -255,16 +300,51 @@ def run(
 
         report(0)
         runner = _ray if ray_address is not None else _local
-        runner(pending, finish, report, workers=workers, ray_address=ray_address)
+        feed = _Feed(pending, finished)
+        runner(pending, finish, report, feed, workers=workers, ray_address=ray_address)
         return [finished[k] for k in keys]
     finally:
         store.close()
+
+
+class _Feed:
+    """The pending cases, in order; each is ready once the case it starts from is finished
+    (at once when that case is not part of this sweep), and goes out with that case's plan
+    as its hints."""
+
+    def __init__(self, pending: list[tuple[str, Case]], finished: dict[str, dict[str, Any]]):
+        self.waiting = list(pending)
+        self.finished = finished
+        self.keys = {key for key, _ in pending}
+
+    def __bool__(self) -> bool:
+        return bool(self.waiting)
+
+    def ready(self, most: int) -> list[tuple[str, Case, list[dict[str, Any]]]]:
+        out: list[tuple[str, Case, list[dict[str, Any]]]] = []
+        for item in list(self.waiting):
+            if len(out) >= most:
+                break
+            key, case = item
+            before = case.warm_from
+            if before is not None and before in self.keys and before not in self.finished:
+                continue
+            self.waiting.remove(item)
+            out.append((key, case, _hints(self.finished.get(before or ""))))
+        return out
+
+
+def _hints(row: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The layout of a finished row's plan, as JSON (none for a failed or infeasible one)."""
+    layout = ((row or {}).get("plan") or {}).get("layout")
+    return [layout] if layout else []
 
 
 def _local(
     pending: list[tuple[str, Case]],
     finish: Callable[[str, dict[str, Any]], None],
     report: Callable[[int], None],
+    feed: _Feed,
     *,
     workers: int | None,
     ray_address: str | None,
@@ -274,12 +354,11 @@ def _local(
     n = max(1, min(workers or multiprocessing.cpu_count(), len(pending)))
     context = multiprocessing.get_context("spawn")  # no inherited threads or solver state
     with ProcessPoolExecutor(max_workers=n, mp_context=context) as pool:
-        queue = iter(pending)
         running: dict[Future[dict[str, Any]], str] = {}
 
         def submit() -> None:
-            for key, case in itertools.islice(queue, n - len(running)):
-                running[pool.submit(run_case, case)] = key
+            for key, case, hints in feed.ready(n - len(running)):
+                running[pool.submit(run_case, case, hints)] = key
 
         submit()
         report(len(running))
@@ -303,6 +382,7 @@ def _ray(
     pending: list[tuple[str, Case]],
     finish: Callable[[str, dict[str, Any]], None],
     report: Callable[[int], None],
+    feed: _Feed,
     *,
     workers: int | None,
     ray_address: str | None,
@@ -321,7 +401,13 @@ def _ray(
             ray.init(address=ray_address, log_to_driver=False)
     try:
         task = ray.remote(run_case)
-        refs = {task.remote(case): key for key, case in pending}
+        refs: dict[Any, str] = {}
+
+        def submit() -> None:
+            for key, case, hints in feed.ready(len(pending)):
+                refs[task.remote(case, hints)] = key
+
+        submit()
         report(len(refs))
         while refs:
             ready, _ = ray.wait(list(refs), num_returns=1)
@@ -332,6 +418,7 @@ def _ray(
                 except Exception as exc:  # a task that died
                     row = {"status": "failed", "error": f"ray: {type(exc).__name__}: {exc}"}
                 finish(key, row)
+            submit()
             report(len(refs))
     finally:
         if started_here:

@@ -161,3 +161,31 @@ def test_ray_backend_on_a_local_instance(tmp_path: Path) -> None:
             b["layout"],
             b["step_time_s"],
         )
+
+
+def test_each_gpu_count_starts_from_the_plan_of_the_one_before() -> None:
+    """Cases that differ only in GPU count form a chain in count order; each names the key
+    of the case before it (so warm and cold rows never mix in one database) and is ready
+    only once that case is finished, then gets its plan's layout as a hint."""
+    from planner.sweep import _Feed
+
+    warm = cases([SMALL], [32, 8, 16, 16], jobs=[JOB, JOB.model_copy(update={"seq_len": 512})])
+    cold = cases([SMALL], [32, 8, 16, 16], jobs=[JOB], warm_start=False)
+    chain = warm[:4]
+    assert [c.gpus for c in chain] == [8, 16, 16, 32]
+    assert chain[0].warm_from is None and warm[4].warm_from is None  # each job's own chain
+    assert chain[1].warm_from == chain[0].key and chain[3].warm_from == chain[1].key
+    assert chain[2] == chain[1]  # listed twice: one case
+    assert all(c.warm_from is None for c in cold)
+    assert cold[0].key == chain[0].key and cold[1].key != chain[1].key
+
+    pending = list({c.key: c for c in chain}.items())
+    finished: dict[str, dict[str, object]] = {}
+    feed = _Feed(pending, finished)
+    [(key, case, hints)] = feed.ready(8)
+    assert case.gpus == 8 and hints == []
+    assert feed.ready(8) == []  # 16 waits for 8
+    layout = planner.Layout.uniform(SMALL, pp=2, dp=4).model_dump(mode="json")
+    finished[key] = {"status": "optimal", "plan": {"layout": layout}}
+    [(_, case, hints)] = feed.ready(8)
+    assert case.gpus == 16 and hints == [layout]
