@@ -94,6 +94,11 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--workers", type=int, default=None, help="local processes (default: CPUs)")
     sw.add_argument("--ray", default=None, metavar="ADDRESS", help="run on Ray: auto | local")
     sw.add_argument("--retry-failed", action="store_true", help="plan failed cases again")
+    sw.add_argument(
+        "--no-warm-start",
+        action="store_true",
+        help="plan each GPU count on its own (default: start from the next smaller count's plan)",
+    )
     sw.add_argument("--out", default=None, help="write rows to a .csv or .json file")
     sw.add_argument("--json", action="store_true", help="print the rows as JSON")
     sw.add_argument("--plot", default=None, metavar="FILE", help="write the sweep curves (SVG)")
@@ -499,7 +504,12 @@ def _sweep(args: argparse.Namespace) -> None:
     jobs = [_training_job(args, s, b) for s in args.seq_len for b in args.global_batch]
     # Bad input fails here, in one line, before any progress bar is drawn.
     todo = cases(
-        args.model, args.gpus, clusters=args.cluster, jobs=jobs, time_limit_s=args.time_limit
+        args.model,
+        args.gpus,
+        clusters=args.cluster,
+        jobs=jobs,
+        time_limit_s=args.time_limit,
+        warm_start=not args.no_warm_start,
     )
     columns = (
         TextColumn("sweep"),

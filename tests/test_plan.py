@@ -471,3 +471,62 @@ def test_with_one_data_parallel_rank_zero_1_is_never_beaten(
         if c.dp == 1 and c.tp == tp and c.ep == ep
     }
     assert zeros == {1}
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("1f1b", 1), ("interleaved", 2), ("dualpipe", 1)])
+def test_quick_layouts_give_each_rank_the_fastest_choice_its_memory_fits(
+    schedule: str, v: int
+) -> None:
+    """The first ranks of a pipeline hold more micro-batches in flight than the last: the
+    quick layouts recompute on each rank only what its own memory forces. Each rank's
+    choice is the fastest of the ladder that fits it: the next faster one is over the cap
+    on that rank (a stage two ranks hold, on one of them)."""
+    import math
+
+    from planner.costs.memory import stage_memory, usable_peak_bytes
+    from planner.solve.bounds import bound_tables
+    from planner.solve.search import Budget, _by_kind, _holders, _ladder, _quick
+    from planner.solve.tables import Config
+
+    model = planner.load_model("llama3-8b").model_copy(update={"num_layers": 16})
+    job = planner.TrainingJob(seq_len=4096, global_batch=64, grad_dtype="bf16")
+    space = planner.SearchSpace()
+    config = Config(1, 4, 2, 1, 1, 1, schedule, v, "hbm", 32)
+    mixed = False
+    for hbm in (40, 30, 24):
+        cluster = planner.load_cluster("h100", gpus=8).model_copy(update={"hbm_bytes": hbm * GiB})
+        out = _quick(model, cluster, job, space, config, Budget(math.inf, math.inf), set())
+        if out is None:
+            continue
+        step, layout = out
+        cap = usable_peak_bytes(cluster, job)
+        t = bound_tables(model, cluster, job, config)
+        assert t is not None
+        ladder = _ladder(t, set())
+        memory = stage_memory(model, job, layout, num_microbatches=32)
+        assert max(m.peak_bytes for m in memory) <= cap
+        assert step == planner.evaluate(model, cluster, job, layout).step_time_s
+        holders = _holders(config)
+        chosen = {b.recompute for b in layout.stages[0].blocks if b.block.startswith("layer.")}
+        mixed = mixed or any(
+            b.recompute not in chosen
+            for s in layout.stages
+            for b in s.blocks
+            if "layer." in b.block
+        )
+        for c, stage in enumerate(layout.stages):
+            kinds = {b.recompute for b in stage.blocks if b.block.startswith("layer.")}
+            if not kinds:
+                continue
+            [choice] = kinds
+            at = next(i for i, step_ in enumerate(ladder) if set(step_.values()) == {choice})
+            if at == 0:
+                continue
+            faster = config.layout(
+                model,
+                [sum(b.block.startswith("layer.") for b in s.blocks) for s in layout.stages],
+                _by_kind(model, t, ladder[at - 1]),
+            )
+            over = stage_memory(model, job, faster, num_microbatches=32)
+            assert any(over[r].peak_bytes > cap for r in holders[c])
+    assert mixed  # some ranks recompute what others keep

@@ -197,30 +197,32 @@ def level_points(
         rank=rank,
         virtual_stages=virtual_stages,
     )
-    flight: dict[int, int] = {}
-    forwards: dict[int, int] = {}
-    backwards: dict[int, int] = {}
-    last: dict[tuple[Counts, int], tuple[Counts, Counts]] = {}
-
-    def mark(rebuilt: int) -> None:
-        key = (tuple(sorted((c, n) for c, n in flight.items() if n)), rebuilt)
-        last.pop(key, None)  # re-inserted: the dict keeps the points in order of last use
-        last[key] = (tuple(sorted(forwards.items())), tuple(sorted(backwards.items())))
-
+    chunks = sorted({op.stage for op in order})
+    at = {c: i for i, c in enumerate(chunks)}
+    flight = [0] * len(chunks)
+    forwards = [0] * len(chunks)
+    backwards = [0] * len(chunks)
+    last: dict[tuple[tuple[int, ...], int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
     for op in order:
-        c = op.stage
+        i = at[op.stage]
         if op.kind == "F":
-            flight[c] = flight.get(c, 0) + 1
-            forwards[c] = forwards.get(c, 0) + 1
-            mark(-1)
+            flight[i] += 1
+            forwards[i] += 1
+            last[(tuple(flight), -1)] = (tuple(forwards), tuple(backwards))
         if op.kind in ("B", "BW"):
-            mark(c)
+            last[(tuple(flight), op.stage)] = (tuple(forwards), tuple(backwards))
         if op.kind in ("BW", "W"):
-            flight[c] -= 1
+            flight[i] -= 1
         if op.kind in ("B", "BW"):
-            backwards[c] = backwards.get(c, 0) + 1
-            mark(-1)
-    return tuple((key[0], key[1], f, b) for key, (f, b) in last.items())
+            backwards[i] += 1
+            last[(tuple(flight), -1)] = (tuple(forwards), tuple(backwards))
+
+    def pairs(counts: tuple[int, ...]) -> Counts:
+        return tuple((c, n) for c, n in zip(chunks, counts, strict=True) if n)
+
+    return tuple(
+        (pairs(flight_), rebuilt, pairs(f), pairs(b)) for (flight_, rebuilt), (f, b) in last.items()
+    )
 
 
 def rebuild_peak(

@@ -120,7 +120,7 @@ SECONDS_PER_SHAPE_OP = 6e-7  # per op and timeline run, more on deep pipelines
 SECONDS_PER_RELAXATION_OP = 5e-6
 SECONDS_PER_RELAXATION_STAGE2 = 5e-5  # its chains span every stage: per stage squared
 SECONDS_PER_BLOCK = 3.4e-4
-SECONDS_PER_MEMORY_BLOCK = 8.5e-5
+SECONDS_PER_MEMORY_BLOCK = 5e-5  # building the layout and its memory (2.3 to 3.0 ms a call)
 SECONDS_PER_TIMELINE_OP = 1e-6
 SECONDS_PER_MODEL_OP = 1e-5
 # The first time a lane meets a schedule's shape: its task program and each rank's memory
@@ -454,8 +454,8 @@ def _quick(
     programs: set[tuple[str, int, int, int]],
 ) -> tuple[float, Layout] | None:
     """The faster of two layouts of ``config`` (even layer counts; stages even in time),
-    each with the fastest choice of ``_ladder`` (a recompute option per kind of layer, in
-    the space) whose memory fits, and its step time; None when none fits."""
+    each rank's layers at the fastest choice of ``_ladder`` (a recompute option per kind of
+    layer, in the space) that its memory fits, and its step time; None when none fits."""
     t = bound_tables(model, cluster, job, config)
     if t is None:
         return None
@@ -470,29 +470,40 @@ def _quick(
     cap = usable_peak_bytes(cluster, job)
     blocks = model.num_layers + model.num_mtp_layers + 2
     budget.charge(_program_charge(config, programs))
+    holders = _holders(config)
 
-    def fits(counts: list[int], choice: dict[str, str]) -> Layout | None:
-        """The layout with ``choice`` for every layer (by kind) when its memory alone fits."""
+    def peaks(counts: list[int], choice: dict[str, str]) -> list[float]:
+        """Each rank's peak with ``choice`` for every layer (by kind)."""
         budget.charge(blocks * SECONDS_PER_MEMORY_BLOCK)
         layout = config.layout(model, counts, _by_kind(model, t, choice))
         memory = stage_memory(model, job, layout, num_microbatches=config.num_microbatches)
-        return layout if max(s.peak_bytes for s in memory) <= cap else None
+        return [s.peak_bytes for s in memory]
 
     best: tuple[float, Layout] | None = None
     for counts in dict.fromkeys(map(tuple, partitions)):
         try:
-            lean = fits(list(counts), ordered[-1]) if ordered else None
-            if lean is None:
+            if not ordered or max(peaks(list(counts), ordered[-1])) > cap:
                 continue  # the leanest choice does not fit: no choice does
-            # The fastest choice that fits: the ladder's bytes fall as its time rises.
-            low, high, layout = 0, len(ordered) - 1, lean
-            while low < high:
-                middle = (low + high) // 2
-                trial = fits(list(counts), ordered[middle])
-                if trial is None:
-                    low = middle + 1
-                else:
-                    high, layout = middle, trial
+            # Each rank at the fastest choice its own memory fits (a rank's memory depends
+            # on its own blocks alone; the ladder's bytes fall as its time rises, so a
+            # rank's fitting choices are a tail of it, found by bisection, all ranks at
+            # once); a stage two ranks hold (DualPipe) at the leaner of their choices.
+            low = [0] * config.pp
+            high = [len(ordered) - 1] * config.pp
+            while any(lo < hi for lo, hi in zip(low, high, strict=True)):
+                middle = sorted(
+                    {(lo + hi) // 2 for lo, hi in zip(low, high, strict=True) if lo < hi}
+                )
+                at = {i: peaks(list(counts), ordered[i]) for i in middle}
+                for r in range(config.pp):
+                    mid = (low[r] + high[r]) // 2
+                    if low[r] < high[r] and mid in at:
+                        if at[mid][r] <= cap:
+                            high[r] = mid
+                        else:
+                            low[r] = mid + 1
+            stage_choice = [ordered[max(high[r] for r in holders[c])] for c in range(config.stages)]
+            layout = config.layout(model, list(counts), _by_stage(t, list(counts), stage_choice))
             budget.charge(_costing(model, config))
             est = evaluate(model, cluster, job, layout)
             good = est.fits and _host_ok(job, cluster, layout, est)
@@ -501,6 +512,31 @@ def _quick(
         except PlannerError:
             continue
     return best
+
+
+def _holders(config: Config) -> list[list[int]]:
+    """The ranks that hold each stage."""
+    from planner.layout import chunks_of
+
+    out: list[list[int]] = [[] for _ in range(config.stages)]
+    for r in range(config.pp):
+        for c in chunks_of(config.schedule, config.pp, config.virtual_stages, r):
+            out[c].append(r)
+    return out
+
+
+def _by_stage(t: Tables, counts: list[int], choices: list[dict[str, str]]) -> dict[str, str]:
+    """Each layer's recompute from its stage's choice by kind; the embedding's and the first
+    stage's fixed blocks from the first stage's, MTP modules from the last stage's."""
+    out: dict[str, str] = {}
+    i = 0
+    for c, n in enumerate(counts):
+        for layer in range(i, i + n):
+            out[f"layer.{layer}"] = choices[c][t.layer_kinds[layer]]
+        i += n
+    out |= {n: choices[0][n] for n in t.first_fixed if n in choices[0]}
+    out |= {n: choices[-1][n] for n in t.last_fixed if n in choices[-1]}
+    return out
 
 
 def _fill(config: Config) -> float:
