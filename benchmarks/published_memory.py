@@ -26,8 +26,7 @@ elementwise kernels and frees some intermediates earlier; the model sees only it
 bbb1b616e (2025-04-02, PR #1033) on, false before (at 9dec370, December 2024, train.py left
 the loss eager: "compiling loss function causes CUDA errors, turning off for now").
 
-Rows the planner cannot cost yet are listed with the reason (context parallelism) and left
-out of the error.
+Rows the planner cannot cost yet are listed with the reason and left out of the error.
 
 Run: ``.venv/bin/python benchmarks/published_memory.py [--csv PATH]``.
 """
@@ -55,8 +54,6 @@ KINDS = ("allocated", "reserved", "device")  # see the module docstring
 
 def predict(row: dict[str, str]) -> tuple[float, str, list[str]]:
     """(predicted GiB, layout text, what was assumed) of one row."""
-    if int(row.get("cp") or 1) > 1:
-        raise PlannerError(f"cp={row['cp']}: context parallelism is not modelled yet")
     assumed: list[str] = []
     fields = dict(row)
     framework = row["framework"].strip().lower()

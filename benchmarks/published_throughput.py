@@ -33,8 +33,8 @@ tensor-parallel collectives exposed, which is what ``framework="deepspeed"`` sta
 parallelism is ZeRO-1 (Megatron-LM's distributed optimizer) except where the row says FSDP
 (ZeRO-3) and for torchtitan (FSDP2, ZeRO-3).
 
-Rows the planner cannot cost yet are listed with the reason (context parallelism, machines
-without a catalog entry, architectures it does not read, a FLOP count not reproduced) and
+Rows the planner cannot cost yet are listed with the reason (machines without a catalog
+entry, architectures it does not read, a FLOP count not reproduced) and
 left out of the error. ``--fit`` also fits each GPU's constants to its own rows
 (``planner.fit_runs``) and prints the 5-fold held-out error; ``--write`` stores the per-GPU
 errors that every estimate quotes (``planner/accuracy.json``).
@@ -109,8 +109,6 @@ def measured_step(row: dict[str, str], model: planner.ModelSpec, peak: float) ->
 
 def cost(row: dict[str, str]) -> tuple[float, float, Costed]:
     """(measured, predicted) seconds per step of one row, and what was assumed."""
-    if int(row.get("cp") or 1) > 1:
-        raise PlannerError(f"cp={row['cp']}: context parallelism is not modelled yet")
     gpu = row["gpu"]
     if gpu not in planner.cluster_names():
         raise PlannerError(f"gpu={gpu}: no catalog entry")

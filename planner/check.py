@@ -74,7 +74,7 @@ def check_degrees(
     problems = []
     if layout.world_size != cluster.num_gpus:
         problems.append(
-            f"world size tp*pp*dp={layout.world_size} != cluster GPUs {cluster.num_gpus}"
+            f"world size tp*cp*pp*dp={layout.world_size} != cluster GPUs {cluster.num_gpus}"
         )
     if layout.tp > cluster.gpus_per_node:
         problems.append(f"tp={layout.tp} spans more than a node of {cluster.gpus_per_node} GPUs")
@@ -84,8 +84,11 @@ def check_degrees(
         problems.append(f"tp={layout.tp} does not divide {model.num_kv_heads} kv heads")
     if model.num_experts and model.num_experts % layout.ep:
         problems.append(f"ep={layout.ep} does not divide {model.num_experts} experts")
-    if (layout.dp * layout.tp) % layout.ep:
-        problems.append(f"ep={layout.ep} does not divide dp*tp={layout.dp * layout.tp}")
+    plane = layout.dp * layout.cp * layout.tp
+    if plane % layout.ep:
+        problems.append(f"ep={layout.ep} does not divide dp*cp*tp={plane}")
+    if layout.cp > 1 and job.seq_len % (2 * layout.cp):
+        problems.append(f"cp={layout.cp}: seq_len={job.seq_len} not divisible by 2*cp")
     if job.global_batch % (layout.dp * layout.micro_batch):
         problems.append(
             f"global_batch={job.global_batch} not divisible by dp*micro_batch="
@@ -107,6 +110,7 @@ def check_space(job: TrainingJob, layout: Layout, space: SearchSpace) -> list[st
     """Every decision of the layout is one the search space allows."""
     decisions: list[tuple[str, object, Sequence[object] | None]] = [
         ("tp", layout.tp, space.tp),
+        ("cp", layout.cp, space.cp),
         ("pp", layout.pp, space.pp),
         ("dp", layout.dp, space.dp),
         ("ep", layout.ep, space.ep),

@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     _layout_args(sub.add_parser("evaluate", help="memory and step time of a stated layout"))
     pl = sub.add_parser("plan", help="find the fastest layout that fits, with its proof")
     _job_args(pl)
-    for degree in ("tp", "pp", "ep", "micro-batch", "zero"):
+    for degree in ("tp", "cp", "pp", "ep", "micro-batch", "zero"):
         pl.add_argument(f"--{degree}", type=int, nargs="+", default=None, help=f"allowed {degree}")
     pl.add_argument("--schedule", nargs="+", choices=SCHEDULES, default=None, help="allowed")
     pl.add_argument("--recompute", nargs="+", default=None, help="allowed recompute choices")
@@ -189,7 +189,7 @@ def _job_args(cmd: argparse.ArgumentParser) -> None:
 
 def _layout_args(cmd: argparse.ArgumentParser) -> None:
     _job_args(cmd)
-    for degree in ("tp", "pp", "ep"):
+    for degree in ("tp", "cp", "pp", "ep"):
         cmd.add_argument(f"--{degree}", type=int, default=1, help=f"{degree} degree")
     cmd.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage")
     cmd.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
@@ -346,17 +346,18 @@ def _build(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJo
         layout = _layout_file(args.layout)
         if layout.world_size != cluster.num_gpus:
             raise PlannerError(
-                f"--layout={args.layout!r}: its tp*pp*dp={layout.world_size} must equal "
+                f"--layout={args.layout!r}: its tp*cp*pp*dp={layout.world_size} must equal "
                 f"--gpus={cluster.num_gpus}"
             )
         return model, cluster, job, layout
-    world = args.tp * args.pp
+    world = args.tp * args.cp * args.pp
     if args.gpus % world:
-        raise PlannerError(f"--gpus={args.gpus}: must be a multiple of tp*pp={world}")
+        raise PlannerError(f"--gpus={args.gpus}: must be a multiple of tp*cp*pp={world}")
     layout = Layout.uniform(
         model,
         pp=args.pp,
         tp=args.tp,
+        cp=args.cp,
         dp=args.gpus // world,
         ep=args.ep,
         zero=args.zero,
@@ -446,6 +447,7 @@ def _plan(args: argparse.Namespace) -> None:
     model, cluster, job = _job(args)
     space = SearchSpace(
         tp=args.tp,
+        cp=args.cp,
         pp=args.pp,
         ep=args.ep,
         micro_batch=args.micro_batch,
@@ -485,7 +487,9 @@ def _plan(args: argparse.Namespace) -> None:
     )
     out.print(
         f"[bold]{result.status}[/] ({gap}) after {result.solve_time_s:.1f} s over "
-        f"{result.configurations} degree/schedule combinations. Layout: tp={lay.tp} pp={lay.pp} "
+        f"{result.configurations} degree/schedule combinations. Layout: tp={lay.tp} "
+        + (f"cp={lay.cp} " if lay.cp > 1 else "")
+        + f"pp={lay.pp} "
         f"dp={lay.dp} ep={lay.ep} ZeRO-{lay.zero} micro-batch {lay.micro_batch} x"
         f"{result.estimate.num_microbatches} {lay.schedule}"
         + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
@@ -630,6 +634,7 @@ def _print_time(est: Estimate, framework: str) -> None:
         f"{est.mfu:.1%} (6 x active matmul parameters + causal attention per token, against "
         f"the dense BF16 peak). Includes compute at the machine catalog's efficiencies, recompute, "
         f"the tensor-parallel and expert all-to-all communication {framework} leaves exposed, "
+        f"the context-parallel ring's sends attention does not hide, "
         f"pipeline sends and bubble, links and SMs shared by overlapped collectives, exposed "
         f"gradient reduction and the optimizer step; ignores stragglers, failures, data "
         f"loading and checkpointing. Expected error: {est.expected_error}."
@@ -639,7 +644,9 @@ def _print_time(est: Estimate, framework: str) -> None:
 def _print_memory(name: str, layout: Layout, est: Estimate, margin: float) -> None:
     console = Console(width=max(Console().width, 132))
     title = (
-        f"{name}: per-rank memory (GiB) - tp={layout.tp} pp={layout.pp} dp={layout.dp} "
+        f"{name}: per-rank memory (GiB) - tp={layout.tp} "
+        + (f"cp={layout.cp} " if layout.cp > 1 else "")
+        + f"pp={layout.pp} dp={layout.dp} "
         f"ep={layout.ep} zero={layout.zero} micro_batch={layout.micro_batch} "
         f"x{est.num_microbatches} {layout.schedule}"
     )
@@ -973,7 +980,8 @@ def _degrees(layout: Layout) -> str:
         {b.recompute for s in layout.stages for b in s.blocks if b.block.startswith("layer.")}
     )
     return (
-        f"tp{layout.tp} pp{layout.pp} dp{layout.dp} ep{layout.ep} ZeRO-{layout.zero} "
+        f"tp{layout.tp} " + (f"cp{layout.cp} " if layout.cp > 1 else "") + f"pp{layout.pp} "
+        f"dp{layout.dp} ep{layout.ep} ZeRO-{layout.zero} "
         f"mb{layout.micro_batch} {layout.schedule} v{layout.virtual_stages} "
         f"recompute {'/'.join(recompute)}"
     )

@@ -53,7 +53,8 @@ class Estimate(BaseModel):
     step_time_s: float = Field(description="Predicted seconds per optimizer step.")
     breakdown: dict[str, float] = Field(
         description="Seconds per part of the step (they sum to step_time_s): compute, "
-        "recompute, tp_comm, expert_all_to_all, zero_comm, bubble, pipeline_p2p, grad_sync, "
+        "recompute, tp_comm, cp_comm, expert_all_to_all, zero_comm, bubble, pipeline_p2p, "
+        "grad_sync, "
         "optimizer; the parts of the critical (busiest) pipeline rank."
     )
     critical_rank: int = Field(description="Pipeline rank whose work sets the step time.")
@@ -173,8 +174,8 @@ def check_layout(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layou
     micro-batches per step."""
     if layout.world_size != cluster.num_gpus:
         raise PlannerError(
-            f"Layout: tp*pp*dp={layout.tp}*{layout.pp}*{layout.dp}={layout.world_size} must "
-            f"equal the cluster's GPU count {cluster.num_gpus}"
+            f"Layout: tp*cp*pp*dp={layout.tp}*{layout.cp}*{layout.pp}*{layout.dp}="
+            f"{layout.world_size} must equal the cluster's GPU count {cluster.num_gpus}"
         )
     # Tensor parallelism across nodes is costed (its collectives go hierarchically over
     # NVLink and InfiniBand, planner.costs.comm) though the search keeps it within a node:

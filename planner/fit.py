@@ -351,6 +351,7 @@ RUN_COLUMNS = {
 }
 OPTIONAL_COLUMNS = {
     "ep": "expert-parallel degree (default 1)",
+    "cp": "context-parallel degree (default 1)",
     "vp": "virtual stages per rank (default 1, 2 for interleaved)",
     "schedule": "1f1b, interleaved, dualpipe, ... (default 1f1b)",
     "recompute": "none, selective, full or a module list (default none)",
@@ -512,6 +513,7 @@ def layout_from_row(
         schedule = text("schedule", "1f1b").lower()
         fields_: dict[str, Any] = {
             "tp": whole("tp"),
+            "cp": whole("cp", 1),
             "dp": whole("dp"),
             "ep": whole("ep", 1),
             "micro_batch": whole("micro_batch"),
@@ -537,10 +539,7 @@ def layout_from_row(
         raise PlannerError(f"{where}: {' '.join(first[:3])}") from None
     gpus = layout.world_size
     if text("num_gpus") and int(text("num_gpus")) != gpus:
-        raise PlannerError(
-            f"{where}: num_gpus={text('num_gpus')} but tp*pp*dp={gpus} (context parallelism is "
-            "not modelled)"
-        )
+        raise PlannerError(f"{where}: num_gpus={text('num_gpus')} but tp*cp*pp*dp={gpus}")
     return model, job, layout
 
 

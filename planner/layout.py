@@ -1,11 +1,13 @@
 """A layout: how one model is laid out over the cluster, the planner's answer and its input.
 
-Vocabulary (used everywhere inside): ``tp`` tensor, ``pp`` pipeline, ``dp`` data and ``ep``
-expert parallel degrees. World size is ``tp * pp * dp``. Routed experts are sharded over ``ep``
-ranks and replicated over ``dp * tp / ep`` (expert tensor parallelism is 1, the DeepSeek-V3
-recipe); dense weights are split over ``tp`` and replicated over ``dp``.
+Vocabulary (used everywhere inside): ``tp`` tensor, ``cp`` context, ``pp`` pipeline, ``dp``
+data and ``ep`` expert parallel degrees. World size is ``tp * cp * pp * dp``. Routed experts
+are sharded over ``ep`` ranks and replicated over ``dp * cp * tp / ep`` (expert tensor
+parallelism is 1, the DeepSeek-V3 recipe); dense weights are split over ``tp`` and replicated
+over ``dp * cp``. Context-parallel ranks hold other tokens of the same sequences: the batch
+is split over ``dp`` only.
 
-Rank order (tp innermost, then dp, then pp, as Megatron-LM orders them) belongs to the
+Rank order (tp innermost, then cp, then dp, then pp, as Megatron-LM orders them) belongs to the
 communication model; here a rank is identified by its pipeline position only, because all
 ranks of one pipeline position hold the same amount of memory.
 """
@@ -99,9 +101,16 @@ class Layout(Spec):
     """Parallel degrees, ZeRO stage, micro-batching, schedule and per-block placement."""
 
     tp: int = Field(default=1, gt=0, description="Tensor-parallel degree (within a node).")
+    cp: int = Field(
+        default=1,
+        gt=0,
+        description="Context-parallel degree: each sequence's tokens split over cp ranks, "
+        "which pass keys and values around a ring in every attention (Megatron-LM "
+        "--context-parallel-size; torchtitan context_parallel_degree).",
+    )
     pp: int = Field(default=1, gt=0, description="Pipeline-parallel degree (ranks).")
     dp: int = Field(default=1, gt=0, description="Data-parallel degree.")
-    ep: int = Field(default=1, gt=0, description="Expert-parallel degree (divides dp*tp).")
+    ep: int = Field(default=1, gt=0, description="Expert-parallel degree (divides dp*cp*tp).")
     zero: Literal[0, 1, 2, 3] = Field(
         default=1, description="0: replicated; 1: shard optimizer; 2: +grads; 3: +weights."
     )
@@ -127,10 +136,10 @@ class Layout(Spec):
 
     @model_validator(mode="after")
     def _degrees(self) -> Layout:
-        if (self.dp * self.tp) % self.ep:
+        if self.plane % self.ep:
             raise PlannerError(
                 f"Layout.ep={self.ep}: expert parallel degree ep={self.ep} must divide "
-                f"dp*tp={self.dp * self.tp}"
+                f"dp*cp*tp={self.plane}"
             )
         expected_v = {"interleaved": None, "dualpipev": 2}.get(self.schedule, 1)
         if expected_v is None:
@@ -154,8 +163,21 @@ class Layout(Spec):
 
     @property
     def world_size(self) -> int:
-        """GPUs the layout occupies: tp * pp * dp."""
-        return self.tp * self.pp * self.dp
+        """GPUs the layout occupies: tp * cp * pp * dp."""
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def plane(self) -> int:
+        """Ranks of one pipeline position: tp * cp * dp (what the experts fold onto, as
+        Megatron-LM's MoE parallel folding does: ep divides it)."""
+        return self.tp * self.cp * self.dp
+
+    @property
+    def grad_group(self) -> int:
+        """Ranks that reduce a dense parameter's gradients and shard its ZeRO state: the
+        data-parallel and the context-parallel ones (context-parallel ranks see other tokens
+        of the same sequences; Megatron-LM's data-parallel group with context parallelism)."""
+        return self.dp * self.cp
 
     def chunks_of_rank(self, rank: int) -> list[int]:
         """Stage indices that pipeline rank ``rank`` holds.

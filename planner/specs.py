@@ -407,6 +407,11 @@ class SearchSpace(Spec):
     """Allowed values of each decision; ``None`` leaves a decision free."""
 
     tp: list[int] | None = Field(default=None, description="Allowed tensor-parallel degrees.")
+    cp: list[int] | None = Field(
+        default=None,
+        description="Allowed context-parallel degrees (None: those that leave each rank at "
+        "least 4,096 tokens of a sequence, solve.space.CP_MIN_TOKENS).",
+    )
     pp: list[int] | None = Field(default=None, description="Allowed pipeline degrees.")
     dp: list[int] | None = Field(default=None, description="Allowed data-parallel degrees.")
     ep: list[int] | None = Field(default=None, description="Allowed expert-parallel degrees.")
@@ -429,7 +434,7 @@ class SearchSpace(Spec):
 
     @model_validator(mode="after")
     def _positive(self) -> SearchSpace:
-        for key in ("tp", "pp", "dp", "ep", "micro_batch", "virtual_stages"):
+        for key in ("tp", "cp", "pp", "dp", "ep", "micro_batch", "virtual_stages"):
             values = getattr(self, key)
             if values is not None and (not values or min(values) <= 0):
                 raise PlannerError(f"SearchSpace.{key}={values}: needs positive values")

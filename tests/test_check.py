@@ -131,7 +131,7 @@ def test_degrees_that_do_not_divide_are_named() -> None:
 
 def test_a_wrong_world_size_is_caught() -> None:
     problems = check_plan(MODEL, CLUSTER.model_copy(update={"num_gpus": 32}), JOB, plan_of(LAYOUT))
-    assert problems[0] == "world size tp*pp*dp=16 != cluster GPUs 32"
+    assert problems[0] == "world size tp*cp*pp*dp=16 != cluster GPUs 32"
 
 
 def test_a_tight_simulation_tolerance_reports_the_difference() -> None:

@@ -111,7 +111,7 @@ def test_catalog_listings() -> None:
         (("--cluster", "tpu"), "unknown cluster name"),
         (("--gpus", "0"), "must be a positive whole number"),
         (("--gpus", "2052"), "above one node it must be a whole number of nodes"),
-        (("--ep", "48"), "ep=48 must divide dp*tp=128"),
+        (("--ep", "48"), "ep=48 must divide dp*cp*tp=128"),
         (("--recompute", "attn"), "unknown module 'attn'"),
         (("--gpus", "many"), "invalid int value"),
     ],

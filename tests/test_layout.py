@@ -41,8 +41,8 @@ def test_dualpipev_places_chunks_in_a_v() -> None:
     assert layout.chunks_of_rank(3) == [3, 4]
 
 
-def test_ep_must_divide_dp_times_tp() -> None:
-    with pytest.raises(PlannerError, match=r"ep=48 must divide dp\*tp=128") as info:
+def test_ep_must_divide_dp_times_cp_times_tp() -> None:
+    with pytest.raises(PlannerError, match=r"ep=48 must divide dp\*cp\*tp=128") as info:
         Layout.uniform(DSV3, pp=16, dp=128, ep=48)
     assert "\n" not in str(info.value)
 
@@ -65,7 +65,7 @@ def test_ep_must_divide_experts() -> None:
 def test_world_size_must_match_the_cluster() -> None:
     layout = Layout.uniform(LLAMA, pp=2, dp=2)
     job = planner.TrainingJob(seq_len=4096, global_batch=8)
-    with pytest.raises(PlannerError, match=r"tp\*pp\*dp=1\*2\*2=4 must equal"):
+    with pytest.raises(PlannerError, match=r"tp\*cp\*pp\*dp=1\*1\*2\*2=4 must equal"):
         planner.evaluate(LLAMA, planner.load_cluster("h100", gpus=8), job, layout)
 
 

@@ -95,6 +95,7 @@ class Shard:
     seq_len: int
     micro_batch: int = 1
     tp: int = 1
+    cp: int = 1  # context parallel: the rank holds seq_len / cp tokens of each sequence
     ep: int = 1
     sequence_parallel: bool = True
     flash_attention: bool = True
@@ -121,8 +122,9 @@ class Shard:
 
     @property
     def tokens(self) -> int:
-        """Tokens of one micro-batch (all tp ranks see them inside tensor-parallel regions)."""
-        return self.micro_batch * self.seq_len
+        """Tokens of one micro-batch on this rank (all tp ranks see them inside
+        tensor-parallel regions; context parallelism splits each sequence over cp ranks)."""
+        return self.micro_batch * self.seq_len // self.cp
 
     @property
     def sp_tokens(self) -> float:
@@ -165,6 +167,11 @@ class BlockCost:
     moe_layers: int = 0  # MoE layers in the block: 4 expert all-to-alls each per micro-batch
     tokens_per_expert: float = 0.0  # tokens each local expert's GEMMs see (busiest rank)
     tp: int = 1  # tensor-parallel degree the block is sharded over (GEMM shapes)
+    # Bytes of keys and values this rank holds for one micro-batch (every attention of the
+    # block): what one step of the context-parallel ring sends on
+    cp_kv_bytes: float = 0.0
+    attention_fwd: Work = ZERO  # the fused attention kernels' forward work (the ring hides
+    attention_bwd: Work = ZERO  # its sends behind a cp-th of it per step) and backward work
     fp8: bool = False  # linears cast their inputs and output gradients to FP8
     # saved_bytes / rebuilt_bytes by recompute choice, keyed with the saved groups' count
     # and the transient so that a block still being built is never answered from it
@@ -430,6 +437,18 @@ def _check_shard(model: ModelSpec, shard: Shard) -> None:
             f"Layout.ep={shard.ep}: expert parallel degree must divide "
             f"num_experts={model.num_experts}"
         )
+    if shard.cp > 1 and shard.seq_len % (2 * shard.cp):
+        # Megatron-LM splits each sequence into 2 * cp chunks, rank i holding chunks i and
+        # 2cp-1-i, so every rank gets as much of the causal mask's work (load balance).
+        raise PlannerError(
+            f"Layout.cp={shard.cp}: context parallelism needs seq_len={shard.seq_len} to "
+            f"divide into 2*cp={2 * shard.cp} equal chunks"
+        )
+    if shard.cp > 1 and not shard.flash_attention:
+        raise PlannerError(
+            f"Layout.cp={shard.cp}: context parallelism runs on fused (flash) attention; the "
+            f"job has flash_attention=False"
+        )
 
 
 def _shared_width(model: ModelSpec) -> int:
@@ -583,26 +602,31 @@ def _mtp(cost: BlockCost, model: ModelSpec, shard: Shard, index: int) -> None:
 def _core_attention(
     cost: BlockCost, model: ModelSpec, shard: Shard, *, d_qk: int, d_v: int
 ) -> None:
-    """Softmax(QK^T)V over the rank's heads; causal, so half the score matrix is computed."""
+    """Softmax(QK^T)V over the rank's heads; causal, so half the score matrix is computed.
+
+    With context parallelism the rank holds tokens / cp queries of each sequence and sees
+    every key as the ring passes them (``cp_kv_bytes`` per step); the load-balanced split
+    (see ``_check_shard``) gives each rank a cp-th of the causal work, in blocks of
+    seq_len / cp tokens."""
     b, s = shard.micro_batch, shard.seq_len
+    queries = shard.tokens  # b * s / cp
     heads = model.num_attention_heads / shard.tp
     # Flash attention skips the masked half of a causal score matrix; unfused attention
     # computes the whole matrix and masks it (FLOPs here are those executed).
     share = CAUSAL if shard.flash_attention else 1.0
-    qk = 2.0 * b * s * s * heads * d_qk * share
-    av = 2.0 * b * s * s * heads * d_v * share
+    qk = 2.0 * queries * s * heads * d_qk * share
+    av = 2.0 * queries * s * heads * d_v * share
     # Backward: dQ, dK (from QK^T) and dV, dP (from PV) are 2x forward; flash attention also
     # recomputes the scores QK^T in backward instead of saving them.
     if shard.flash_attention:
-        extra = flash_overhead(s, (d_qk + d_v) / 2, causal=True)
+        extra = flash_overhead(s // shard.cp, (d_qk + d_v) / 2, causal=True)
         fwd_flops, bwd_flops = qk + av, 2 * (qk + av) + qk
-        cost.add(
-            Work(attention=fwd_flops, kernels=1, attention_overhead=fwd_flops * extra),
-            Work(attention=bwd_flops, kernels=1, attention_overhead=bwd_flops * extra),
-            ZERO,
-            "core_attn",
-        )
-        cost.save("softmax_stats", b * s * heads * SOFTMAX_STAT_BYTES, "core_attn")
+        fwd = Work(attention=fwd_flops, kernels=1, attention_overhead=fwd_flops * extra)
+        bwd = Work(attention=bwd_flops, kernels=1, attention_overhead=bwd_flops * extra)
+        cost.add(fwd, bwd, ZERO, "core_attn")
+        cost.attention_fwd += fwd
+        cost.attention_bwd += bwd
+        cost.save("softmax_stats", queries * heads * SOFTMAX_STAT_BYTES, "core_attn")
         return
     # Unfused: two batched GEMMs each way and a memory-bound softmax over the scores.
     # One (s x d) @ (d x s) and one (s x s) @ (s x d) product per head; their backward
@@ -641,6 +665,7 @@ def _gqa(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
     cost.save(prefix + "v", tokens * nkv * d * a / t)
     if not model.learned_positions:  # rotary embedding of q and k: read + write
         cost.elementwise(2 * tokens * (nq + nkv) * d * a / t, *_op(shard))
+    cost.cp_kv_bytes += 2 * tokens * nkv * d * a / t  # the K and V the context ring passes
     _core_attention(cost, model, shard, d_qk=d, d_v=d)
     cost.save(prefix + "attn_proj_in", tokens * nq * d * shard.linear_input_bytes / t)
     cost.linear(
@@ -685,6 +710,7 @@ def _mla(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
     cost.elementwise(2 * tokens * (latent + dc) * a, up)  # the latent norms
     cost.elementwise(2 * tokens * (n / t + 1) * dr * a)  # rotary part of q and of the shared k
     cost.save(prefix + "qkv", tokens * n * (2 * dq + dv) * a / t, up)
+    cost.cp_kv_bytes += tokens * n * (dq + dv) * a / t  # per-head K and V, as the ring passes
     _core_attention(cost, model, shard, d_qk=dq, d_v=dv)
     cost.save(prefix + "attn_proj_in", tokens * n * dv * shard.linear_input_bytes / t)
     cost.linear(prefix + "o_proj", n * dv, h, tokens=tokens / t, split=True)

@@ -1,12 +1,15 @@
 """Communication time model: which ranks form each group, and how long collectives take.
 
 Rank order (Megatron-LM's default ``order="tp-cp-ep-dp-pp"`` in
-``megatron/core/parallel_state.py``, context parallelism 1): tp is innermost and pp
-outermost, so global rank ``g = tp_rank + tp * (dp_rank + dp * pp_rank)`` and GPU ``g`` sits
-on node ``g // gpus_per_node``. Experts see the same ``tp * dp`` plane of each pipeline stage
-with expert tensor parallelism 1: local index ``l = tp_rank + tp * dp_rank``,
-``ep_rank = l % ep`` and expert-data-parallel index ``l // ep``, so an EP group is ``ep``
-consecutive global ranks and an EDP group strides by ``ep``.
+``megatron/core/parallel_state.py``): tp is innermost, then cp, then dp, and pp outermost, so
+global rank ``g = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))`` and GPU ``g``
+sits on node ``g // gpus_per_node``. The "dp" group is the one gradients are reduced and
+ZeRO state sharded over: the data-parallel ranks with the context-parallel ones (Megatron-LM's
+data-parallel group with context parallelism). Experts see the whole ``tp * cp * dp`` plane of
+each pipeline stage with expert tensor parallelism 1 (MoE parallel folding): local index
+``l = tp_rank + tp * (cp_rank + cp * dp_rank)``, ``ep_rank = l % ep`` and
+expert-data-parallel index ``l // ep``, so an EP group is ``ep`` consecutive global ranks and
+an EDP group strides by ``ep``.
 
 Time conventions (NCCL bus bandwidth, nccl-tests ``doc/PERFORMANCE.md``, algbw vs busbw):
 a ring all-reduce over n ranks moves ``2(n-1)/n`` of the buffer through each rank,
@@ -39,7 +42,7 @@ from planner.layout import Layout
 from planner.specs import ClusterSpec, ModelSpec
 from planner.topology import gpu
 
-GroupKind = Literal["tp", "dp", "ep", "edp", "pp"]
+GroupKind = Literal["tp", "cp", "dp", "ep", "edp", "pp"]
 
 # Per MoE layer and micro-batch: dispatch and combine in forward, and their two transposes in
 # backward (the gradient of a dispatch is a combine-shaped all-to-all and vice versa).
@@ -49,38 +52,48 @@ MOE_ALL_TO_ALLS_PER_LAYER = 4
 # -- rank order ---------------------------------------------------------------------------
 
 
-def rank_of(layout: Layout, *, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+def rank_of(layout: Layout, *, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
     """Global rank of the GPU at these coordinates (Megatron-LM order, see module docstring)."""
-    for name, value, size in (("tp", tp_rank, layout.tp), ("dp", dp_rank, layout.dp)):
+    for name, value, size in (
+        ("tp", tp_rank, layout.tp),
+        ("cp", cp_rank, layout.cp),
+        ("dp", dp_rank, layout.dp),
+        ("pp", pp_rank, layout.pp),
+    ):
         if not 0 <= value < size:
             raise PlannerError(f"{name}_rank={value}: must be in 0..{size - 1}")
-    if not 0 <= pp_rank < layout.pp:
-        raise PlannerError(f"pp_rank={pp_rank}: must be in 0..{layout.pp - 1}")
-    return tp_rank + layout.tp * (dp_rank + layout.dp * pp_rank)
+    return tp_rank + layout.tp * (cp_rank + layout.cp * (dp_rank + layout.dp * pp_rank))
 
 
 def group(layout: Layout, kind: GroupKind, rank: int) -> list[int]:
-    """Sorted global ranks of the ``kind`` group that ``rank`` belongs to."""
+    """Sorted global ranks of the ``kind`` group that ``rank`` belongs to ("dp": the ranks
+    that reduce gradients together, data and context parallel)."""
     if not 0 <= rank < layout.world_size:
         raise PlannerError(f"rank={rank}: must be in 0..{layout.world_size - 1}")
-    tp, dp, ep = layout.tp, layout.dp, layout.ep
-    tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+    tp, cp, dp, ep = layout.tp, layout.cp, layout.dp, layout.ep
+    tp_rank, cp_rank = rank % tp, (rank // tp) % cp
+    dp_rank, pp_rank = (rank // (tp * cp)) % dp, rank // layout.plane
+    at = dict(tp_rank=tp_rank, cp_rank=cp_rank, dp_rank=dp_rank, pp_rank=pp_rank)
     if kind == "tp":
-        return [rank_of(layout, tp_rank=t, dp_rank=dp_rank, pp_rank=pp_rank) for t in range(tp)]
+        return [rank_of(layout, **(at | {"tp_rank": t})) for t in range(tp)]
+    if kind == "cp":
+        return [rank_of(layout, **(at | {"cp_rank": c})) for c in range(cp)]
     if kind == "dp":
-        return [rank_of(layout, tp_rank=tp_rank, dp_rank=d, pp_rank=pp_rank) for d in range(dp)]
+        return sorted(
+            rank_of(layout, **(at | {"cp_rank": c, "dp_rank": d}))
+            for d in range(dp)
+            for c in range(cp)
+        )
     if kind == "pp":
-        return [
-            rank_of(layout, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=p) for p in range(layout.pp)
-        ]
-    base = pp_rank * tp * dp  # first rank of this pipeline stage's tp*dp plane
+        return [rank_of(layout, **(at | {"pp_rank": p})) for p in range(layout.pp)]
+    base = pp_rank * layout.plane  # first rank of this pipeline stage's plane
     local = rank - base
     if kind == "ep":
         first = base + (local // ep) * ep
         return list(range(first, first + ep))
     if kind == "edp":
-        return list(range(base + local % ep, base + tp * dp, ep))
-    raise PlannerError(f"kind={kind!r}: must be one of tp, dp, ep, edp, pp")
+        return list(range(base + local % ep, base + layout.plane, ep))
+    raise PlannerError(f"kind={kind!r}: must be one of tp, cp, dp, ep, edp, pp")
 
 
 @dataclass(frozen=True)

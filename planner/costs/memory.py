@@ -14,15 +14,19 @@ the same):
   backward recomputes it (less what the chunk's later blocks have freed by then).
 - ``buffers``: NCCL communication buffers, pipeline send/receive tensors, ZeRO-3's
   gathered copy of the largest block (twice: the one in use and the one prefetched),
-  under ZeRO-2/3 one reduce bucket (the largest block's unsharded gradients), and for an
-  eager PyTorch runtime the gradients a backward holds in flight.
+  under ZeRO-2/3 one reduce bucket (the largest block's unsharded gradients), with context
+  parallelism the ring's receive buffers (a block's keys and values and their gradients, in
+  use and arriving: 4 times its K and V), and for an eager PyTorch runtime the gradients a
+  backward holds in flight.
 - ``context``: CUDA context and kernels.
 - ``fragmentation``: the job's fraction of all allocated bytes above.
 
-Sharding groups: dense weights are split over ``tp`` and ZeRO-sharded over ``dp``; routed
-experts are split over ``ep`` and ZeRO-sharded over the expert-data-parallel group
-``dp * tp / ep``. Tensors shared by several blocks on one rank (a tied embedding and head)
-count once; on different ranks each rank holds its own copy, as Megatron-LM does.
+Sharding groups: dense weights are split over ``tp`` and ZeRO-sharded over ``dp * cp`` (the
+ranks that reduce their gradients); routed experts are split over ``ep`` and ZeRO-sharded
+over the expert-data-parallel group ``dp * cp * tp / ep``. Context parallelism splits every
+activation by sequence: a rank keeps ``tokens / cp`` of each micro-batch. Tensors shared by
+several blocks on one rank (a tied embedding and head) count once; on different ranks each
+rank holds its own copy, as Megatron-LM does.
 
 Ignored: the optimizer's temporary buffers during the step, NCCL's own memory beyond the
 stated buffer, activation-gradient tensors in flight during backward (bounded by one block's
@@ -274,7 +278,7 @@ def state_bytes(
         job.moment_dtype
     ]
     ema_b = DTYPE_BYTES[job.ema] if job.ema else 0
-    edp = layout.dp * layout.tp // layout.ep
+    edp = layout.plane // layout.ep
     z = layout.zero
     held = held_unsharded(job, layout)
     working = DTYPE_BYTES[job.working_weight_dtype]
@@ -283,7 +287,7 @@ def state_bytes(
     sharded_weights = 2 if job.framework == "torchtitan" else 3
     for p in params:
         local = p.numel / shards(p, layout)
-        group = edp if p.expert else layout.dp
+        group = edp if p.expert else layout.grad_group
         out["weights"] += local * wb / (group if z >= sharded_weights else 1)
         if held:
             out["weights"] += local * working
@@ -324,6 +328,7 @@ def shard_of(job: TrainingJob, layout: Layout) -> Shard:
         seq_len=job.seq_len,
         micro_batch=layout.micro_batch,
         tp=layout.tp,
+        cp=layout.cp,
         ep=layout.ep,
         sequence_parallel=job.sequence_parallel and layout.tp > 1,
         flash_attention=job.flash_attention,
@@ -481,6 +486,8 @@ def _rank_memory(
     elif layout.pp > 1:  # one send and one receive buffer of a micro-batch's hidden states
         buffers += 2 * hidden
     buffers += reduce_bucket_bytes(model, job, layout)
+    if layout.cp > 1:  # the ring's keys and values and their gradients, in use and arriving
+        buffers += 4 * max(costs[n].cp_kv_bytes for n in names)
     if runtime == "torch":
         buffers += max(_backward_temporaries(costs[n], job, layout, shard, model) for n in names)
     if layout.zero >= 3:  # the gathered working copy of the largest block, and the prefetched

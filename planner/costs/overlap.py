@@ -192,16 +192,17 @@ def link_use(key: TaskKey, link: str) -> dict[Prim, float]:
 class Parts:
     """Seconds of one task by what they are spent on (they add up to its length)."""
 
-    compute: float = 0.0  # forward / backward work (tensor-parallel comm and recompute apart)
+    compute: float = 0.0  # forward / backward work (communication and recompute apart)
     recompute: float = 0.0
     tp: float = 0.0
     a2a: float = 0.0  # expert all-to-all the compute waits for
     p2p: float = 0.0  # pipeline sends the compute waits for
     zero: float = 0.0  # ZeRO collectives: their SM share, or what they take beyond the work
+    cp: float = 0.0  # the context-parallel ring's exposed sends
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.tp + self.a2a + self.p2p + self.zero
+        return self.compute + self.recompute + self.tp + self.a2a + self.p2p + self.zero + self.cp
 
     def __add__(self, other: Parts) -> Parts:
         return Parts(
@@ -211,6 +212,7 @@ class Parts:
             self.a2a + other.a2a,
             self.p2p + other.p2p,
             self.zero + other.zero,
+            self.cp + other.cp,
         )
 
 
@@ -219,27 +221,30 @@ def task_parts(key: TaskKey, times: list[StageTime], duration: float) -> Parts:
     tensor-parallel communication; then, for a single op, the all-to-alls and sends it
     waits for and the rest as ZeRO; for a pair, the rest as communication."""
     ops = [("F", key[1]), (key[3], key[2])] if key[0] == "pair" else [key]
-    compute = recompute = tp = a2a = p2p = 0.0
+    compute = recompute = tp = a2a = p2p = cp = 0.0
     for kind, s in ops:
         st = times[s]
         if kind == "F":
-            compute += st.fwd - st.tp_fwd
+            compute += st.fwd - st.tp_fwd - st.cp_fwd
             tp += st.tp_fwd
+            cp += st.cp_fwd
             a2a += st.a2a_fwd.seconds
             p2p += st.p2p.seconds
         else:
             if kind in ("B", "BW"):
-                compute += st.bwd_input - st.recompute - st.tp_bwd
+                compute += st.bwd_input - st.recompute - st.tp_bwd - st.cp_bwd
                 recompute += st.recompute
                 tp += st.tp_bwd
+                cp += st.cp_bwd
                 a2a += st.a2a_bwd.seconds
                 p2p += st.p2p_back.seconds
             if kind in ("W", "BW"):
                 compute += st.bwd_weight
-    work = compute + recompute + tp
+    work = compute + recompute + tp + cp
     if key[0] != "pair":
-        return Parts(compute, recompute, tp, a2a, p2p, max(0.0, duration - work - a2a - p2p))
+        zero = max(0.0, duration - work - a2a - p2p)
+        return Parts(compute, recompute, tp, a2a, p2p, zero, cp)
     comm = a2a + p2p
     excess = max(0.0, duration - work)
     share = a2a / comm if comm > 0 else 0.0
-    return Parts(compute, recompute, tp, excess * share, excess * (1 - share), 0.0)
+    return Parts(compute, recompute, tp, excess * share, excess * (1 - share), 0.0, cp)

@@ -36,12 +36,13 @@ cross-entropy's small tensor-parallel reductions, and the MoE router's auxiliary
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from planner.costs.blocks import BlockCost, Param
 from planner.costs.comm import NO_TRANSFER, Network, Transfer, group, moe_dispatch_bytes
-from planner.costs.compute import Rates, block_time
+from planner.costs.compute import Rates, block_time, work_time
 from planner.costs.memory import StageMemory, block_costs, shard_of, shards
 from planner.layout import Layout, parse_recompute
 from planner.schedules import stage_rank
@@ -82,6 +83,8 @@ class StageTime:
     grad_sync: Transfer
     zero_gather: Transfer
     zero_reduce: Transfer
+    cp_fwd: float = 0.0  # exposed context-parallel ring inside ``fwd``
+    cp_bwd: float = 0.0  # ... inside ``bwd_input``
 
     @property
     def tp_comm(self) -> float:
@@ -126,6 +129,8 @@ def stage_times(
                 grad_sync=_grad_sync(layout, network, rank, dense, expert),
                 zero_gather=_zero_gather(layout, network, rank, params, job),
                 zero_reduce=_zero_reduce(layout, network, rank, dense, expert),
+                cp_fwd=total.cp_fwd,
+                cp_bwd=total.cp_bwd,
             )
         )
     return out
@@ -151,11 +156,15 @@ def expert_all_to_alls(
 @dataclass(frozen=True)
 class TpComm:
     """One tensor-parallel collective of a block's activations, and how the framework
-    overlaps it (see ``TP_RS_SPLITS``)."""
+    overlaps it (see ``TP_RS_SPLITS``); and one step of the context-parallel ring (see
+    ``cp_exposed``)."""
 
     seconds: float  # one all-reduce (an all-gather and a reduce-scatter) of a region
     mode: str  # "none" | "userbuffers" | "async"
     tp: int
+    cp: int = 1
+    ring_latency: float = 0.0  # one ring step's latency (its slowest hop) ...
+    ring_Bps: float = math.inf  # ... and bandwidth
 
     @classmethod
     def of(
@@ -163,7 +172,40 @@ class TpComm:
     ) -> TpComm:
         region = shard.tokens * model.hidden_size * shard.act_bytes  # type: ignore[attr-defined]
         seconds = network.all_reduce_time(region, group(layout, "tp", 0))
-        return cls(seconds, tp_overlap_mode(job), layout.tp)
+        ring = group(layout, "cp", 0)
+        hops = list(zip(ring, ring[1:] + ring[:1], strict=True))
+        if len(ring) < 2:
+            return cls(seconds, tp_overlap_mode(job), layout.tp)
+        # Every rank sends to the next at once: a step lasts as long as its slowest hop, and
+        # a ring that leaves its node crosses InfiniBand at each GPU's share of the NICs.
+        if any(network.node_of(a) != network.node_of(b) for a, b in hops):
+            latency, Bps = network.ib_latency_s, network.ib_bus_Bps
+        else:
+            latency, Bps = network.nvlink_latency_s, network.nvlink_bus_Bps
+        return cls(seconds, tp_overlap_mode(job), layout.tp, layout.cp, latency, Bps)
+
+    def ring_step(self, nbytes: float) -> float:
+        """Seconds of one step of the context-parallel ring carrying ``nbytes``."""
+        return self.ring_latency + nbytes / self.ring_Bps
+
+
+def cp_exposed(cost: BlockCost, rates: Rates, tp: TpComm) -> tuple[float, float]:
+    """(forward, backward) seconds of a block's context-parallel ring that its attention
+    does not hide, per micro-batch (Megatron-LM's default ring, Transformer Engine's "p2p"
+    context-parallel communication): attention runs in cp steps, the first on the rank's own
+    keys and values, each later one on the block the previous step's send brought, so each
+    of the cp - 1 sends hides behind a cp-th of the attention kernel's work. Backward sends
+    the keys and values on and their gradients along (twice the bytes per step), and after
+    its last step the gradients still go one hop home, with nothing to hide behind. The
+    sends' SM use is left out."""
+    if tp.cp <= 1 or cost.cp_kv_bytes <= 0:
+        return 0.0, 0.0
+    steps = tp.cp - 1
+    fwd = work_time(cost.attention_fwd, rates) / tp.cp
+    bwd = work_time(cost.attention_bwd, rates) / tp.cp
+    exposed_fwd = steps * max(0.0, tp.ring_step(cost.cp_kv_bytes) - fwd)
+    exposed_bwd = steps * max(0.0, tp.ring_step(2 * cost.cp_kv_bytes) - bwd)
+    return exposed_fwd, exposed_bwd + tp.ring_step(cost.cp_kv_bytes)
 
 
 def tp_overlap_mode(job: TrainingJob) -> str:
@@ -194,14 +236,16 @@ class BlockRow:
     """One block's share of its stage's ``StageTime`` (seconds per micro-batch; the MoE
     counts are layers). Stages add these up; the solver adds them up the same way."""
 
-    fwd: float = 0.0  # compute and exposed tensor-parallel collectives
-    bwd_input: float = 0.0  # with the recompute (and the collectives it re-runs)
+    fwd: float = 0.0  # compute and exposed tensor- and context-parallel communication
+    bwd_input: float = 0.0  # with the recompute (and the communication it re-runs)
     bwd_weight: float = 0.0
     recompute: float = 0.0
     tp_fwd: float = 0.0
     tp_bwd: float = 0.0
     moe_layers: int = 0
     moe_rerun: int = 0  # MoE layers whose forward (and all-to-alls) recompute repeats
+    cp_fwd: float = 0.0  # exposed context-parallel ring inside ``fwd`` ...
+    cp_bwd: float = 0.0  # ... and inside ``bwd_input`` (a re-run ring is in ``recompute``)
 
     def __add__(self, other: BlockRow) -> BlockRow:
         return BlockRow(
@@ -213,26 +257,34 @@ class BlockRow:
             self.tp_bwd + other.tp_bwd,
             self.moe_layers + other.moe_layers,
             self.moe_rerun + other.moe_rerun,
+            self.cp_fwd + other.cp_fwd,
+            self.cp_bwd + other.cp_bwd,
         )
 
 
 def block_row(cost: BlockCost, rates: Rates, choice: frozenset[str] | str, tp: TpComm) -> BlockRow:
-    """A block's row under recompute ``choice``: its compute, and its tensor-parallel
-    collectives (``tp.seconds`` each) as far as the framework leaves them exposed."""
+    """A block's row under recompute ``choice``: its compute, its tensor-parallel
+    collectives (``tp.seconds`` each) as far as the framework leaves them exposed, and its
+    context-parallel ring as far as its attention leaves it exposed (``cp_exposed``; a
+    recompute that re-runs the attention re-runs the ring)."""
     t = block_time(cost, rates, choice)
     comm = cost.tp_collectives * tp.seconds
     tp_f, sm_f = tp_exposed(comm, t.fwd, tp)
     tp_b, sm_b = tp_exposed(comm, t.bwd_input, tp)
+    cp_f, cp_b = cp_exposed(cost, rates, tp)
     rerun = (tp_f, sm_f) if choice == "full" else (0.0, 0.0)
+    rerun_ring = cp_f if choice == "full" or "core_attn" in choice else 0.0
     return BlockRow(
-        fwd=t.fwd + tp_f + sm_f,
-        bwd_input=t.bwd_input + t.recompute + tp_b + sm_b + sum(rerun),
+        fwd=t.fwd + tp_f + sm_f + cp_f,
+        bwd_input=t.bwd_input + t.recompute + tp_b + sm_b + sum(rerun) + cp_b + rerun_ring,
         bwd_weight=t.bwd_weight,
-        recompute=t.recompute + sum(rerun),
+        recompute=t.recompute + sum(rerun) + rerun_ring,
         tp_fwd=tp_f,
         tp_bwd=tp_b,
         moe_layers=cost.moe_layers,
         moe_rerun=cost.moe_layers if _reruns_moe(choice) else 0,
+        cp_fwd=cp_f,
+        cp_bwd=cp_b,
     )
 
 
@@ -264,7 +316,7 @@ def _holder(layout: Layout, stage: int) -> int:
 
 
 def first_rank(layout: Layout, stage: int) -> int:
-    return _holder(layout, stage) * layout.tp * layout.dp
+    return _holder(layout, stage) * layout.plane
 
 
 def stage_send(layout: Layout, network: Network, stage: int, nbytes: float) -> Transfer:
@@ -287,8 +339,8 @@ def dp_groups(layout: Layout, rank: int) -> tuple[list[int], list[int]]:
     stage on two ranks (both directions), so their gradients are reduced together."""
     dense, expert = group(layout, "dp", rank), group(layout, "edp", rank)
     if layout.schedule == "dualpipe":
-        pp_rank = rank // (layout.tp * layout.dp)
-        mirror = rank + (layout.pp - 1 - 2 * pp_rank) * layout.tp * layout.dp
+        pp_rank = rank // layout.plane
+        mirror = rank + (layout.pp - 1 - 2 * pp_rank) * layout.plane
         if mirror != rank:
             dense = dense + group(layout, "dp", mirror)
             expert = expert + group(layout, "edp", mirror)

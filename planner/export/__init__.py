@@ -125,6 +125,7 @@ def uniform_1f1b(model: ModelSpec, layout: Layout) -> Layout:
         model,
         pp=layout.pp,
         tp=layout.tp,
+        cp=layout.cp,
         dp=layout.dp,
         ep=layout.ep,
         zero=layout.zero,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 
 from planner.costs.memory import DEEPSPEED_MAX_LIVE_PARAMETERS, DEEPSPEED_REDUCE_BUCKET_ELEMENTS
+from planner.errors import PlannerError
 from planner.export import (
     Export,
     finish,
@@ -42,6 +43,12 @@ def deepspeed(plan: Plan) -> Export:
     model, cluster, job, planned = inputs(plan)
     differences: list[str] = []
     runs = planned
+    if runs.cp > 1:
+        raise PlannerError(
+            f"Layout.cp={runs.cp}: DeepSpeed has no ring context parallelism (its Ulysses "
+            f"sequence parallelism splits attention heads by all-to-all); plan with "
+            f"SearchSpace(target='deepspeed') for a layout it can state"
+        )
     if runs.fp8_cache:
         differences.append("FP8 caching of activation inputs: DeepSpeed has none; costed without")
         runs = runs.model_copy(update={"fp8_cache": False})
@@ -96,7 +103,7 @@ def deepspeed(plan: Plan) -> Export:
             "partition_activations": runs.tp > 1,
             "contiguous_memory_optimization": False,
         }
-    world = runs.tp * runs.pp * runs.dp
+    world = runs.world_size
     per_node = min(cluster.gpus_per_node, world)
     launch = (
         f"# {model.name}: {world} GPUs (DeepSpeed config keys as of {COMMIT[:8]})\n"

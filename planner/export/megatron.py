@@ -6,7 +6,8 @@ holds the full list read at commit d98e8a64 (2026-08-22) and checks every export
 against it.
 
 What maps exactly:
-- degrees: ``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``,
+- degrees: ``--tensor-model-parallel-size``, ``--context-parallel-size`` (with
+  ``--cp-comm-type p2p``, the ring the time model prices), ``--pipeline-model-parallel-size``,
   ``--expert-model-parallel-size`` (with ``--expert-tensor-parallel-size 1``: experts are not
   tensor-split here); data parallelism is what the world size leaves;
 - stages, uneven ones included: ``--pipeline-model-parallel-layout``, one stage per ``|``
@@ -81,6 +82,8 @@ def megatron(plan: Plan) -> Export:
     args += ["--micro-batch-size", str(runs.micro_batch)]
     args += ["--global-batch-size", str(job.global_batch)]
     args += ["--tensor-model-parallel-size", str(runs.tp)]
+    if runs.cp > 1:
+        args += ["--context-parallel-size", str(runs.cp), "--cp-comm-type", "p2p"]
     args += ["--pipeline-model-parallel-size", str(runs.pp)]
     if model.num_experts:
         args += ["--expert-model-parallel-size", str(runs.ep)]
@@ -108,9 +111,9 @@ def megatron(plan: Plan) -> Export:
         differences.append(
             f"EMA ({job.ema}, {planned.ema}): Megatron-LM keeps none; the training script must"
         )
-    world = runs.tp * runs.pp * runs.dp
+    world = runs.world_size
     command = (
-        f"# {model.name}: {world} GPUs, tp {runs.tp} x pp {runs.pp} x dp {runs.dp}"
+        f"# {model.name}: {world} GPUs, tp {runs.tp} x cp {runs.cp} x pp {runs.pp} x dp {runs.dp}"
         f" (Megatron-LM arguments, flag names as of commit {COMMIT[:8]})\n"
         f"torchrun --nproc-per-node <gpus per node> --nnodes <nodes> pretrain_gpt.py \\\n  "
         + " \\\n  ".join(_pairs(args))

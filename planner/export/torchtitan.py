@@ -4,7 +4,8 @@ Keys are those of torchtitan's ``JobConfig`` (``torchtitan/config/job_config.py`
 v0.2.2 (commit 73a0e697, 2026-02-20), the last release that reads TOML job configs; the
 test suite holds the key list and checks every exported key against it.
 
-What maps exactly: tp, pp, ep (``expert_tensor_parallel_degree = 1``), ZeRO-3 (FSDP2,
+What maps exactly: tp, cp (``context_parallel_degree``; FSDP2 shards over dp * cp, as the
+time model does), pp, ep (``expert_tensor_parallel_degree = 1``), ZeRO-3 (FSDP2,
 resharding after forward), ZeRO-2 (FSDP2 without resharding), ZeRO-0 (replicated data
 parallelism), stages of any size (``module_fqns_per_model_part``, in torchtitan's module
 names: ``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``), 1F1B, interleaved 1F1B,
@@ -14,8 +15,10 @@ batch sizes, no or full recompute of every layer.
 What does not: ZeRO-1 (FSDP2 shards gradients too; runs as ZeRO-2), ZB-H1 and DualPipe
 (run as 1F1B on the same stages), per-block recompute mixes and Megatron-style module sets
 (torchtitan's selective mode saves by op, not by module; the layers are costed with the
-nearest single choice), MTP modules (torchtitan's DeepSeek-V3 has none), an EMA, and FP8
-with 128x128 block scales (torchtitan's Float8 recipes are tensor- or row-wise).
+nearest single choice), MTP modules (torchtitan's DeepSeek-V3 has none), an EMA, FP8 with
+128x128 block scales (torchtitan's Float8 recipes are tensor- or row-wise), and the context
+ring's sends (torchtitan rotates keys and values by ``context_parallel_rotate_method``, an
+all-gather by default; the time model prices a ring of sends hidden behind attention).
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ def torchtitan(plan: Plan) -> Export:
     if job.compiled_loss:  # the loss compiled as costed (and the model: one switch)
         sections["compile"] = {"enable": True, "components": ["model", "loss"]}
     text = (
-        f"# {model.name}: {runs.tp * runs.pp * runs.dp} GPUs (torchtitan job config, keys as "
+        f"# {model.name}: {runs.world_size} GPUs (torchtitan job config, keys as "
         f"of {COMMIT[:8]}, v0.2.2)\n" + dumps(sections)
     )
     return finish("torchtitan", plan, runs, {"torchtitan.toml": text}, differences)
@@ -119,8 +122,10 @@ def _parallelism(layout: Layout) -> dict[str, Any]:
         "pipeline_parallel_degree": layout.pp,
         "expert_parallel_degree": layout.ep,
         "expert_tensor_parallel_degree": 1,
-        "context_parallel_degree": 1,
+        "context_parallel_degree": layout.cp,
     }
+    if layout.cp > 1:  # the sends the time model prices (torchtitan's default gathers)
+        out["context_parallel_rotate_method"] = "alltoall"
     if layout.pp > 1:
         out["pipeline_parallel_schedule"] = SCHEDULES[layout.schedule]
         out["pipeline_parallel_microbatch_size"] = layout.micro_batch

@@ -78,6 +78,8 @@ def check_runnable(model: ModelSpec, job: TrainingJob, layout: Layout) -> int:
     step per pipeline."""
     if layout.tp != 1:
         raise PlannerError(f"Layout.tp={layout.tp}: real runs cover tp=1 only")
+    if layout.cp > 1:
+        raise PlannerError(f"Layout.cp={layout.cp}: real runs cover cp=1 only")
     if layout.schedule not in SCHEDULES:
         raise PlannerError(
             f"Layout.schedule={layout.schedule!r}: real runs cover {', '.join(SCHEDULES)}"

@@ -5,7 +5,7 @@ of the space could need (its share of the model state and buffers, with nothing 
 backward) against the usable HBM, or, when no combination of degrees divides the job, that.
 Fixes are found by re-solving, not by guessing: the same job on 2x and 4x the GPUs (when
 memory binds), and the space with each pinned decision (a degree, the micro-batch, the
-schedule, the ZeRO stage, recompute, EMA placement) freed in turn.
+schedule, the ZeRO stage, recompute, EMA placement, context parallelism) freed in turn.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def explain(
             Binding(
                 family="degrees",
                 where="every combination",
-                excess=f"no tp*pp*dp = {cluster.num_gpus} divides the job within the space",
+                excess=f"no tp*cp*pp*dp = {cluster.num_gpus} divides the job within the space",
             )
         )
         summary = (
@@ -80,12 +80,14 @@ def explain(
             fixes.append(f"{bigger.num_gpus} GPUs: no answer within {per:.0f} s of solving")
         elif found.layout is not None and found.estimate is not None:
             fixes.append(
-                f"{bigger.num_gpus} GPUs: fits (tp={found.layout.tp} pp={found.layout.pp} "
-                f"dp={found.layout.dp}, {found.estimate.step_time_s:.2f} s per step)"
+                f"{bigger.num_gpus} GPUs: fits (tp={found.layout.tp} cp={found.layout.cp} "
+                f"pp={found.layout.pp} dp={found.layout.dp}, "
+                f"{found.estimate.step_time_s:.2f} s per step)"
             )
             break
     for field, label in (
         ("tp", "any tensor-parallel degree"),
+        ("cp", "any context-parallel degree"),
         ("pp", "any pipeline degree"),
         ("dp", "any data-parallel degree"),
         ("ep", "any expert-parallel degree"),

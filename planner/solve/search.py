@@ -22,9 +22,9 @@ Dominance rules applied before solving (each says why it loses nothing):
 - ZeRO-0 is never better than ZeRO-1: same compute, the reduce-scatter is half the all-reduce
   and the parameter all-gather overlaps the next forward; ZeRO-1 holds less.
 - GPipe is never better than 1F1B: the same bubble, more activations.
-- With one data-parallel rank (and, for MoE models, one rank in the experts' data-parallel
-  group, dp * tp / ep), ZeRO-2 and 3 are never better than ZeRO-1: they have nothing to
-  shard, and add buffers and collectives (``space.enumerate_configs``).
+- With one data-parallel rank (dp * cp = 1, and, for MoE models, one rank in the experts'
+  data-parallel group, dp * cp * tp / ep), ZeRO-2 and 3 are never better than ZeRO-1: they
+  have nothing to shard, and add buffers and collectives (``space.enumerate_configs``).
 - An EMA in host RAM costs no step time and no HBM: when the job has one, host RAM is used
   unless the average rank's share times the GPUs of a node exceeds the node's RAM (then the
   HBM variant is searched too; the model checks the heaviest rank's host RAM either way).
@@ -190,14 +190,14 @@ def plan(
         # what a rank keeps there depends on its degrees, ZeRO stage and DualPipe's copies.
         crowded: dict[tuple[object, ...], bool] = {}
         for c in configs:
-            holds = (c.tp, c.pp, c.dp, c.ep, c.zero, c.schedule == "dualpipe")
+            holds = (c.tp, c.cp, c.pp, c.dp, c.ep, c.zero, c.schedule == "dualpipe")
             if holds not in crowded:
                 t = bound_tables(model, cluster, job, c)
                 crowded[holds] = t is not None and not host_fits(t, cluster, c)
         configs += [
             dataclasses.replace(c, ema="hbm")
             for c in configs
-            if crowded[(c.tp, c.pp, c.dp, c.ep, c.zero, c.schedule == "dualpipe")]
+            if crowded[(c.tp, c.cp, c.pp, c.dp, c.ep, c.zero, c.schedule == "dualpipe")]
         ]
     budget = Budget(DETERMINISTIC_SHARE * LANES * time_limit_s, started + time_limit_s)
     procs = default_processes() if processes is None else processes
@@ -349,12 +349,12 @@ def _feasible(
     flight = {"1f1b": 0, "interleaved": 1, "zb-h1": 2, "dualpipev": 3, "dualpipe": 4, "gpipe": 5}
 
     def order(c: Config) -> tuple[object, ...]:
-        return (-c.zero, c.micro_batch, flight.get(c.schedule, 9), c.tp * c.pp, _key(c))
+        return (-c.zero, c.micro_batch, flight.get(c.schedule, 9), c.tp * c.cp * c.pp, _key(c))
 
     seen: set[tuple[object, ...]] = set()
     programs: set[tuple[str, int, int, int]] = set()
     for config in sorted(configs, key=order):
-        shape = (config.tp, config.pp, config.dp, config.ep)
+        shape = (config.tp, config.cp, config.pp, config.dp, config.ep)
         if shape in seen:  # one try per degrees: the leanest of them
             continue
         seen.add(shape)
@@ -397,9 +397,10 @@ def _hinted(
         layers = [b.block for s in hint.stages for b in s.blocks if b.block.startswith("layer.")]
         if len(layers) != model.num_layers:
             continue  # another model's layout
-        dp = cluster.num_gpus // (hint.tp * hint.pp)
+        dp = cluster.num_gpus // (hint.tp * hint.cp * hint.pp)
         rest = dict(
             tp=hint.tp,
+            cp=hint.cp,
             pp=hint.pp,
             dp=dp,
             zero=hint.zero,
@@ -728,7 +729,7 @@ def _lightest(
             continue
         need = memory_floor(t, c)
         if best is None or need < best[0]:
-            where = f"tp={c.tp} pp={c.pp} dp={c.dp} ep={c.ep} ZeRO-{c.zero} {c.schedule}"
+            where = f"tp={c.tp} cp={c.cp} pp={c.pp} dp={c.dp} ep={c.ep} ZeRO-{c.zero} {c.schedule}"
             best = (need, where)
     return best
 
@@ -747,7 +748,7 @@ def _distinct(
 
 
 def _degrees(c: Config) -> tuple[object, ...]:
-    return (c.tp, c.pp, c.dp, c.ep, c.schedule, c.virtual_stages)
+    return (c.tp, c.cp, c.pp, c.dp, c.ep, c.schedule, c.virtual_stages)
 
 
 def _key(c: Config) -> tuple[object, ...]:
@@ -755,6 +756,7 @@ def _key(c: Config) -> tuple[object, ...]:
     return (
         c.pp,
         c.tp,
+        c.cp,
         c.ep,
         c.zero,
         c.micro_batch,
@@ -776,7 +778,7 @@ _LANE_STATE: dict[tuple[str, int], _Lane] = {}  # per plan call and lane, in its
 def _degrees_key(c: Config) -> tuple[int, ...]:
     """What a configuration's lane is chosen by: its degrees and micro-batch, which its
     cost tables, relaxation and schedule program depend on (and so are cached with it)."""
-    return (c.tp, c.pp, c.dp, c.ep, c.micro_batch)
+    return (c.tp, c.cp, c.pp, c.dp, c.ep, c.micro_batch)
 
 
 @dataclass(frozen=True)

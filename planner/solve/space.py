@@ -38,6 +38,7 @@ TARGETS: dict[str, dict[str, object]] = {
         "recompute": ("none", "full"),
         "even_stages": True,
         "pipeline_zero": (0, 1),
+        "cp": (1,),  # DeepSpeed's sequence parallelism is Ulysses (heads by all-to-all)
     },
 }
 
@@ -48,7 +49,8 @@ def for_target(space: SearchSpace) -> SearchSpace:
     if rules is None:
         return space
     update: dict[str, object] = {}
-    for key, field in (("schedules", "schedules"), ("zero", "zero"), ("recompute", "recompute")):
+    pairs = (("schedules", "schedules"), ("zero", "zero"), ("recompute", "recompute"), ("cp", "cp"))
+    for key, field in pairs:
         if key in rules:
             allowed = list(rules[key])  # type: ignore[call-overload]
             mine = getattr(space, field)
@@ -66,28 +68,48 @@ def enumerate_configs(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, 
     space = for_target(space)
     pipeline_zero = TARGETS.get(space.target, {}).get("pipeline_zero")
     tps = space.tp or [t for t in _divisors(cluster.gpus_per_node) if n % t == 0]
-    for tp in tps:
-        if tp > cluster.gpus_per_node or n % tp or not _tp_fits(model, tp):
+    cps = space.cp or context_parallel_degrees(job.seq_len, n)
+    for tp, cp in itertools.product(tps, cps):
+        if tp > cluster.gpus_per_node or n % (tp * cp) or not _tp_fits(model, tp):
             continue
-        pps = space.pp or _divisors(n // tp)
+        if cp > 1 and (job.seq_len % (2 * cp) or not job.flash_attention):
+            continue  # the load-balanced split needs 2 * cp chunks, and fused attention
+        pps = space.pp or _divisors(n // (tp * cp))
         for pp in pps:
-            if (n // tp) % pp:
+            if (n // (tp * cp)) % pp:
                 continue
-            dp = n // (tp * pp)
+            dp = n // (tp * cp * pp)
             if space.dp and dp not in space.dp:
                 continue
+            plane = dp * cp * tp
             eps = space.ep or (
-                [e for e in _divisors(dp * tp) if model.num_experts % e == 0]
+                [e for e in _divisors(plane) if model.num_experts % e == 0]
                 if model.num_experts
                 else [1]
             )
             for ep in eps:
-                if (dp * tp) % ep or (model.num_experts and model.num_experts % ep):
+                if plane % ep or (model.num_experts and model.num_experts % ep):
                     continue
-                for config in _per_degrees(model, cluster, job, space, tp, pp, dp, ep):
+                for config in _per_degrees(model, cluster, job, space, tp, pp, dp, ep, cp):
                     if pp > 1 and pipeline_zero and config.zero not in pipeline_zero:  # type: ignore[operator]
                         continue
                     yield config
+
+
+# Context parallelism is searched down to this many tokens of a sequence per rank: below it
+# a rank's attention is too short to hide the ring's sends (MLPerf's Llama 3.1 405B runs
+# use CP2 at 8,192 tokens; Llama 3 405B's long-context stage CP16 at 131,072, 8,192 a rank).
+CP_MIN_TOKENS = 4096
+
+
+def context_parallel_degrees(seq_len: int, gpus: int) -> list[int]:
+    """The context-parallel degrees searched by default: powers of two that leave each rank
+    at least ``CP_MIN_TOKENS`` tokens of a sequence (and 1)."""
+    out, cp = [1], 2
+    while seq_len // cp >= CP_MIN_TOKENS and gpus % cp == 0:
+        out.append(cp)
+        cp *= 2
+    return out
 
 
 def _per_degrees(
@@ -99,11 +121,12 @@ def _per_degrees(
     pp: int,
     dp: int,
     ep: int,
+    cp: int = 1,
 ) -> Iterator[Config]:
     zeros = space.zero or [1, 2, 3]
-    if dp == 1 and (not model.num_experts or dp * tp == ep) and 1 in zeros:
+    if dp * cp == 1 and (not model.num_experts or tp == ep) and 1 in zeros:
         # Nothing to shard: every state is whole on its one data-parallel rank (the experts'
-        # too, their data-parallel group being dp * tp / ep), so ZeRO-2 and 3 hold the same
+        # too, their data-parallel group being dp * cp * tp / ep), so ZeRO-2 and 3 hold the same
         # state as ZeRO-1 plus their buckets and gathered copies, and add their collectives.
         zeros = [z for z in zeros if z <= 1]
     mbs = space.micro_batch or list(DEFAULT_MICRO_BATCHES)
@@ -123,7 +146,7 @@ def _per_degrees(
             if not _schedule_ok(schedule, pp, m, v):
                 continue
             for cache in caches:
-                yield Config(tp, pp, dp, ep, zero, mb, schedule, v, ema, m, cache)
+                yield Config(tp, pp, dp, ep, zero, mb, schedule, v, ema, m, cache, cp)
 
 
 def fp8_cache_choices(job: TrainingJob, space: SearchSpace) -> list[bool]:

@@ -60,6 +60,7 @@ class Config:
     ema: str
     num_microbatches: int
     fp8_cache: bool = False
+    cp: int = 1
 
     @property
     def stages(self) -> int:
@@ -80,6 +81,7 @@ class Config:
             layout.ema,
             num_microbatches,
             layout.fp8_cache,
+            layout.cp,
         )
 
     def layout(self, model: ModelSpec, counts: list[int], recompute: dict[str, str]) -> Layout:
@@ -88,6 +90,7 @@ class Config:
             counts=counts,
             pp=self.pp,
             tp=self.tp,
+            cp=self.cp,
             dp=self.dp,
             ep=self.ep,
             zero=self.zero,
@@ -206,6 +209,7 @@ def build(
             job,
             cluster.model_dump_json(),
             config.tp,
+            config.cp,
             config.dp,
             config.ep,
             config.zero,
@@ -222,10 +226,19 @@ def build(
     stages = config.stages
     p2p, back = _memo(
         _SENDS,
-        (network, config.tp, config.pp, config.dp, config.schedule, config.virtual_stages, act),
+        (
+            network,
+            config.tp,
+            config.cp,
+            config.pp,
+            config.dp,
+            config.schedule,
+            config.virtual_stages,
+            act,
+        ),
         lambda: _sends(proto, network, act),
     )
-    plane = config.tp * config.dp  # ranks of one pipeline position
+    plane = proto.plane  # ranks of one pipeline position
     # Every position's groups sit on nodes the same way when a node holds whole positions or
     # a position whole nodes: then one position's collective costs serve them all.
     same = cluster.gpus_per_node % plane == 0 or plane % cluster.gpus_per_node == 0
@@ -242,6 +255,7 @@ def build(
                 job,
                 network,
                 config.tp,
+                config.cp,
                 config.pp,
                 config.dp,
                 config.ep,
@@ -268,6 +282,7 @@ def build(
             model,
             job,
             config.tp,
+            config.cp,
             config.dp,
             config.ep,
             config.zero,
@@ -281,6 +296,10 @@ def build(
     )
     buffers = float(job.comm_buffer_bytes) + (2 * act if config.pp > 1 else 0.0)
     buffers += reduce_bucket_bytes(model, job, proto)
+    if config.cp > 1:  # the context ring's buffers (``costs.memory.stage_memory``)
+        kinds_at = {k: f"layer.{layer_kinds.index(k)}" for k in set(layer_kinds)}
+        names = [*kinds_at.values(), *fixed]
+        buffers += 4 * max(block_cost(model, n, shard).cp_kv_bytes for n in names)
     return Tables(
         config=config,
         layer_kinds=layer_kinds,
@@ -387,7 +406,16 @@ def _stage_comm(
     dispatch, combine = expert_all_to_alls(model, job, proto, network, shard, rank)
     dense, expert = _memo(
         _GROUPS,
-        (network, proto.tp, proto.pp, proto.dp, proto.ep, proto.schedule == "dualpipe", rank),
+        (
+            network,
+            proto.tp,
+            proto.cp,
+            proto.pp,
+            proto.dp,
+            proto.ep,
+            proto.schedule == "dualpipe",
+            rank,
+        ),
         lambda: _groups(proto, network, rank),
     )
     rs, ag = network.reduce_scatter, network.all_gather

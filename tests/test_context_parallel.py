@@ -1,0 +1,143 @@
+"""Context parallelism: each sequence's tokens split over cp ranks that pass keys and values
+around a ring in every attention.
+
+Golden figures come from how Megatron-LM runs it, not from this code's output:
+- the batch is cut along the sequence into 2 * cp chunks, rank i holding chunks i and
+  2cp-1-i (``get_batch_on_this_cp_rank``), so each rank holds seq_len / cp tokens of every
+  activation and does a cp-th of the causal attention's work;
+- the ring (Transformer Engine's "p2p" context-parallel communication) sends the rank's own
+  keys and values, b * (s / cp) tokens of 2 * kv_heads * head_dim / tp elements, each step;
+- gradients are reduced, and the distributed optimizer sharded, over the data-parallel group
+  with context parallelism (dp * cp ranks), and the ranks are ordered tp-cp-ep-dp-pp.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import planner
+from planner.costs.blocks import block_cost
+from planner.costs.comm import group
+from planner.costs.memory import shard_of, stage_memory
+from planner.errors import PlannerError
+from planner.solve.space import context_parallel_degrees
+
+LLAMA = planner.load_model("llama3-8b")
+H100 = planner.load_cluster("h100", gpus=16)
+JOB = planner.TrainingJob(seq_len=32768, global_batch=16)
+
+
+def layout(**kw: object) -> planner.Layout:
+    return planner.Layout.uniform(LLAMA, **kw)  # type: ignore[arg-type]
+
+
+def test_world_size_and_rank_groups_follow_megatron_order() -> None:
+    lay = layout(tp=2, cp=2, pp=2, dp=2)
+    assert lay.world_size == 16
+    # tp innermost, then cp, then dp, then pp
+    assert group(lay, "tp", 5) == [4, 5]
+    assert group(lay, "cp", 5) == [5, 7]
+    assert group(lay, "dp", 5) == [1, 3, 5, 7]  # gradients: data and context parallel ranks
+    assert group(lay, "pp", 5) == [5, 13]
+    lay4 = layout(tp=2, cp=2, pp=4, dp=1)
+    assert group(lay4, "pp", 1) == [1, 5, 9, 13]
+
+
+def test_every_activation_is_split_by_sequence_and_attention_work_by_cp() -> None:
+    """Megatron-LM's load-balanced split: a cp-th of the tokens and of the causal work."""
+    for cp in (2, 4):
+        one = block_cost(LLAMA, "layer.3", shard_of(JOB, layout(tp=2)))
+        split = block_cost(LLAMA, "layer.3", shard_of(JOB, layout(tp=2, cp=cp)))
+        assert split.saved_bytes(frozenset()) * cp == one.saved_bytes(frozenset())
+        assert split.saved_bytes("full") * cp == one.saved_bytes("full")
+        b, s, d = 1, JOB.seq_len, LLAMA.head_dim
+        heads = LLAMA.num_attention_heads / 2
+        # causal QK^T and PV: 2 * 2 b s^2 heads d, half of it under the mask, over cp ranks
+        assert split.attention_fwd.attention == pytest.approx(2 * b * s * s * heads * d / cp)
+        kv = 2 * b * (s // cp) * LLAMA.num_kv_heads * d * 2 / 2  # K and V, bf16, over tp 2
+        assert split.cp_kv_bytes == pytest.approx(kv)
+
+
+def test_state_is_sharded_over_data_and_context_parallel_ranks() -> None:
+    """ZeRO-1 shards the optimizer over dp * cp: cp 2 x dp 2 holds what dp 4 holds."""
+    job = planner.TrainingJob(seq_len=8192, global_batch=16)
+    a = stage_memory(LLAMA, job, layout(tp=4, cp=2, dp=2), num_microbatches=8)[0]
+    b = stage_memory(LLAMA, job, layout(tp=4, cp=1, dp=4), num_microbatches=4)[0]
+    for bucket in ("weights", "grads", "optimizer"):
+        assert a.buckets[bucket] == pytest.approx(b.buckets[bucket])
+    assert a.buckets["activations"] < b.buckets["activations"]
+
+
+def test_the_ring_costs_time_only_where_attention_cannot_hide_it() -> None:
+    """Each of cp - 1 sends hides behind a cp-th of the attention: at 32K tokens a ring of 2
+    inside a node is almost free, one that leaves the node (tp 8 x cp 2) costs more, and
+    a longer ring over the same tokens costs more still."""
+    times = {}
+    for tp, cp in ((4, 1), (4, 2), (8, 2), (4, 4)):
+        lay = layout(tp=tp, cp=cp, dp=16 // (tp * cp), recompute="full")
+        est = planner.evaluate(LLAMA, H100, JOB, lay)
+        times[(tp, cp)] = est.breakdown.get("cp_comm", 0.0)
+        assert est.step_time_s == pytest.approx(
+            planner.simulate(LLAMA, H100, JOB, lay).step_time_s, rel=1e-9
+        )
+    assert times[(4, 1)] == 0.0
+    assert 0.0 < times[(4, 2)] < times[(8, 2)]
+    assert times[(4, 2)] < times[(4, 4)]
+
+
+def test_bad_context_parallel_layouts_are_one_line_errors() -> None:
+    with pytest.raises(PlannerError, match=r"Layout.cp=3: .*2\*cp=6"):
+        six = planner.load_cluster("h100", gpus=6)
+        planner.evaluate(LLAMA, six, JOB, layout(tp=2, cp=3))
+    mixtral = planner.load_model("mixtral-8x7b")
+    with pytest.raises(PlannerError, match=r"Layout.ep=8: .*dp\*cp\*tp=4"):
+        planner.Layout.uniform(mixtral, tp=2, cp=2, dp=1, ep=8)
+    eager = planner.TrainingJob(seq_len=8192, global_batch=16, flash_attention=False)
+    with pytest.raises(PlannerError, match="flash"):
+        planner.evaluate(LLAMA, H100, eager, layout(tp=8, cp=2))
+
+
+def test_default_context_parallel_degrees_keep_4096_tokens_a_rank() -> None:
+    assert context_parallel_degrees(4096, 1024) == [1]
+    assert context_parallel_degrees(8192, 1024) == [1, 2]  # MLPerf's Llama 3.1 405B: CP2
+    assert context_parallel_degrees(131072, 16384) == [1, 2, 4, 8, 16, 32]
+    assert context_parallel_degrees(131072, 8) == [1, 2, 4, 8]
+
+
+def test_the_search_chooses_context_parallelism_and_exports_it() -> None:
+    cluster = planner.load_cluster("h100", gpus=8)
+    model = LLAMA.model_copy(update={"num_layers": 4})
+    job = planner.TrainingJob(seq_len=65536, global_batch=2)
+    space = planner.SearchSpace(tp=[4], pp=[1], cp=[1, 2])
+    plan = planner.plan(model, cluster, job, space, time_limit_s=5)
+    assert plan.layout is not None and plan.estimate is not None
+    assert plan.layout.cp in (1, 2)
+    pinned = planner.plan(model, cluster, job, space.model_copy(update={"cp": [2]}), time_limit_s=5)
+    assert pinned.layout is not None and pinned.layout.cp == 2
+    from planner.check import check_plan
+
+    assert check_plan(model, cluster, job, pinned, space=space) == []
+    megatron = planner.export.megatron(pinned)
+    assert "--context-parallel-size 2" in megatron.files["megatron.sh"]
+    assert "--cp-comm-type p2p" in megatron.files["megatron.sh"]
+    titan = planner.export.torchtitan(pinned)
+    assert "context_parallel_degree = 2" in titan.files["torchtitan.toml"]
+    with pytest.raises(PlannerError, match=r"Layout\.cp=2: DeepSpeed"):
+        planner.export.deepspeed(pinned)
+    lean = planner.plan(
+        model, cluster, job, planner.SearchSpace(target="deepspeed"), time_limit_s=5
+    )
+    assert lean.layout is None or lean.layout.cp == 1
+
+
+def test_a_long_context_job_gets_a_context_parallel_plan_that_fits() -> None:
+    """Llama 3 405B at 131,072 tokens on 16,384 H100 (Meta's long-context stage ran CP16):
+    the degrees pinned near Meta's so the search is small; without context parallelism
+    the same space has one micro-batch per pipeline and no layout near as fast."""
+    model = planner.load_model("llama3-405b")
+    cluster = planner.load_cluster("h100", gpus=16384)
+    job = planner.TrainingJob(seq_len=131072, global_batch=128)
+    space = planner.SearchSpace(tp=[8], pp=[16], cp=[1, 16], micro_batch=[1], zero=[1])
+    plan = planner.plan(model, cluster, job, space, time_limit_s=5)
+    assert plan.layout is not None and plan.estimate is not None
+    assert plan.layout.cp == 16 and plan.estimate.fits
