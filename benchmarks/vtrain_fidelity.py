@@ -78,7 +78,6 @@ def case(row: dict[str, int | float]) -> tuple[ModelSpec, TrainingJob, Layout, i
         grad_dtype="fp16",
         activation_dtype="fp16",
         flash_attention=False,
-        sequence_parallel=False,
         framework="deepspeed",  # Megatron-DeepSpeed: tensor-parallel comm not overlapped
     )
     layout = Layout.uniform(
@@ -88,6 +87,7 @@ def case(row: dict[str, int | float]) -> tuple[ModelSpec, TrainingJob, Layout, i
         dp=int(row["dp"]),
         micro_batch=int(row["micro_batch"]),
         recompute="full",
+        sequence_parallel=False,
     )
     return model, job, layout, int(row["gpus"])
 

@@ -119,6 +119,7 @@ def check_space(job: TrainingJob, layout: Layout, space: SearchSpace) -> list[st
         ("schedule", layout.schedule, space.schedules),
         ("virtual_stages", layout.virtual_stages, space.virtual_stages),
         ("fp8_cache", layout.fp8_cache, space.fp8_cache),
+        ("sequence_parallel", layout.sequence_parallel, space.sequence_parallel),
     ]
     if job.ema is not None:  # without an EMA the placement field means nothing
         decisions.append(("ema", layout.ema, space.ema))

@@ -60,6 +60,13 @@ def _parser() -> argparse.ArgumentParser:
         help="also try keeping SwiGLU inputs in FP8 (FP8 compute, framework megatron)",
     )
     pl.add_argument(
+        "--sequence-parallel",
+        nargs="+",
+        choices=["on", "off"],
+        default=None,
+        help="allowed sequence parallelism where tp > 1 (default on: it never loses)",
+    )
+    pl.add_argument(
         "--target",
         default="any",
         choices=["any", "megatron", "torchtitan", "deepspeed"],
@@ -206,6 +213,11 @@ def _layout_args(cmd: argparse.ArgumentParser) -> None:
         help="keep SwiGLU inputs in FP8 (FP8 compute, framework megatron)",
     )
     cmd.add_argument("--ema-on-host", action="store_true", help="keep the EMA in host RAM")
+    cmd.add_argument(
+        "--no-sequence-parallel",
+        action="store_true",
+        help="with tp > 1, keep norm/dropout activations whole on each tp rank",
+    )
     cmd.add_argument(
         "--layout", default=None, help="a layout or plan JSON file (instead of the layout flags)"
     )
@@ -367,6 +379,7 @@ def _build(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJo
         recompute=args.recompute,
         ema="host" if args.ema_on_host else "hbm",
         fp8_cache=args.fp8_cache,
+        sequence_parallel=not args.no_sequence_parallel,
     )
     return model, cluster, job, layout
 
@@ -455,6 +468,9 @@ def _plan(args: argparse.Namespace) -> None:
         schedules=args.schedule,
         recompute=args.recompute,
         fp8_cache=[False, True] if args.fp8_cache else None,
+        sequence_parallel=(
+            [v == "on" for v in args.sequence_parallel] if args.sequence_parallel else None
+        ),
         target=args.target,
     )
     console = Console(width=max(Console().width, 132), stderr=True)
@@ -494,6 +510,7 @@ def _plan(args: argparse.Namespace) -> None:
         f"{result.estimate.num_microbatches} {lay.schedule}"
         + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
         + (", SwiGLU inputs kept in FP8" if lay.fp8_cache else "")
+        + (", sequence parallelism off" if lay.tp > 1 and not lay.sequence_parallel else "")
         + f", layers per stage {layers}."
     )
 

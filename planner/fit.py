@@ -489,6 +489,7 @@ def layout_from_row(
     sp = text("sequence_parallel", "true").lower()
     if sp not in ("true", "false"):
         raise PlannerError(f"{where}: sequence_parallel={sp!r} must be true or false")
+    sequence_parallel = sp == "true"
     compiled = text("compiled_loss", "false").lower()
     if compiled not in ("true", "false"):
         raise PlannerError(f"{where}: compiled_loss={compiled!r} must be true or false")
@@ -508,7 +509,6 @@ def layout_from_row(
             framework=framework,
             flash_attention=flash == "true",
             compiled_loss=compiled == "true",
-            sequence_parallel=sp == "true",
         )
         schedule = text("schedule", "1f1b").lower()
         fields_: dict[str, Any] = {
@@ -517,6 +517,7 @@ def layout_from_row(
             "dp": whole("dp"),
             "ep": whole("ep", 1),
             "micro_batch": whole("micro_batch"),
+            "sequence_parallel": sequence_parallel,
         }
         if text("zero"):
             fields_["zero"] = int(text("zero"))

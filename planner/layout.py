@@ -126,6 +126,13 @@ class Layout(Spec):
     ema: Literal["hbm", "host"] = Field(
         default="hbm", description="Where the EMA copy lives when the job keeps one."
     )
+    sequence_parallel: bool = Field(
+        default=True,
+        description="With tp > 1, the activations outside the tensor-parallel regions (norms, "
+        "dropout, residuals) split over the tp ranks by sequence, each region's all-reduce "
+        "run as an all-gather and a reduce-scatter (Megatron-LM --sequence-parallel; its "
+        "tensor-parallel communication overlap needs it). No effect with tp = 1.",
+    )
     fp8_cache: bool = Field(
         default=False,
         description="Keep the activation functions' inputs (SwiGLU's gate and up outputs) in "

@@ -267,6 +267,17 @@ class TrainingJob(Spec):
     """What one training step does and which precisions it keeps its state in. The state
     dtypes a job leaves out are its framework's defaults (``FRAMEWORK_DTYPES``)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "sequence_parallel" in data:
+            raise PlannerError(
+                f"TrainingJob.sequence_parallel={data['sequence_parallel']!r}: sequence "
+                f"parallelism is a layout decision now (Layout.sequence_parallel, searched "
+                f"through SearchSpace.sequence_parallel)"
+            )
+        return data
+
     @model_validator(mode="after")
     def _framework_dtypes(self) -> TrainingJob:
         # Fields the user left out take the framework's value; model_fields_set keeps only
@@ -327,9 +338,6 @@ class TrainingJob(Spec):
         description="The training software: what it overlaps with compute (tensor-parallel "
         "communication, ZeRO gathers and reduce-scatters, the gradient reduction); see "
         "planner.costs.timing.OVERLAPS. An export's target implies it.",
-    )
-    sequence_parallel: bool = Field(
-        default=True, description="With tp > 1, shard norm/dropout activations over tp."
     )
     # torchtitan compiles its loss with torch.compile when compile is on (compile.components
     # holds "loss" by default) since commit bbb1b616e (2025-04-02, PR #1033, "result in
@@ -427,6 +435,12 @@ class SearchSpace(Spec):
         default=None,
         description="Allowed Layout.fp8_cache values (None: off; [False, True] searches both, "
         "for FP8 Megatron-LM jobs).",
+    )
+    sequence_parallel: list[bool] | None = Field(
+        default=None,
+        description="Allowed Layout.sequence_parallel values where tp > 1 (None: on, which "
+        "never loses: the same bytes moved, fewer kept, and Megatron-LM's tensor-parallel "
+        "overlap needs it; [False, True] searches both).",
     )
     target: Literal["any", "megatron", "torchtitan", "deepspeed"] = Field(
         default="any", description="Only plans this launcher can state exactly."

@@ -330,7 +330,7 @@ def shard_of(job: TrainingJob, layout: Layout) -> Shard:
         tp=layout.tp,
         cp=layout.cp,
         ep=layout.ep,
-        sequence_parallel=job.sequence_parallel and layout.tp > 1,
+        sequence_parallel=layout.sequence_parallel and layout.tp > 1,
         flash_attention=job.flash_attention,
         activation_dtype=job.activation_dtype,
         # With ep = 1 a rank holds every expert and receives exactly its own tokens' copies:

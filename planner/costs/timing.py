@@ -175,14 +175,14 @@ class TpComm:
         ring = group(layout, "cp", 0)
         hops = list(zip(ring, ring[1:] + ring[:1], strict=True))
         if len(ring) < 2:
-            return cls(seconds, tp_overlap_mode(job), layout.tp)
+            return cls(seconds, tp_overlap_mode(job, layout), layout.tp)
         # Every rank sends to the next at once: a step lasts as long as its slowest hop, and
         # a ring that leaves its node crosses InfiniBand at each GPU's share of the NICs.
         if any(network.node_of(a) != network.node_of(b) for a, b in hops):
             latency, Bps = network.ib_latency_s, network.ib_bus_Bps
         else:
             latency, Bps = network.nvlink_latency_s, network.nvlink_bus_Bps
-        return cls(seconds, tp_overlap_mode(job), layout.tp, layout.cp, latency, Bps)
+        return cls(seconds, tp_overlap_mode(job, layout), layout.tp, layout.cp, latency, Bps)
 
     def ring_step(self, nbytes: float) -> float:
         """Seconds of one step of the context-parallel ring carrying ``nbytes``."""
@@ -208,10 +208,10 @@ def cp_exposed(cost: BlockCost, rates: Rates, tp: TpComm) -> tuple[float, float]
     return exposed_fwd, exposed_bwd + tp.ring_step(cost.cp_kv_bytes)
 
 
-def tp_overlap_mode(job: TrainingJob) -> str:
+def tp_overlap_mode(job: TrainingJob, layout: Layout) -> str:
     """What the framework overlaps of tensor-parallel communication (Megatron-LM needs
     sequence parallelism for it)."""
-    if job.framework == "megatron" and job.sequence_parallel:
+    if job.framework == "megatron" and layout.sequence_parallel:
         return "userbuffers"
     if job.framework == "torchtitan":
         return "async"

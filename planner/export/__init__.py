@@ -134,6 +134,7 @@ def uniform_1f1b(model: ModelSpec, layout: Layout) -> Layout:
         recompute=heaviest_choice(layout),
         ema=layout.ema,
         fp8_cache=layout.fp8_cache,
+        sequence_parallel=layout.sequence_parallel,
     )
 
 

@@ -49,6 +49,11 @@ def deepspeed(plan: Plan) -> Export:
             f"sequence parallelism splits attention heads by all-to-all); plan with "
             f"SearchSpace(target='deepspeed') for a layout it can state"
         )
+    if runs.tp > 1 and runs.sequence_parallel:
+        differences.append(
+            "sequence parallelism: DeepSpeed's AutoTP all-reduces whole activations; runs without"
+        )
+        runs = runs.model_copy(update={"sequence_parallel": False})
     if runs.fp8_cache:
         differences.append("FP8 caching of activation inputs: DeepSpeed has none; costed without")
         runs = runs.model_copy(update={"fp8_cache": False})

@@ -88,7 +88,7 @@ def megatron(plan: Plan) -> Export:
     if model.num_experts:
         args += ["--expert-model-parallel-size", str(runs.ep)]
         args += ["--expert-tensor-parallel-size", "1"]
-    if runs.tp > 1 and job.sequence_parallel:
+    if runs.tp > 1 and runs.sequence_parallel:
         args.append("--sequence-parallel")
         # The time model hides tensor-parallel collectives as Transformer Engine's
         # userbuffers do (planner.costs.timing.TP_RS_SPLITS): state that they are on.

@@ -51,6 +51,12 @@ def torchtitan(plan: Plan) -> Export:
     model, _, job, planned = inputs(plan)
     differences: list[str] = []
     runs = planned
+    if runs.tp > 1 and not runs.sequence_parallel:
+        differences.append(
+            "sequence parallelism off: torchtitan's tensor parallelism shards the norms by "
+            "sequence; runs with it"
+        )
+        runs = runs.model_copy(update={"sequence_parallel": True})
     if runs.fp8_cache:
         differences.append("FP8 caching of activation inputs: torchtitan has none; costed without")
         runs = runs.model_copy(update={"fp8_cache": False})

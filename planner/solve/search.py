@@ -408,6 +408,7 @@ def _hinted(
             virtual_stages=hint.virtual_stages,
             ema=hint.ema,
             fp8_cache=hint.fp8_cache,
+            sequence_parallel=hint.sequence_parallel,
         )
         same = [c for c in known if all(getattr(c, k) == v for k, v in rest.items())]
         if not same:
@@ -764,6 +765,7 @@ def _key(c: Config) -> tuple[object, ...]:
         c.virtual_stages,
         c.ema,
         c.fp8_cache,
+        c.sequence_parallel,
     )
 
 

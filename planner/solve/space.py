@@ -32,6 +32,7 @@ TARGETS: dict[str, dict[str, object]] = {
         "schedules": ("1f1b", "interleaved", "gpipe", "dualpipev"),
         "zero": (0, 2, 3),
         "recompute": ("none", "full"),
+        "sequence_parallel": (True,),  # its tensor parallelism shards the norms by sequence
     },
     "deepspeed": {
         "schedules": ("1f1b",),
@@ -39,6 +40,7 @@ TARGETS: dict[str, dict[str, object]] = {
         "even_stages": True,
         "pipeline_zero": (0, 1),
         "cp": (1,),  # DeepSpeed's sequence parallelism is Ulysses (heads by all-to-all)
+        "sequence_parallel": (False,),  # AutoTP all-reduces whole activations
     },
 }
 
@@ -49,7 +51,13 @@ def for_target(space: SearchSpace) -> SearchSpace:
     if rules is None:
         return space
     update: dict[str, object] = {}
-    pairs = (("schedules", "schedules"), ("zero", "zero"), ("recompute", "recompute"), ("cp", "cp"))
+    pairs = (
+        ("schedules", "schedules"),
+        ("zero", "zero"),
+        ("recompute", "recompute"),
+        ("cp", "cp"),
+        ("sequence_parallel", "sequence_parallel"),
+    )
     for key, field in pairs:
         if key in rules:
             allowed = list(rules[key])  # type: ignore[call-overload]
@@ -133,6 +141,11 @@ def _per_degrees(
     schedules = space.schedules or (list(DEFAULT_SCHEDULES) if pp > 1 else ["1f1b"])
     emas = space.ema or (["host"] if job.ema else ["hbm"])
     caches = fp8_cache_choices(job, space)
+    # Sequence parallelism never loses where it is allowed (SearchSpace.sequence_parallel):
+    # the same bytes cross the links, fewer stay, and Megatron-LM hides TP only with it.
+    sps = list(dict.fromkeys(space.sequence_parallel or [True]))
+    if tp == 1:  # no effect: one value
+        sps = sps[:1]
     for zero, mb, schedule, ema in itertools.product(zeros, mbs, schedules, emas):
         if schedule not in SCHEDULES:
             raise PlannerError(f"SearchSpace.schedules: unknown schedule {schedule!r}")
@@ -145,8 +158,8 @@ def _per_degrees(
                 continue
             if not _schedule_ok(schedule, pp, m, v):
                 continue
-            for cache in caches:
-                yield Config(tp, pp, dp, ep, zero, mb, schedule, v, ema, m, cache, cp)
+            for cache, sp in itertools.product(caches, sps):
+                yield Config(tp, pp, dp, ep, zero, mb, schedule, v, ema, m, cache, cp, sp)
 
 
 def fp8_cache_choices(job: TrainingJob, space: SearchSpace) -> list[bool]:

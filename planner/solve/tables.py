@@ -61,6 +61,7 @@ class Config:
     num_microbatches: int
     fp8_cache: bool = False
     cp: int = 1
+    sequence_parallel: bool = True
 
     @property
     def stages(self) -> int:
@@ -82,6 +83,7 @@ class Config:
             num_microbatches,
             layout.fp8_cache,
             layout.cp,
+            layout.sequence_parallel,
         )
 
     def layout(self, model: ModelSpec, counts: list[int], recompute: dict[str, str]) -> Layout:
@@ -100,6 +102,7 @@ class Config:
             recompute=recompute,
             ema=self.ema,
             fp8_cache=self.fp8_cache,
+            sequence_parallel=self.sequence_parallel,
         )
 
 
@@ -216,6 +219,7 @@ def build(
             config.micro_batch,
             config.ema,
             config.fp8_cache,
+            config.sequence_parallel,
             None if choices is None else frozenset(choices),
         ),
         lambda: _kinds(model, cluster, job, network, proto, shard, layer_kinds, fixed, choices),
@@ -261,6 +265,7 @@ def build(
                 config.ep,
                 config.zero,
                 config.micro_batch,
+                config.sequence_parallel,
                 config.schedule == "dualpipe",
                 rank,
             ),
@@ -291,6 +296,7 @@ def build(
             config.schedule,
             config.virtual_stages,
             config.fp8_cache,
+            config.sequence_parallel,
         ),
         lambda: _fixed(model, shard, job, proto, first_fixed, last_fixed, stages),
     )
