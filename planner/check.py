@@ -87,6 +87,8 @@ def check_degrees(
     plane = layout.dp * layout.cp * layout.tp
     if plane % layout.ep:
         problems.append(f"ep={layout.ep} does not divide dp*cp*tp={plane}")
+    elif plane % (layout.ep * layout.etp):
+        problems.append(f"ep*etp={layout.ep * layout.etp} does not divide dp*cp*tp={plane}")
     if layout.cp > 1 and job.seq_len % (2 * layout.cp):
         problems.append(f"cp={layout.cp}: seq_len={job.seq_len} not divisible by 2*cp")
     if job.global_batch % (layout.dp * layout.micro_batch):
@@ -114,6 +116,7 @@ def check_space(job: TrainingJob, layout: Layout, space: SearchSpace) -> list[st
         ("pp", layout.pp, space.pp),
         ("dp", layout.dp, space.dp),
         ("ep", layout.ep, space.ep),
+        ("etp", layout.etp, space.etp),
         ("zero", layout.zero, space.zero),
         ("micro_batch", layout.micro_batch, space.micro_batch),
         ("schedule", layout.schedule, space.schedules),

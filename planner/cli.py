@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     _layout_args(sub.add_parser("evaluate", help="memory and step time of a stated layout"))
     pl = sub.add_parser("plan", help="find the fastest layout that fits, with its proof")
     _job_args(pl)
-    for degree in ("tp", "cp", "pp", "ep", "micro-batch", "zero"):
+    for degree in ("tp", "cp", "pp", "ep", "etp", "micro-batch", "zero"):
         pl.add_argument(f"--{degree}", type=int, nargs="+", default=None, help=f"allowed {degree}")
     pl.add_argument("--schedule", nargs="+", choices=SCHEDULES, default=None, help="allowed")
     pl.add_argument("--recompute", nargs="+", default=None, help="allowed recompute choices")
@@ -196,7 +196,7 @@ def _job_args(cmd: argparse.ArgumentParser) -> None:
 
 def _layout_args(cmd: argparse.ArgumentParser) -> None:
     _job_args(cmd)
-    for degree in ("tp", "cp", "pp", "ep"):
+    for degree in ("tp", "cp", "pp", "ep", "etp"):
         cmd.add_argument(f"--{degree}", type=int, default=1, help=f"{degree} degree")
     cmd.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage")
     cmd.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
@@ -372,6 +372,7 @@ def _build(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJo
         cp=args.cp,
         dp=args.gpus // world,
         ep=args.ep,
+        etp=args.etp,
         zero=args.zero,
         micro_batch=args.micro_batch,
         schedule=args.schedule,
@@ -463,6 +464,7 @@ def _plan(args: argparse.Namespace) -> None:
         cp=args.cp,
         pp=args.pp,
         ep=args.ep,
+        etp=args.etp,
         micro_batch=args.micro_batch,
         zero=args.zero,
         schedules=args.schedule,
@@ -506,7 +508,9 @@ def _plan(args: argparse.Namespace) -> None:
         f"{result.configurations} degree/schedule combinations. Layout: tp={lay.tp} "
         + (f"cp={lay.cp} " if lay.cp > 1 else "")
         + f"pp={lay.pp} "
-        f"dp={lay.dp} ep={lay.ep} ZeRO-{lay.zero} micro-batch {lay.micro_batch} x"
+        f"dp={lay.dp} ep={lay.ep} "
+        + (f"etp={lay.etp} " if lay.etp > 1 else "")
+        + f"ZeRO-{lay.zero} micro-batch {lay.micro_batch} x"
         f"{result.estimate.num_microbatches} {lay.schedule}"
         + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
         + (", SwiGLU inputs kept in FP8" if lay.fp8_cache else "")
@@ -664,7 +668,9 @@ def _print_memory(name: str, layout: Layout, est: Estimate, margin: float) -> No
         f"{name}: per-rank memory (GiB) - tp={layout.tp} "
         + (f"cp={layout.cp} " if layout.cp > 1 else "")
         + f"pp={layout.pp} dp={layout.dp} "
-        f"ep={layout.ep} zero={layout.zero} micro_batch={layout.micro_batch} "
+        f"ep={layout.ep} "
+        + (f"etp={layout.etp} " if layout.etp > 1 else "")
+        + f"zero={layout.zero} micro_batch={layout.micro_batch} "
         f"x{est.num_microbatches} {layout.schedule}"
     )
     table = Table(title=title)
@@ -998,8 +1004,10 @@ def _degrees(layout: Layout) -> str:
     )
     return (
         f"tp{layout.tp} " + (f"cp{layout.cp} " if layout.cp > 1 else "") + f"pp{layout.pp} "
-        f"dp{layout.dp} ep{layout.ep} ZeRO-{layout.zero} "
-        f"mb{layout.micro_batch} {layout.schedule} v{layout.virtual_stages} "
+        f"dp{layout.dp} ep{layout.ep} "
+        + (f"etp{layout.etp} " if layout.etp > 1 else "")
+        + f"ZeRO-{layout.zero} mb{layout.micro_batch} {layout.schedule} "
+        f"v{layout.virtual_stages} "
         f"recompute {'/'.join(recompute)}"
     )
 

@@ -111,6 +111,14 @@ class Layout(Spec):
     pp: int = Field(default=1, gt=0, description="Pipeline-parallel degree (ranks).")
     dp: int = Field(default=1, gt=0, description="Data-parallel degree.")
     ep: int = Field(default=1, gt=0, description="Expert-parallel degree (divides dp*cp*tp).")
+    etp: int = Field(
+        default=1,
+        gt=0,
+        description="Expert tensor-parallel degree: each routed expert's matrices split over "
+        "etp ranks, which gather the tokens dispatched to it and reduce-scatter its output "
+        "(Megatron-LM --expert-tensor-parallel-size; ep*etp divides dp*cp*tp, the experts "
+        "folded onto the ranks attention uses, as Megatron-Core's MoE parallel folding).",
+    )
     zero: Literal[0, 1, 2, 3] = Field(
         default=1, description="0: replicated; 1: shard optimizer; 2: +grads; 3: +weights."
     )
@@ -146,6 +154,11 @@ class Layout(Spec):
         if self.plane % self.ep:
             raise PlannerError(
                 f"Layout.ep={self.ep}: expert parallel degree ep={self.ep} must divide "
+                f"dp*cp*tp={self.plane}"
+            )
+        if self.plane % (self.ep * self.etp):
+            raise PlannerError(
+                f"Layout.etp={self.etp}: ep*etp={self.ep * self.etp} must divide "
                 f"dp*cp*tp={self.plane}"
             )
         expected_v = {"interleaved": None, "dualpipev": 2}.get(self.schedule, 1)

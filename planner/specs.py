@@ -423,6 +423,11 @@ class SearchSpace(Spec):
     pp: list[int] | None = Field(default=None, description="Allowed pipeline degrees.")
     dp: list[int] | None = Field(default=None, description="Allowed data-parallel degrees.")
     ep: list[int] | None = Field(default=None, description="Allowed expert-parallel degrees.")
+    etp: list[int] | None = Field(
+        default=None,
+        description="Allowed expert tensor-parallel degrees (None: 1 and the configuration's "
+        "tp, Megatron-LM's default).",
+    )
     zero: list[Literal[0, 1, 2, 3]] | None = Field(default=None, description="Allowed ZeRO stages.")
     micro_batch: list[int] | None = Field(default=None, description="Allowed micro-batch sizes.")
     schedules: list[str] | None = Field(default=None, description="Allowed pipeline schedules.")
@@ -448,7 +453,7 @@ class SearchSpace(Spec):
 
     @model_validator(mode="after")
     def _positive(self) -> SearchSpace:
-        for key in ("tp", "cp", "pp", "dp", "ep", "micro_batch", "virtual_stages"):
+        for key in ("tp", "cp", "pp", "dp", "ep", "etp", "micro_batch", "virtual_stages"):
             values = getattr(self, key)
             if values is not None and (not values or min(values) <= 0):
                 raise PlannerError(f"SearchSpace.{key}={values}: needs positive values")

@@ -87,8 +87,20 @@ def _layouts(
         dp = cluster.num_gpus // (tp * pp)
         if space.dp is not None and dp not in space.dp:
             continue
-        fields = {"tp": tp, "dp": dp, "ep": ep, "zero": zero, "micro_batch": mb, "ema": ema}
-        yield from _splits(model, pp, v, _schedule(str(schedule)), recompute, fields)
+        # Expert tensor parallelism: as pinned, else what SearchSpace.etp=None means (1 and
+        # the tp degree, for MoE models).
+        etps = space.etp or ([1, tp] if model.num_experts else [1])
+        for etp in dict.fromkeys(etps):
+            fields = {
+                "tp": tp,
+                "dp": dp,
+                "ep": ep,
+                "etp": etp,
+                "zero": zero,
+                "micro_batch": mb,
+                "ema": ema,
+            }
+            yield from _splits(model, pp, v, _schedule(str(schedule)), recompute, fields)
 
 
 def _splits(

@@ -72,7 +72,7 @@ class Param:
     key: str  # unique in the model; shared tensors appear in several blocks under one key
     numel: int
     tp_split: bool  # split over tp ranks (else replicated on each)
-    expert: bool = False  # a routed expert: sharded over ep, replicated over dp*tp/ep
+    expert: bool = False  # a routed expert: sharded over ep*etp, replicated over the rest
     trainable: bool = True  # buffers have no gradient and no optimizer state
     active: Fraction = Fraction(1)  # share one token passes through (routed experts: k/E)
 
@@ -97,6 +97,7 @@ class Shard:
     tp: int = 1
     cp: int = 1  # context parallel: the rank holds seq_len / cp tokens of each sequence
     ep: int = 1
+    etp: int = 1  # expert tensor parallel: each expert's matrices split over etp ranks
     sequence_parallel: bool = True
     flash_attention: bool = True
     activation_dtype: str = "bf16"
@@ -436,6 +437,11 @@ def _check_shard(model: ModelSpec, shard: Shard) -> None:
         raise PlannerError(
             f"Layout.ep={shard.ep}: expert parallel degree must divide "
             f"num_experts={model.num_experts}"
+        )
+    if model.num_experts and model.moe_ffn_hidden_size % shard.etp:
+        raise PlannerError(
+            f"Layout.etp={shard.etp}: expert tensor parallel degree must divide "
+            f"moe_ffn_hidden_size={model.moe_ffn_hidden_size}"
         )
     if shard.cp > 1 and shard.seq_len % (2 * shard.cp):
         # Megatron-LM splits each sequence into 2 * cp chunks, rank i holding chunks i and
@@ -783,9 +789,11 @@ def _dense_mlp(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> 
 
 
 def _moe(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
-    """Router (replicated) + routed experts (sharded over ep, not split over tp: expert tensor
-    parallelism 1) + shared experts (split over tp like a dense MLP and reduced over the full
-    data-parallel group, as Megatron-LM's SharedExpertMLP)."""
+    """Router (replicated) + routed experts (sharded over ep, each split over etp: the etp
+    ranks of an expert gather the tokens dispatched to it, each computes its slice of the
+    expert's width, and their outputs are reduce-scattered back) + shared experts (split over
+    tp like a dense MLP and reduced over the full data-parallel group, as Megatron-LM's
+    SharedExpertMLP)."""
     h, e, k, a = model.hidden_size, model.num_experts, model.experts_per_token, shard.act_bytes
     sp = shard.sp_tokens
     cost.moe_layers += 1
@@ -808,8 +816,9 @@ def _moe(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
     # Each rank dispatches its sp tokens x k copies; balanced routing brings as many back,
     # the busiest rank moe_load_imbalance times that.
     copies = sp * k * shard.moe_load_imbalance
-    cost.tokens_per_expert = copies * shard.ep / e  # the busiest rank holds e/ep experts
-    cost.save(prefix + "moe_dispatched", copies * h * shard.linear_input_bytes, "moe")
+    gathered = copies * shard.etp  # the tokens of the etp ranks of its experts
+    cost.tokens_per_expert = gathered * shard.ep / e  # the busiest rank holds e/ep experts
+    cost.save(prefix + "moe_dispatched", gathered * h * shard.linear_input_bytes, "moe")
     # Permute tokens into expert order before dispatch, and back (weighted) after combine.
     cost.elementwise(2 * copies * h * a, "moe")
     cost.elementwise(2 * copies * h * a, "moe")
@@ -818,8 +827,8 @@ def _moe(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
         model,
         shard,
         name="moe",
-        width=model.moe_ffn_hidden_size,
-        tokens=copies,
+        width=model.moe_ffn_hidden_size // shard.etp,
+        tokens=gathered,
         modules=("moe",),
         act_modules=("moe_act",),
         kind="expert",

@@ -6,10 +6,11 @@ global rank ``g = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))`` and
 sits on node ``g // gpus_per_node``. The "dp" group is the one gradients are reduced and
 ZeRO state sharded over: the data-parallel ranks with the context-parallel ones (Megatron-LM's
 data-parallel group with context parallelism). Experts see the whole ``tp * cp * dp`` plane of
-each pipeline stage with expert tensor parallelism 1 (MoE parallel folding): local index
-``l = tp_rank + tp * (cp_rank + cp * dp_rank)``, ``ep_rank = l % ep`` and
-expert-data-parallel index ``l // ep``, so an EP group is ``ep`` consecutive global ranks and
-an EDP group strides by ``ep``.
+each pipeline stage (MoE parallel folding), ordered etp-ep-edp: local index
+``l = tp_rank + tp * (cp_rank + cp * dp_rank)``, ``etp_rank = l % etp``,
+``ep_rank = (l // etp) % ep`` and expert-data-parallel index ``l // (etp * ep)``, so an ETP
+group is ``etp`` consecutive global ranks, an EP group strides by ``etp`` and an EDP group by
+``etp * ep``.
 
 Time conventions (NCCL bus bandwidth, nccl-tests ``doc/PERFORMANCE.md``, algbw vs busbw):
 a ring all-reduce over n ranks moves ``2(n-1)/n`` of the buffer through each rank,
@@ -42,7 +43,7 @@ from planner.layout import Layout
 from planner.specs import ClusterSpec, ModelSpec
 from planner.topology import gpu
 
-GroupKind = Literal["tp", "cp", "dp", "ep", "edp", "pp"]
+GroupKind = Literal["tp", "cp", "dp", "ep", "etp", "edp", "pp"]
 
 # Per MoE layer and micro-batch: dispatch and combine in forward, and their two transposes in
 # backward (the gradient of a dispatch is a combine-shaped all-to-all and vice versa).
@@ -88,12 +89,16 @@ def group(layout: Layout, kind: GroupKind, rank: int) -> list[int]:
         return [rank_of(layout, **(at | {"pp_rank": p})) for p in range(layout.pp)]
     base = pp_rank * layout.plane  # first rank of this pipeline stage's plane
     local = rank - base
+    etp = layout.etp
+    if kind == "etp":
+        first = base + (local // etp) * etp
+        return list(range(first, first + etp))
     if kind == "ep":
-        first = base + (local // ep) * ep
-        return list(range(first, first + ep))
+        first = base + (local // (etp * ep)) * etp * ep + local % etp
+        return list(range(first, first + etp * ep, etp))
     if kind == "edp":
-        return list(range(base + local % ep, base + layout.plane, ep))
-    raise PlannerError(f"kind={kind!r}: must be one of tp, cp, dp, ep, edp, pp")
+        return list(range(base + local % (etp * ep), base + layout.plane, etp * ep))
+    raise PlannerError(f"kind={kind!r}: must be one of tp, cp, dp, ep, etp, edp, pp")
 
 
 @dataclass(frozen=True)

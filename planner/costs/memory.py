@@ -22,9 +22,10 @@ the same):
 - ``fragmentation``: the job's fraction of all allocated bytes above.
 
 Sharding groups: dense weights are split over ``tp`` and ZeRO-sharded over ``dp * cp`` (the
-ranks that reduce their gradients); routed experts are split over ``ep`` and ZeRO-sharded
-over the expert-data-parallel group ``dp * cp * tp / ep``. Context parallelism splits every
-activation by sequence: a rank keeps ``tokens / cp`` of each micro-batch. Tensors shared by
+ranks that reduce their gradients); routed experts are split over ``ep * etp`` and
+ZeRO-sharded over the expert-data-parallel group ``dp * cp * tp / (ep * etp)``. Context
+parallelism splits every activation by sequence: a rank keeps ``tokens / cp`` of each
+micro-batch. Tensors shared by
 several blocks on one rank (a tied embedding and head) count once; on different ranks each
 rank holds its own copy, as Megatron-LM does.
 
@@ -263,8 +264,9 @@ def _backward_temporaries(
 
 
 def shards(p: Param, layout: Layout) -> int:
-    """How many ranks split ``p``: tp for tensor-parallel tensors, ep for routed experts."""
-    return (layout.tp if p.tp_split else 1) * (layout.ep if p.expert else 1)
+    """How many ranks split ``p``: tp for tensor-parallel tensors, ep * etp for routed
+    experts."""
+    return (layout.tp if p.tp_split else 1) * (layout.ep * layout.etp if p.expert else 1)
 
 
 def state_bytes(
@@ -278,7 +280,7 @@ def state_bytes(
         job.moment_dtype
     ]
     ema_b = DTYPE_BYTES[job.ema] if job.ema else 0
-    edp = layout.plane // layout.ep
+    edp = layout.plane // (layout.ep * layout.etp)
     z = layout.zero
     held = held_unsharded(job, layout)
     working = DTYPE_BYTES[job.working_weight_dtype]
@@ -330,6 +332,7 @@ def shard_of(job: TrainingJob, layout: Layout) -> Shard:
         tp=layout.tp,
         cp=layout.cp,
         ep=layout.ep,
+        etp=layout.etp,
         sequence_parallel=layout.sequence_parallel and layout.tp > 1,
         flash_attention=job.flash_attention,
         activation_dtype=job.activation_dtype,

@@ -142,7 +142,9 @@ def expert_all_to_alls(
     """One MoE layer's dispatch and combine for one micro-batch at ``rank``'s position. FP8
     training dispatches the FP8-quantised expert inputs (1 byte per element plus one fp32
     scale per 128 elements) and combines in BF16 (DeepSeek-V3 report section 3.3.2);
-    backward all-to-alls carry activation gradients at the activation dtype."""
+    backward all-to-alls carry activation gradients at the activation dtype. With expert
+    tensor parallelism the dispatch is followed by an all-gather of the tokens over the
+    expert's etp ranks and the combine preceded by a reduce-scatter of its outputs."""
     if not model.num_experts:
         return NO_TRANSFER, NO_TRANSFER
     nbytes = moe_dispatch_bytes(model, shard)  # type: ignore[arg-type]
@@ -150,7 +152,12 @@ def expert_all_to_alls(
     share = (1 + 4 / 128) / act_bytes if job.compute_dtype == "fp8" else 1.0
     ep_group = group(layout, "ep", rank)
     combine = network.moe_all_to_all(nbytes, ep_group, model)
-    return network.moe_all_to_all(nbytes * share, ep_group, model), combine
+    dispatch = network.moe_all_to_all(nbytes * share, ep_group, model)
+    if layout.etp > 1:
+        etp_group = group(layout, "etp", rank)
+        dispatch = dispatch + network.all_gather(nbytes * share * layout.etp, etp_group)
+        combine = network.reduce_scatter(nbytes * layout.etp, etp_group) + combine
+    return dispatch, combine
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,7 @@ def uniform_1f1b(model: ModelSpec, layout: Layout) -> Layout:
         cp=layout.cp,
         dp=layout.dp,
         ep=layout.ep,
+        etp=layout.etp,
         zero=layout.zero,
         micro_batch=layout.micro_batch,
         schedule="1f1b",

@@ -8,8 +8,8 @@ against it.
 What maps exactly:
 - degrees: ``--tensor-model-parallel-size``, ``--context-parallel-size`` (with
   ``--cp-comm-type p2p``, the ring the time model prices), ``--pipeline-model-parallel-size``,
-  ``--expert-model-parallel-size`` (with ``--expert-tensor-parallel-size 1``: experts are not
-  tensor-split here); data parallelism is what the world size leaves;
+  ``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``; data parallelism is
+  what the world size leaves;
 - stages, uneven ones included: ``--pipeline-model-parallel-layout``, one stage per ``|``
   (``E`` embedding, ``t`` transformer layer, ``m`` MTP layer, ``L`` head and loss), virtual
   stages in Megatron's order (stage i on rank i mod pp), so the interleaved schedule's
@@ -87,7 +87,7 @@ def megatron(plan: Plan) -> Export:
     args += ["--pipeline-model-parallel-size", str(runs.pp)]
     if model.num_experts:
         args += ["--expert-model-parallel-size", str(runs.ep)]
-        args += ["--expert-tensor-parallel-size", "1"]
+        args += ["--expert-tensor-parallel-size", str(runs.etp)]
     if runs.tp > 1 and runs.sequence_parallel:
         args.append("--sequence-parallel")
         # The time model hides tensor-parallel collectives as Transformer Engine's

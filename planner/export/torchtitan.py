@@ -5,7 +5,8 @@ v0.2.2 (commit 73a0e697, 2026-02-20), the last release that reads TOML job confi
 test suite holds the key list and checks every exported key against it.
 
 What maps exactly: tp, cp (``context_parallel_degree``; FSDP2 shards over dp * cp, as the
-time model does), pp, ep (``expert_tensor_parallel_degree = 1``), ZeRO-3 (FSDP2,
+time model does), pp, ep, etp when it is 1 or tp (``expert_tensor_parallel_degree``, the two
+torchtitan allows), ZeRO-3 (FSDP2,
 resharding after forward), ZeRO-2 (FSDP2 without resharding), ZeRO-0 (replicated data
 parallelism), stages of any size (``module_fqns_per_model_part``, in torchtitan's module
 names: ``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``), 1F1B, interleaved 1F1B,
@@ -51,6 +52,12 @@ def torchtitan(plan: Plan) -> Export:
     model, _, job, planned = inputs(plan)
     differences: list[str] = []
     runs = planned
+    if runs.etp not in (1, runs.tp):
+        differences.append(
+            f"expert tensor parallelism {runs.etp}: torchtitan splits experts over 1 or all tp "
+            "ranks; runs 1"
+        )
+        runs = runs.model_copy(update={"etp": 1})
     if runs.tp > 1 and not runs.sequence_parallel:
         differences.append(
             "sequence parallelism off: torchtitan's tensor parallelism shards the norms by "
@@ -127,7 +134,7 @@ def _parallelism(layout: Layout) -> dict[str, Any]:
         "tensor_parallel_degree": layout.tp,
         "pipeline_parallel_degree": layout.pp,
         "expert_parallel_degree": layout.ep,
-        "expert_tensor_parallel_degree": 1,
+        "expert_tensor_parallel_degree": layout.etp,
         "context_parallel_degree": layout.cp,
     }
     if layout.cp > 1:  # the sends the time model prices (torchtitan's default gathers)

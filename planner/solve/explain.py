@@ -91,6 +91,7 @@ def explain(
         ("pp", "any pipeline degree"),
         ("dp", "any data-parallel degree"),
         ("ep", "any expert-parallel degree"),
+        ("etp", "any expert tensor-parallel degree"),
         ("micro_batch", "any micro-batch"),
         ("schedules", "any schedule"),
         ("virtual_stages", "any virtual stages"),

@@ -190,14 +190,14 @@ def plan(
         # what a rank keeps there depends on its degrees, ZeRO stage and DualPipe's copies.
         crowded: dict[tuple[object, ...], bool] = {}
         for c in configs:
-            holds = (c.tp, c.cp, c.pp, c.dp, c.ep, c.zero, c.schedule == "dualpipe")
+            holds = (c.tp, c.cp, c.pp, c.dp, c.ep, c.etp, c.zero, c.schedule == "dualpipe")
             if holds not in crowded:
                 t = bound_tables(model, cluster, job, c)
                 crowded[holds] = t is not None and not host_fits(t, cluster, c)
         configs += [
             dataclasses.replace(c, ema="hbm")
             for c in configs
-            if crowded[(c.tp, c.cp, c.pp, c.dp, c.ep, c.zero, c.schedule == "dualpipe")]
+            if crowded[(c.tp, c.cp, c.pp, c.dp, c.ep, c.etp, c.zero, c.schedule == "dualpipe")]
         ]
     budget = Budget(DETERMINISTIC_SHARE * LANES * time_limit_s, started + time_limit_s)
     procs = default_processes() if processes is None else processes
@@ -354,7 +354,7 @@ def _feasible(
     seen: set[tuple[object, ...]] = set()
     programs: set[tuple[str, int, int, int]] = set()
     for config in sorted(configs, key=order):
-        shape = (config.tp, config.cp, config.pp, config.dp, config.ep)
+        shape = (config.tp, config.cp, config.pp, config.dp, config.ep, config.etp)
         if shape in seen:  # one try per degrees: the leanest of them
             continue
         seen.add(shape)
@@ -409,6 +409,7 @@ def _hinted(
             ema=hint.ema,
             fp8_cache=hint.fp8_cache,
             sequence_parallel=hint.sequence_parallel,
+            etp=hint.etp,
         )
         same = [c for c in known if all(getattr(c, k) == v for k, v in rest.items())]
         if not same:
@@ -730,7 +731,10 @@ def _lightest(
             continue
         need = memory_floor(t, c)
         if best is None or need < best[0]:
-            where = f"tp={c.tp} cp={c.cp} pp={c.pp} dp={c.dp} ep={c.ep} ZeRO-{c.zero} {c.schedule}"
+            where = (
+                f"tp={c.tp} cp={c.cp} pp={c.pp} dp={c.dp} ep={c.ep} etp={c.etp} ZeRO-{c.zero} "
+                f"{c.schedule}"
+            )
             best = (need, where)
     return best
 
@@ -749,7 +753,7 @@ def _distinct(
 
 
 def _degrees(c: Config) -> tuple[object, ...]:
-    return (c.tp, c.cp, c.pp, c.dp, c.ep, c.schedule, c.virtual_stages)
+    return (c.tp, c.cp, c.pp, c.dp, c.ep, c.etp, c.schedule, c.virtual_stages)
 
 
 def _key(c: Config) -> tuple[object, ...]:
@@ -759,6 +763,7 @@ def _key(c: Config) -> tuple[object, ...]:
         c.tp,
         c.cp,
         c.ep,
+        c.etp,
         c.zero,
         c.micro_batch,
         c.schedule,
@@ -780,7 +785,7 @@ _LANE_STATE: dict[tuple[str, int], _Lane] = {}  # per plan call and lane, in its
 def _degrees_key(c: Config) -> tuple[int, ...]:
     """What a configuration's lane is chosen by: its degrees and micro-batch, which its
     cost tables, relaxation and schedule program depend on (and so are cached with it)."""
-    return (c.tp, c.cp, c.pp, c.dp, c.ep, c.micro_batch)
+    return (c.tp, c.cp, c.pp, c.dp, c.ep, c.etp, c.micro_batch)
 
 
 @dataclass(frozen=True)

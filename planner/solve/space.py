@@ -95,13 +95,22 @@ def enumerate_configs(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, 
                 if model.num_experts
                 else [1]
             )
-            for ep in eps:
-                if plane % ep or (model.num_experts and model.num_experts % ep):
+            for ep, etp in itertools.product(eps, _etps(model, space, tp)):
+                if plane % (ep * etp) or (model.num_experts and model.num_experts % ep):
                     continue
-                for config in _per_degrees(model, cluster, job, space, tp, pp, dp, ep, cp):
+                for config in _per_degrees(model, cluster, job, space, tp, pp, dp, ep, cp, etp):
                     if pp > 1 and pipeline_zero and config.zero not in pipeline_zero:  # type: ignore[operator]
                         continue
                     yield config
+
+
+def _etps(model: ModelSpec, space: SearchSpace, tp: int) -> list[int]:
+    """Expert tensor-parallel degrees searched: 1 and the attention's tp (Megatron-LM's
+    default, ETP = TP), those that divide the experts' width; any the space pins."""
+    if not model.num_experts:
+        return [1]
+    asked = space.etp or list(dict.fromkeys([1, tp]))
+    return [e for e in asked if model.moe_ffn_hidden_size % e == 0]
 
 
 # Context parallelism is searched down to this many tokens of a sequence per rank: below it
@@ -130,9 +139,10 @@ def _per_degrees(
     dp: int,
     ep: int,
     cp: int = 1,
+    etp: int = 1,
 ) -> Iterator[Config]:
     zeros = space.zero or [1, 2, 3]
-    if dp * cp == 1 and (not model.num_experts or tp == ep) and 1 in zeros:
+    if dp * cp == 1 and (not model.num_experts or tp == ep * etp) and 1 in zeros:
         # Nothing to shard: every state is whole on its one data-parallel rank (the experts'
         # too, their data-parallel group being dp * cp * tp / ep), so ZeRO-2 and 3 hold the same
         # state as ZeRO-1 plus their buckets and gathered copies, and add their collectives.
@@ -159,7 +169,7 @@ def _per_degrees(
             if not _schedule_ok(schedule, pp, m, v):
                 continue
             for cache, sp in itertools.product(caches, sps):
-                yield Config(tp, pp, dp, ep, zero, mb, schedule, v, ema, m, cache, cp, sp)
+                yield Config(tp, pp, dp, ep, zero, mb, schedule, v, ema, m, cache, cp, sp, etp)
 
 
 def fp8_cache_choices(job: TrainingJob, space: SearchSpace) -> list[bool]:

@@ -62,6 +62,7 @@ class Config:
     fp8_cache: bool = False
     cp: int = 1
     sequence_parallel: bool = True
+    etp: int = 1
 
     @property
     def stages(self) -> int:
@@ -84,6 +85,7 @@ class Config:
             layout.fp8_cache,
             layout.cp,
             layout.sequence_parallel,
+            layout.etp,
         )
 
     def layout(self, model: ModelSpec, counts: list[int], recompute: dict[str, str]) -> Layout:
@@ -95,6 +97,7 @@ class Config:
             cp=self.cp,
             dp=self.dp,
             ep=self.ep,
+            etp=self.etp,
             zero=self.zero,
             micro_batch=self.micro_batch,
             schedule=self.schedule,  # type: ignore[arg-type]
@@ -215,6 +218,7 @@ def build(
             config.cp,
             config.dp,
             config.ep,
+            config.etp,
             config.zero,
             config.micro_batch,
             config.ema,
@@ -263,6 +267,7 @@ def build(
                 config.pp,
                 config.dp,
                 config.ep,
+                config.etp,
                 config.zero,
                 config.micro_batch,
                 config.sequence_parallel,
@@ -290,6 +295,7 @@ def build(
             config.cp,
             config.dp,
             config.ep,
+            config.etp,
             config.zero,
             config.ema,
             config.pp,
@@ -419,6 +425,7 @@ def _stage_comm(
             proto.pp,
             proto.dp,
             proto.ep,
+            proto.etp,
             proto.schedule == "dualpipe",
             rank,
         ),
