@@ -684,9 +684,11 @@ def pinned_space(layout: planner.Layout, expert: Expert) -> planner.SearchSpace:
     the source leaves unstated) are the planner's to choose."""
     return planner.SearchSpace(
         tp=[layout.tp],
+        cp=[layout.cp],
         pp=[layout.pp],
         dp=[layout.dp],
         ep=[layout.ep],
+        etp=[layout.etp],
         schedules=[layout.schedule],
         virtual_stages=[layout.virtual_stages] if expert.pin_virtual_stages else None,
         # the expert's FP8 cache is open to the search within its degrees

@@ -146,8 +146,11 @@ def best_uniform(
                 model,
                 pp=lay.pp,
                 tp=lay.tp,
+                cp=lay.cp,
                 dp=lay.dp,
                 ep=lay.ep,
+                etp=lay.etp,
+                sequence_parallel=lay.sequence_parallel,
                 zero=lay.zero,
                 micro_batch=lay.micro_batch,
                 schedule=lay.schedule,
@@ -245,8 +248,9 @@ def main() -> None:
         lay = r.layout
         gain = f"{uniform / r.step - 1:+.1%} slower" if uniform else "none fits or splits evenly"
         print(
-            f"  {case.name}: plan {r.step:.2f} s (tp={lay.tp} pp={lay.pp} dp={lay.dp} "
-            f"ep={lay.ep} ZeRO-{lay.zero} mb={lay.micro_batch} {lay.schedule} "
+            f"  {case.name}: plan {r.step:.2f} s (tp={lay.tp} cp={lay.cp} pp={lay.pp} "
+            f"dp={lay.dp} ep={lay.ep} etp={lay.etp} ZeRO-{lay.zero} mb={lay.micro_batch} "
+            f"{lay.schedule} "
             f"v={lay.virtual_stages}); uniform {_text(uniform)} ({gain})"
         )
 
