@@ -505,12 +505,8 @@ def _plan(args: argparse.Namespace) -> None:
     )
     out.print(
         f"[bold]{result.status}[/] ({gap}) after {result.solve_time_s:.1f} s over "
-        f"{result.configurations} degree/schedule combinations. Layout: tp={lay.tp} "
-        + (f"cp={lay.cp} " if lay.cp > 1 else "")
-        + f"pp={lay.pp} "
-        f"dp={lay.dp} ep={lay.ep} "
-        + (f"etp={lay.etp} " if lay.etp > 1 else "")
-        + f"ZeRO-{lay.zero} micro-batch {lay.micro_batch} x"
+        f"{result.configurations} degree/schedule combinations. Layout: {lay.degrees()} "
+        f"ZeRO-{lay.zero} micro-batch {lay.micro_batch} x"
         f"{result.estimate.num_microbatches} {lay.schedule}"
         + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
         + (", SwiGLU inputs kept in FP8" if lay.fp8_cache else "")
@@ -665,12 +661,8 @@ def _print_time(est: Estimate, framework: str) -> None:
 def _print_memory(name: str, layout: Layout, est: Estimate, margin: float) -> None:
     console = Console(width=max(Console().width, 132))
     title = (
-        f"{name}: per-rank memory (GiB) - tp={layout.tp} "
-        + (f"cp={layout.cp} " if layout.cp > 1 else "")
-        + f"pp={layout.pp} dp={layout.dp} "
-        f"ep={layout.ep} "
-        + (f"etp={layout.etp} " if layout.etp > 1 else "")
-        + f"zero={layout.zero} micro_batch={layout.micro_batch} "
+        f"{name}: per-rank memory (GiB) - {layout.degrees()} "
+        f"zero={layout.zero} micro_batch={layout.micro_batch} "
         f"x{est.num_microbatches} {layout.schedule}"
     )
     table = Table(title=title)
@@ -1003,10 +995,7 @@ def _degrees(layout: Layout) -> str:
         {b.recompute for s in layout.stages for b in s.blocks if b.block.startswith("layer.")}
     )
     return (
-        f"tp{layout.tp} " + (f"cp{layout.cp} " if layout.cp > 1 else "") + f"pp{layout.pp} "
-        f"dp{layout.dp} ep{layout.ep} "
-        + (f"etp{layout.etp} " if layout.etp > 1 else "")
-        + f"ZeRO-{layout.zero} mb{layout.micro_batch} {layout.schedule} "
+        f"{layout.degrees('')} ZeRO-{layout.zero} mb{layout.micro_batch} {layout.schedule} "
         f"v{layout.virtual_stages} "
         f"recompute {'/'.join(recompute)}"
     )

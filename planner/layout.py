@@ -186,6 +186,15 @@ class Layout(Spec):
         """GPUs the layout occupies: tp * cp * pp * dp."""
         return self.tp * self.cp * self.pp * self.dp
 
+    def degrees(self, sep: str = "=") -> str:
+        """The parallel degrees as text: ``tp=8 pp=16 dp=64 ep=1`` (``sep=""``:
+        ``tp8 pp16 dp64 ep1``), context and expert tensor parallelism only where above 1."""
+        parts = [("tp", self.tp), ("cp", self.cp), ("pp", self.pp), ("dp", self.dp)]
+        parts += [("ep", self.ep), ("etp", self.etp)]
+        return " ".join(
+            f"{name}{sep}{value}" for name, value in parts if value > 1 or name not in ("cp", "etp")
+        )
+
     @property
     def plane(self) -> int:
         """Ranks of one pipeline position: tp * cp * dp (what the experts fold onto, as

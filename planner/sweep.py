@@ -182,11 +182,8 @@ def run_case(case: Case, hints: Sequence[dict[str, Any]] = ()) -> dict[str, Any]
         "peak_gib": max(m.peak_bytes for m in est.memory) / GiB,
         "gap": result.gap,
         "layout": (
-            f"tp{lay.tp} " + (f"cp{lay.cp} " if lay.cp > 1 else "") + f"pp{lay.pp} "
-            f"dp{lay.dp} ep{lay.ep} "
-            + (f"etp{lay.etp} " if lay.etp > 1 else "")
-            + f"ZeRO-{lay.zero} mb{lay.micro_batch} "
-            f"{lay.schedule}" + (f" v{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
+            f"{lay.degrees('')} ZeRO-{lay.zero} mb{lay.micro_batch} {lay.schedule}"
+            + (f" v{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
         ),
     }
 
