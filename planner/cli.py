@@ -362,6 +362,9 @@ def _build(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJo
                 f"--gpus={cluster.num_gpus}"
             )
         return model, cluster, job, layout
+    for degree in ("tp", "cp", "pp", "ep", "etp"):
+        if getattr(args, degree) <= 0:
+            raise PlannerError(f"--{degree}={getattr(args, degree)}: must be a positive degree")
     world = args.tp * args.cp * args.pp
     if args.gpus % world:
         raise PlannerError(f"--gpus={args.gpus}: must be a multiple of tp*cp*pp={world}")

@@ -112,6 +112,7 @@ def test_catalog_listings() -> None:
         (("--gpus", "0"), "must be a positive whole number"),
         (("--gpus", "2052"), "above one node it must be a whole number of nodes"),
         (("--ep", "48"), "ep=48 must divide dp*cp*tp=128"),
+        (("--pp", "0"), "--pp=0: must be a positive degree"),
         (("--recompute", "attn"), "unknown module 'attn'"),
         (("--gpus", "many"), "invalid int value"),
     ],

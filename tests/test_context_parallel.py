@@ -66,6 +66,10 @@ def test_state_is_sharded_over_data_and_context_parallel_ranks() -> None:
     for bucket in ("weights", "grads", "optimizer"):
         assert a.buckets[bucket] == pytest.approx(b.buckets[bucket])
     assert a.buckets["activations"] < b.buckets["activations"]
+    # The ring's receive buffers: K and V of a rank's 4,096 tokens over tp 4, and their
+    # gradients, each in use and arriving: 4 x 2 x 4096 x kv_heads x head_dim x 2 B / 4.
+    ring = 4 * 2 * 4096 * LLAMA.num_kv_heads * LLAMA.head_dim * 2 / 4
+    assert a.buckets["buffers"] - b.buckets["buffers"] == pytest.approx(ring)
 
 
 def test_the_ring_costs_time_only_where_attention_cannot_hide_it() -> None:

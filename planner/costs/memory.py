@@ -230,6 +230,13 @@ def level_points(
     )
 
 
+def ring_buffer_bytes(cp: int, costs: Sequence[BlockCost]) -> float:
+    """The context-parallel ring's receive buffers on a rank holding blocks ``costs``: a
+    block's keys and values and their gradients, in use and arriving (4 times its K and V,
+    the largest block's); nothing without context parallelism."""
+    return 4 * max(c.cp_kv_bytes for c in costs) if cp > 1 else 0.0
+
+
 def rebuild_peak(
     blocks: Sequence[tuple[BlockCost, frozenset[str] | str]], kept: float = 0.0
 ) -> float:
@@ -489,8 +496,7 @@ def _rank_memory(
     elif layout.pp > 1:  # one send and one receive buffer of a micro-batch's hidden states
         buffers += 2 * hidden
     buffers += reduce_bucket_bytes(model, job, layout)
-    if layout.cp > 1:  # the ring's keys and values and their gradients, in use and arriving
-        buffers += 4 * max(costs[n].cp_kv_bytes for n in names)
+    buffers += ring_buffer_bytes(layout.cp, [costs[n] for n in names])
     if runtime == "torch":
         buffers += max(_backward_temporaries(costs[n], job, layout, shard, model) for n in names)
     if layout.zero >= 3:  # the gathered working copy of the largest block, and the prefetched

@@ -189,16 +189,15 @@ def plan(
         # The EMA goes to host RAM (no HBM, no step time) unless the host cannot hold it;
         # what a rank keeps there depends on its degrees, ZeRO stage and DualPipe's copies.
         crowded: dict[tuple[object, ...], bool] = {}
+
+        def holds(c: Config) -> tuple[object, ...]:
+            return (c.tp, c.cp, c.pp, c.dp, c.ep, c.etp, c.zero, c.schedule == "dualpipe")
+
         for c in configs:
-            holds = (c.tp, c.cp, c.pp, c.dp, c.ep, c.etp, c.zero, c.schedule == "dualpipe")
-            if holds not in crowded:
+            if holds(c) not in crowded:
                 t = bound_tables(model, cluster, job, c)
-                crowded[holds] = t is not None and not host_fits(t, cluster, c)
-        configs += [
-            dataclasses.replace(c, ema="hbm")
-            for c in configs
-            if crowded[(c.tp, c.cp, c.pp, c.dp, c.ep, c.etp, c.zero, c.schedule == "dualpipe")]
-        ]
+                crowded[holds(c)] = t is not None and not host_fits(t, cluster, c)
+        configs += [dataclasses.replace(c, ema="hbm") for c in configs if crowded[holds(c)]]
     budget = Budget(DETERMINISTIC_SHARE * LANES * time_limit_s, started + time_limit_s)
     procs = default_processes() if processes is None else processes
     found: list[tuple[float, Config, Layout]] = []

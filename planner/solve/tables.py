@@ -28,7 +28,13 @@ from typing import Any, TypeVar
 from planner.costs.blocks import BlockCost, Param, block_cost, block_names
 from planner.costs.comm import Network, Transfer
 from planner.costs.compute import Rates
-from planner.costs.memory import reduce_bucket_bytes, shard_of, shards, state_bytes
+from planner.costs.memory import (
+    reduce_bucket_bytes,
+    ring_buffer_bytes,
+    shard_of,
+    shards,
+    state_bytes,
+)
 from planner.costs.timing import (
     BlockRow,
     TpComm,
@@ -308,10 +314,10 @@ def build(
     )
     buffers = float(job.comm_buffer_bytes) + (2 * act if config.pp > 1 else 0.0)
     buffers += reduce_bucket_bytes(model, job, proto)
-    if config.cp > 1:  # the context ring's buffers (``costs.memory.stage_memory``)
-        kinds_at = {k: f"layer.{layer_kinds.index(k)}" for k in set(layer_kinds)}
-        names = [*kinds_at.values(), *fixed]
-        buffers += 4 * max(block_cost(model, n, shard).cp_kv_bytes for n in names)
+    if config.cp > 1:  # the context ring's buffers, as ``costs.memory.stage_memory`` counts
+        kinds_at = [f"layer.{layer_kinds.index(k)}" for k in dict.fromkeys(layer_kinds)]
+        blocks = [block_cost(model, n, shard) for n in (*kinds_at, *fixed)]
+        buffers += ring_buffer_bytes(config.cp, blocks)
     return Tables(
         config=config,
         layer_kinds=layer_kinds,
