@@ -131,3 +131,28 @@ def test_fill_and_drain_holds_where_it_binds(schedule: str) -> None:
         if schedule in ("1f1b", "zb-h1"):
             busiest = busiest_rank(tables, config)
             assert drain >= 1.1 * busiest, (config, drain, busiest)
+
+
+def test_the_host_check_from_the_state_alone_is_the_tables_own() -> None:
+    """``plan`` decides where the EMA may live from ``tables.states`` (no recompute option
+    priced); it must say what the full tables say, on configurations either side of the
+    host's RAM."""
+    from planner.solve.bounds import host_fits
+    from planner.solve.tables import states
+
+    model = planner.load_model("llama3-70b").model_copy(update={"num_layers": 8})
+    cluster = planner.load_cluster("h100", gpus=16)
+    job = planner.TrainingJob(seq_len=2048, global_batch=32, ema="fp32")
+    verdicts = set()
+    for ram in (2**31, 2**36):
+        small = cluster.model_copy(update={"host_ram_bytes": ram})
+        for config in enumerate_configs(model, small, job, planner.SearchSpace(micro_batch=[1])):
+            tables = bound_tables(model, small, job, config)
+            if tables is None:
+                continue
+            layers = [tables.kinds[k].state for k in tables.layer_kinds]
+            assert states(model, job, config) == (layers, tables.fixed_state), config
+            full = host_fits(layers, tables.fixed_state, small, config)
+            assert host_fits(*states(model, job, config), small, config) == full, config
+            verdicts.add(full)
+    assert verdicts == {True, False}

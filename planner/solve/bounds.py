@@ -12,7 +12,7 @@ import heapq
 import itertools
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,7 +42,8 @@ def lower_bound(
         return None
     if not state_fits(t, cluster, job, config):
         return None
-    if config.ema == "host" and not host_fits(t, cluster, config):
+    layers = [t.kinds[k].state for k in t.layer_kinds]
+    if config.ema == "host" and not host_fits(layers, t.fixed_state, cluster, config):
         return None
     m, p = config.num_microbatches, config.pp
     blocks = t.layer_kinds + t.first_fixed + t.last_fixed
@@ -594,11 +595,17 @@ def state_fits(tables: Tables, cluster: ClusterSpec, job: TrainingJob, config: C
     return max(memory_floor(tables, config), heaviest_rank) <= usable
 
 
-def host_fits(tables: Tables, cluster: ClusterSpec, config: Config) -> bool:
-    """The average rank's host-RAM EMA, times the GPUs of a node, within the node's RAM."""
+def host_fits(
+    layers: Sequence[Mapping[str, float]],
+    fixed: Sequence[Mapping[str, float]],
+    cluster: ClusterSpec,
+    config: Config,
+) -> bool:
+    """The average rank's host-RAM EMA, times the GPUs of a node, within the node's RAM
+    (``layers``: each transformer layer's state; ``fixed``: each rank's fixed blocks', as
+    ``tables.states`` gives them)."""
     copies = 2 if config.schedule == "dualpipe" else 1
-    host = copies * sum(tables.kinds[k].state["host"] for k in tables.layer_kinds)
-    host += sum(s["host"] for s in tables.fixed_state)
+    host = copies * sum(s["host"] for s in layers) + sum(s["host"] for s in fixed)
     per_node = min(cluster.gpus_per_node, cluster.num_gpus)
     return host / config.pp * per_node <= cluster.host_ram_bytes
 

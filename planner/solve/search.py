@@ -91,6 +91,7 @@ from planner.solve.tables import (
     choice_name,
     even_counts,
     rank_orders,
+    states,
 )
 from planner.solve.warm import balanced, warm_start
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
@@ -195,8 +196,10 @@ def plan(
 
         for c in configs:
             if holds(c) not in crowded:
-                t = bound_tables(model, cluster, job, c)
-                crowded[holds(c)] = t is not None and not host_fits(t, cluster, c)
+                try:  # the state alone: no recompute option needs pricing for this
+                    crowded[holds(c)] = not host_fits(*states(model, job, c), cluster, c)
+                except PlannerError:  # degrees the model refuses: bound_tables skips them
+                    crowded[holds(c)] = False
         configs += [dataclasses.replace(c, ema="hbm") for c in configs if crowded[holds(c)]]
     budget = Budget(DETERMINISTIC_SHARE * LANES * time_limit_s, started + time_limit_s)
     procs = default_processes() if processes is None else processes

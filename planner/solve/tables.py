@@ -292,26 +292,7 @@ def build(
         if light
         else rank_orders(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
     )
-    fixed_state, fixed_grad, fixed_weight = _memo(
-        _FIXED,
-        (
-            model,
-            job,
-            config.tp,
-            config.cp,
-            config.dp,
-            config.ep,
-            config.etp,
-            config.zero,
-            config.ema,
-            config.pp,
-            config.schedule,
-            config.virtual_stages,
-            config.fp8_cache,
-            config.sequence_parallel,
-        ),
-        lambda: _fixed(model, shard, job, proto, first_fixed, last_fixed, stages),
-    )
+    fixed_state, fixed_grad, fixed_weight = _fixed_tables(model, job, config, proto, shard)
     buffers = float(job.comm_buffer_bytes) + (2 * act if config.pp > 1 else 0.0)
     buffers += reduce_bucket_bytes(model, job, proto)
     if config.cp > 1:  # the context ring's buffers, as ``costs.memory.stage_memory`` counts
@@ -351,7 +332,8 @@ _Pair = tuple["Affine", "Affine"]
 _KINDS: dict[tuple[Any, ...], dict[str, Kind]] = {}
 _SENDS: dict[tuple[Any, ...], tuple[list[Transfer], list[Transfer]]] = {}
 _STAGE_COMM: dict[tuple[Any, ...], tuple[Transfer, Transfer, _Pair, _Pair, _Pair]] = {}
-_FIXED: dict[tuple[Any, ...], Any] = {}
+FixedTables = tuple[list[dict[str, float]], list[tuple[float, float]], list[tuple[float, float]]]
+_FIXED: dict[tuple[Any, ...], FixedTables] = {}
 _PROTO: dict[tuple[Any, ...], Layout] = {}
 _GROUPS: dict[tuple[Any, ...], Any] = {}
 _T = TypeVar("_T")
@@ -363,6 +345,54 @@ def _memo(cache: dict[tuple[Any, ...], _T], key: tuple[Any, ...], make: Callable
             cache.clear()
         cache[key] = make()
     return cache[key]
+
+
+def _fixed_tables(
+    model: ModelSpec, job: TrainingJob, config: Config, proto: Layout, shard: Any
+) -> FixedTables:
+    """``_fixed`` for ``config``, memoised on what it depends on."""
+    fixed = [n for n in block_names(model) if not n.startswith("layer.")]
+    first, last = ["embedding"], [n for n in fixed if n != "embedding"]
+    return _memo(
+        _FIXED,
+        (
+            model,
+            job,
+            config.tp,
+            config.cp,
+            config.dp,
+            config.ep,
+            config.etp,
+            config.zero,
+            config.ema,
+            config.pp,
+            config.schedule,
+            config.virtual_stages,
+            config.fp8_cache,
+            config.sequence_parallel,
+        ),
+        lambda: _fixed(model, shard, job, proto, first, last, config.stages),
+    )
+
+
+def states(
+    model: ModelSpec, job: TrainingJob, config: Config
+) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """Each transformer layer's state bytes by bucket, in model order, and each rank's fixed
+    blocks' (what ``build`` puts in ``Kind.state`` and ``Tables.fixed_state``), without
+    pricing a single recompute option: all a check of the model state needs."""
+    proto = prototype(model, config)
+    shard = shard_of(job, proto)
+    ema_on_gpu = proto.ema == "hbm"
+    per_kind: dict[str, dict[str, float]] = {}
+    layers = []
+    for i in range(model.num_layers):
+        kind = "moe" if model.is_moe_layer(i) else "dense"
+        if kind not in per_kind:
+            params = block_cost(model, f"layer.{i}", shard).params
+            per_kind[kind] = state_bytes(params, job=job, layout=proto, ema_on_gpu=ema_on_gpu)
+        layers.append(per_kind[kind])
+    return layers, _fixed_tables(model, job, config, proto, shard)[0]
 
 
 def prototype(model: ModelSpec, config: Config) -> Layout:
