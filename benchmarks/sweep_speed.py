@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import planner
-from planner.plots import sweep_svg
+from planner.plots import plot_sweep
 
 GPUS = [64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 16384]
 
@@ -57,7 +57,7 @@ def main() -> None:
             f"{proven} of {len(rows)} cases proven (optimal or infeasible); gap median "
             f"{gaps[len(gaps) // 2]:.1%}, worst {gaps[-1]:.1%}"
         )
-    picture = sweep_svg(rows, db.with_suffix(".svg"))
+    picture = plot_sweep(rows, db.with_suffix(".svg"))
     print(f"first run {runs[0]:.1f} s, second {runs[1]:.2f} s; curves in {picture}")
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from planner.costs.memory import usable_hbm, usable_peak_bytes
+from planner.costs.memory import offloaded_blocks, usable_hbm, usable_peak_bytes
 from planner.errors import PlannerError
 from planner.estimate import Estimate, check_layout, evaluate
 from planner.layout import Layout, parse_recompute
@@ -123,6 +123,7 @@ def check_space(job: TrainingJob, layout: Layout, space: SearchSpace) -> list[st
         ("virtual_stages", layout.virtual_stages, space.virtual_stages),
         ("fp8_cache", layout.fp8_cache, space.fp8_cache),
         ("sequence_parallel", layout.sequence_parallel, space.sequence_parallel),
+        ("optimizer_offload", layout.optimizer_offload, space.optimizer_offload),
     ]
     if job.ema is not None:  # without an EMA the placement field means nothing
         decisions.append(("ema", layout.ema, space.ema))
@@ -183,14 +184,18 @@ def check_memory(fresh: Estimate, cluster: ClusterSpec, job: TrainingJob) -> lis
 def check_host_ram(
     job: TrainingJob, cluster: ClusterSpec, layout: Layout, fresh: Estimate
 ) -> list[str]:
-    """A host-side EMA fits in a node's RAM, taking the heaviest rank for every GPU on it."""
-    if layout.ema != "host" or job.ema is None:
+    """What a rank keeps on the host (an EMA, an offloaded optimizer) fits in a node's RAM,
+    taking the heaviest rank for every GPU on it."""
+    on_host = layout.ema == "host" and job.ema is not None
+    if not (on_host or layout.optimizer_offload or offloaded_blocks(layout)):
         return []
     gpus = min(cluster.gpus_per_node, cluster.num_gpus)  # a partial node has only num_gpus
     need = max(s.host_bytes for s in fresh.memory) * gpus
     if need > cluster.host_ram_bytes:
         return [
-            f"host EMA needs {need / GiB:.1f} GiB per node, more than host RAM "
+            f"host-side state (EMA, offloaded optimizer and activations) needs "
+            f"{need / GiB:.1f} GiB per node, "
+            f"more than host RAM "
             f"{cluster.host_ram_bytes / GiB:.1f} GiB"
         ]
     return []

@@ -21,13 +21,16 @@ from planner.costs.memory import BUCKETS
 from planner.errors import PlannerError
 from planner.estimate import Estimate, evaluate
 from planner.layout import SCHEDULES, Layout
+from planner.plots import picture_format, picture_paths
 from planner.recipes import Recipe, load_recipe, recipe_names
 from planner.simulate import simulate
 from planner.solve import plan
+from planner.solve.result import Plan
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 
 GiB = 2**30
 SHORT = {"optimizer": "optim", "activations": "activ", "fragmentation": "frag", "context": "ctx"}
+PLOT_PREFIX_HELP = "write PREFIX-memory.svg and PREFIX-time.svg (PREFIX.png or .pdf: that format)"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,6 +63,15 @@ def _parser() -> argparse.ArgumentParser:
         help="also try keeping SwiGLU inputs in FP8 (FP8 compute, framework megatron)",
     )
     pl.add_argument(
+        "--optimizer-offload",
+        type=float,
+        nargs="+",
+        default=None,
+        metavar="FRACTION",
+        help="allowed fractions of the optimizer state kept and stepped on the host, e.g. 0 1 "
+        "(default 0: not searched; megatron with ZeRO-1, or deepspeed with 1)",
+    )
+    pl.add_argument(
         "--sequence-parallel",
         nargs="+",
         choices=["on", "off"],
@@ -74,12 +86,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("--time-limit", type=float, default=10.0, help="wall-clock seconds")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
-    pl.add_argument("--plot", default=None, metavar="PREFIX", help="write PREFIX-memory.svg ...")
+    pl.add_argument("--plot", default=None, metavar="PREFIX", help=PLOT_PREFIX_HELP)
     ex = sub.add_parser("export", help="launch config of a plan (from planner plan --json)")
     ex.add_argument("--plan", required=True, help="a plan JSON file ('-' reads stdin)")
     ex.add_argument("--target", required=True, choices=["megatron", "torchtitan", "deepspeed"])
     ex.add_argument("--out", default=None, help="directory to write the config files into")
     ex.add_argument("--json", action="store_true", help="print the export as JSON")
+    ex.add_argument(
+        "--force",
+        action="store_true",
+        help="write the launch config even when the plan does not fit HBM (default: refuse, "
+        "exit 3)",
+    )
     sw = sub.add_parser("sweep", help="plan many cluster sizes (and models, jobs), resumably")
     sw.add_argument("--model", nargs="+", required=True, help="catalog names or config paths")
     sw.add_argument("--cluster", nargs="+", default=["h100"], help="machine types")
@@ -108,9 +126,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     sw.add_argument("--out", default=None, help="write rows to a .csv or .json file")
     sw.add_argument("--json", action="store_true", help="print the rows as JSON")
-    sw.add_argument("--plot", default=None, metavar="FILE", help="write the sweep curves (SVG)")
+    sw.add_argument(
+        "--plot", default=None, metavar="FILE", help="write the sweep curves (.png, .svg or .pdf)"
+    )
     va = sub.add_parser(
-        "validate", help="run small layouts for real (PyTorch, CPU) against the cost model"
+        "validate", help="run small layouts for real (PyTorch, CPU or CUDA) against the cost model"
+    )
+    va.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cpu: one gloo process per rank, FP32; cuda: one NCCL process per rank on its own "
+        "GPU, BF16, with the allocator's allocated and reserved peaks (default cpu)",
     )
     va.add_argument("--steps", type=int, default=3, help="timed steps per layout after warm-up")
     va.add_argument("--rounds", type=int, default=1, help="run the set this many times over")
@@ -138,7 +165,33 @@ def _parser() -> argparse.ArgumentParser:
         "step_s; optional ep,vp,schedule,recompute,zero,precision,framework,gpu,id)",
     )
     ca.add_argument(
-        "--cluster", default=None, help="with --runs: the machine type name or YAML to start from"
+        "--cluster",
+        default=None,
+        help="with --runs: the machine type name or YAML to start from; with --sweep: price "
+        "the rows with its rates instead of rates fitted to the run",
+    )
+    ca.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cpu: gloo worker processes, FP32; cuda: NCCL, one GPU per process, BF16 "
+        "(default cpu)",
+    )
+    ca.add_argument(
+        "--sweep",
+        action="store_true",
+        help="instead: measure ONE device against the cost model: the GEMMs of Llama 3 8B/70B "
+        "and DeepSeek-V3 layers at tp 1, 2, 4, 8 (FLOP/s), causal attention forward and "
+        "backward by sequence length, copy/add/RMSNorm (bytes/s), and real-width layers by "
+        "micro-batch and recompute choice (time, kept bytes, peaks); prints tables and "
+        "writes every row as JSON (--out, default sweep-<device>.json)",
+    )
+    ca.add_argument(
+        "--scale",
+        type=float,
+        default=None,
+        help="with --sweep: factor on every width and length (default 1 on cuda, 1/32 on cpu, "
+        "so a CPU sweep takes seconds)",
     )
     ca.add_argument(
         "--folds",
@@ -152,7 +205,8 @@ def _parser() -> argparse.ArgumentParser:
     ca.add_argument(
         "--out",
         default=None,
-        help="YAML to write (default: <cluster>-fitted.yaml, or cpu-<processes>.yaml)",
+        help="YAML to write (default: <cluster>-fitted.yaml, or <device>-<processes>.yaml); "
+        "with --sweep, JSON (default sweep-<device>.json)",
     )
     ca.add_argument("--name", default=None, help="machine name in the profile")
     sim = sub.add_parser("simulate", help="run a stated layout's step event by event")
@@ -214,6 +268,21 @@ def _layout_args(cmd: argparse.ArgumentParser) -> None:
     )
     cmd.add_argument("--ema-on-host", action="store_true", help="keep the EMA in host RAM")
     cmd.add_argument(
+        "--optimizer-offload",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="fraction of the optimizer state kept and stepped on the host (0 to 1; default 0)",
+    )
+    cmd.add_argument(
+        "--offload-layers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the first N transformer layers keep their activations on the host (Megatron-LM "
+        "--cpu-offloading-num-layers; pp 1, no recompute)",
+    )
+    cmd.add_argument(
         "--no-sequence-parallel",
         action="store_true",
         help="with tp > 1, keep norm/dropout activations whole on each tp rank",
@@ -222,32 +291,40 @@ def _layout_args(cmd: argparse.ArgumentParser) -> None:
         "--layout", default=None, help="a layout or plan JSON file (instead of the layout flags)"
     )
     cmd.add_argument("--json", action="store_true", help="print JSON for machines")
-    cmd.add_argument("--plot", default=None, metavar="PREFIX", help="write PREFIX-memory.svg ...")
+    cmd.add_argument("--plot", default=None, metavar="PREFIX", help=PLOT_PREFIX_HELP)
+
+
+# Exit codes: a script can tell a plan that fits from an infeasible job from bad input.
+EXIT_FITS, EXIT_BAD_INPUT, EXIT_INFEASIBLE = 0, 2, 3
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. Exit 0: done (a plan or layout that fits); 2: bad input (one line on
+    stderr); 3: infeasible (no layout fits, a stated layout does not fit, or an export of a
+    plan that does not fit, refused without --force), with the explanation printed."""
     args = _parser().parse_args(argv)
     try:
+        fits: bool | None = True
         if args.command in ("models", "clusters", "recipes"):
             _catalog(args)
         elif args.command in ("memory", "evaluate"):
-            _evaluate(args)
+            fits = _evaluate(args)
         elif args.command == "simulate":
             _simulate(args)
         elif args.command == "plan":
-            _plan(args)
+            fits = _plan(args)
         elif args.command == "sweep":
             _sweep(args)
         elif args.command == "export":
-            _export(args)
+            fits = _export(args)
         elif args.command == "validate":
             _validate(args)
         elif args.command == "calibrate":
             _calibrate(args)
     except PlannerError as exc:
         print(f"planner: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        return EXIT_BAD_INPUT
+    return EXIT_FITS if fits else EXIT_INFEASIBLE
 
 
 def _catalog(args: argparse.Namespace) -> None:
@@ -260,12 +337,18 @@ def _catalog(args: argparse.Namespace) -> None:
                 "name": n,
                 "params": (m := load_model(n)).num_params(),
                 "active_params": m.num_params(active=True),
+                "mtp_params": m.num_params() - m.num_params(include_mtp=False),
                 "layers": m.num_layers,
                 "experts": m.num_experts,
             }
             for n in model_names()
         ]
-        heads = {"name": "model", "params": "params (B)", "active_params": "active (B)"}
+        heads = {
+            "name": "model",
+            "params": "params (B)",
+            "active_params": "active (B)",
+            "mtp_params": "of which MTP (B)",
+        }
     else:
         rows = []
         for n in cluster_names():
@@ -296,11 +379,29 @@ def _catalog(args: argparse.Namespace) -> None:
         table.add_column(heads.get(key, key), justify="left" if key == "name" else "right")
     for r in rows:
         table.add_row(*(_cell(k, v) for k, v in r.items()))
-    Console(width=max(Console().width, 100)).print(table)
+    console = Console(width=max(Console().width, 100))
+    console.print(table)
+    split = []
+    for r in rows:
+        total, mtp = r.get("params"), r.get("mtp_params")
+        if isinstance(total, int) and isinstance(mtp, int) and mtp:
+            main_model = _cell("params", total - mtp)
+            split.append(
+                f"{r['name']}: {_cell('params', total)}B = {main_model}B main model + "
+                f"{_cell('params', mtp)}B MTP"
+            )
+    if split:
+        console.print(
+            "params and active include the multi-token-prediction (MTP) modules where a config "
+            "has them (num_nextn_predict_layers), their embedding and head being the main "
+            f"model's, counted once: {'; '.join(split)}."
+        )
 
 
 def _cell(key: str, value: object) -> str:
-    if key in ("params", "active_params") and isinstance(value, int):
+    if key == "mtp_params" and value == 0:
+        return "-"
+    if key in ("params", "active_params", "mtp_params") and isinstance(value, int):
         return f"{value / 1e9:,.1f}"
     if key == "usable_hbm_gib" and isinstance(value, float):
         return f"{value:.2f}"
@@ -365,6 +466,10 @@ def _build(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJo
     for degree in ("tp", "cp", "pp", "ep", "etp"):
         if getattr(args, degree) <= 0:
             raise PlannerError(f"--{degree}={getattr(args, degree)}: must be a positive degree")
+    if args.virtual_stages is not None and args.virtual_stages <= 0:
+        raise PlannerError(
+            f"--virtual-stages={args.virtual_stages}: must be a positive number of chunks per rank"
+        )
     world = args.tp * args.cp * args.pp
     if args.gpus % world:
         raise PlannerError(f"--gpus={args.gpus}: must be a multiple of tp*cp*pp={world}")
@@ -380,12 +485,31 @@ def _build(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJo
         micro_batch=args.micro_batch,
         schedule=args.schedule,
         virtual_stages=args.virtual_stages,
-        recompute=args.recompute,
+        recompute=_offload_layers(model, args.recompute, args.offload_layers),
         ema="host" if args.ema_on_host else "hbm",
         fp8_cache=args.fp8_cache,
         sequence_parallel=not args.no_sequence_parallel,
+        optimizer_offload=args.optimizer_offload,
     )
     return model, cluster, job, layout
+
+
+def _positive_seconds(value: float) -> None:
+    if not value > 0:
+        raise PlannerError(f"--time-limit={value:g}: must be a positive number of seconds")
+
+
+def _offload_layers(model: ModelSpec, recompute: str, n: int) -> str | dict[str, str]:
+    """``--recompute`` for every layer, or with ``--offload-layers N`` the first N layers
+    offloaded and the rest at ``--recompute``."""
+    if n == 0:
+        return recompute
+    if not 0 < n < model.num_layers:
+        raise PlannerError(
+            f"--offload-layers={n}: must be between 1 and {model.num_layers - 1} (the model "
+            f"has {model.num_layers} layers; one at least stays in HBM)"
+        )
+    return {f"layer.{i}": "offload" if i < n else recompute for i in range(model.num_layers)}
 
 
 def _layout_file(path: str) -> Layout:
@@ -406,17 +530,19 @@ def _layout_file(path: str) -> Layout:
     return Layout(**data)
 
 
-def _evaluate(args: argparse.Namespace) -> None:
+def _evaluate(args: argparse.Namespace) -> bool:
+    """Print the layout's memory (and time); whether it fits."""
     model, cluster, job, layout = _build(args)
     est = evaluate(model, cluster, job, layout)
     if args.plot:
         _plot(args.plot, est, model.name)
     if args.json:
         print(json.dumps({"layout": layout.model_dump(), "estimate": est.model_dump()}, indent=1))
-        return
+        return est.fits
     _print_memory(model.name, layout, est, job.memory_margin)
     if args.command == "evaluate":
         _print_time(est, job.framework)
+    return est.fits
 
 
 def _simulate(args: argparse.Namespace) -> None:
@@ -460,7 +586,11 @@ def _simulate(args: argparse.Namespace) -> None:
     )
 
 
-def _plan(args: argparse.Namespace) -> None:
+def _plan(args: argparse.Namespace) -> bool:
+    """Plan and print; whether a layout that fits was found."""
+    if args.plot:
+        picture_paths(args.plot, option="--plot")  # a bad suffix fails before the search
+    _positive_seconds(args.time_limit)
     model, cluster, job = _job(args)
     space = SearchSpace(
         tp=args.tp,
@@ -473,6 +603,7 @@ def _plan(args: argparse.Namespace) -> None:
         schedules=args.schedule,
         recompute=args.recompute,
         fp8_cache=[False, True] if args.fp8_cache else None,
+        optimizer_offload=args.optimizer_offload,
         sequence_parallel=(
             [v == "on" for v in args.sequence_parallel] if args.sequence_parallel else None
         ),
@@ -483,9 +614,10 @@ def _plan(args: argparse.Namespace) -> None:
         result = plan(model, cluster, job, space, time_limit_s=args.time_limit)
     if args.plot and result.estimate is not None:
         _plot(args.plot, result.estimate, model.name)
+    found = result.layout is not None and result.estimate is not None
     if args.json:
         print(result.model_dump_json(indent=1))
-        return
+        return found
     out = Console(width=max(Console().width, 132))
     if result.layout is None or result.estimate is None:
         out.print(
@@ -495,8 +627,8 @@ def _plan(args: argparse.Namespace) -> None:
             for b in result.explanation.binding:
                 out.print(f"  binds: {b.family} on {b.where}: {b.excess}")
             for fix in result.explanation.fixes:
-                out.print(f"  fix: {fix}")
-        return
+                out.print(f"  fix: {cli_words(fix)}")
+        return False
     lay = result.layout
     layers = [sum(b.block.startswith("layer.") for b in s.blocks) for s in lay.stages]
     _print_memory(model.name, lay, result.estimate, job.memory_margin)
@@ -514,8 +646,80 @@ def _plan(args: argparse.Namespace) -> None:
         + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
         + (", SwiGLU inputs kept in FP8" if lay.fp8_cache else "")
         + (", sequence parallelism off" if lay.tp > 1 and not lay.sequence_parallel else "")
+        + (
+            f", {lay.optimizer_offload:.0%} of the optimizer state on the host"
+            if lay.optimizer_offload
+            else ""
+        )
         + f", layers per stage {layers}."
     )
+    _print_decisions(lay, result.estimate, result.job or job)
+    _print_runners_up(result)
+    return True
+
+
+def _print_decisions(layout: Layout, est: Estimate, job: TrainingJob) -> None:
+    """Each stage's blocks and recompute, where the EMA lives, and why a stage holds no
+    transformer layer."""
+    console = Console(width=max(Console().width, 132))
+    table = Table(title="decisions per stage: blocks and their recompute")
+    for col in ("stage", "rank", "blocks", "layers", "recompute (layers)"):
+        left = col in ("blocks", "recompute (layers)")
+        table.add_column(col, justify="left" if left else "right")
+    ranks = {c: s.stage for s in est.memory for c in s.chunks}
+    empty = []
+    for i, stage in enumerate(layout.stages):
+        kinds: dict[str, int] = {}
+        for b in stage.blocks:
+            if b.block.startswith(("layer.", "mtp.")):
+                kinds[b.recompute] = kinds.get(b.recompute, 0) + 1
+        n = sum(b.block.startswith("layer.") for b in stage.blocks)
+        if n == 0:
+            empty.append(i)
+        table.add_row(
+            str(i),
+            str(ranks.get(i, "")),
+            _summarise(layout, [i]),
+            str(n),
+            ", ".join(f"{k} x{v}" for k, v in kinds.items()) or "-",
+        )
+    console.print(table)
+    notes = []
+    if job.ema:
+        where = "host RAM" if layout.ema == "host" else "HBM (the ema bucket)"
+        notes.append(f"EMA ({job.ema}) kept in {where}.")
+    notes.append(
+        f"Headroom kept: {job.memory_margin:.0%} of usable HBM below the cap for the memory "
+        f"model's error; the heaviest rank leaves {est.headroom:.1%} free."
+    )
+    for i in empty:
+        notes.append(
+            f"Stage {i} holds no transformer layer, only "
+            f"{_summarise(layout, [i]) or 'nothing'}: the embedding and head weigh as much "
+            "as layers there, and a layer more would make that stage the slowest."
+        )
+    console.print(" ".join(notes))
+
+
+def _print_runners_up(result: Plan) -> None:
+    """The next layouts the search found, with what each costs against the plan."""
+    if not result.alternatives or result.estimate is None:
+        return
+    console = Console(width=max(Console().width, 132))
+    base = result.estimate.step_time_s
+    table = Table(title="runners-up (other degrees or schedules the search found)")
+    for col in ("layout", "step s", "vs plan", "peak GiB"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    for alt in result.alternatives:
+        lay = alt.layout
+        table.add_row(
+            f"{lay.degrees()} ZeRO-{lay.zero} mb{lay.micro_batch} {lay.schedule}"
+            + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else ""),
+            f"{alt.step_time_s:.3f}",
+            f"{alt.step_time_s / base - 1:+.1%}",
+            f"{alt.peak_bytes / GiB:.2f}",
+        )
+    console.print(table)
 
 
 def _sweep(args: argparse.Namespace) -> None:
@@ -523,9 +727,12 @@ def _sweep(args: argparse.Namespace) -> None:
 
     from planner.sweep import cases, run, write
 
+    _positive_seconds(args.time_limit)
     if args.workers is not None and args.workers <= 0:
         raise PlannerError(f"--workers={args.workers}: must be a positive process count")
     jobs = [_training_job(args, s, b) for s in args.seq_len for b in args.global_batch]
+    if args.plot:
+        picture_format(args.plot, option="--plot")
     # Bad input fails here, in one line, before any progress bar is drawn.
     todo = cases(
         args.model,
@@ -560,9 +767,9 @@ def _sweep(args: argparse.Namespace) -> None:
     if args.out:
         write(rows, args.out)
     if args.plot:
-        from planner.plots import sweep_svg
+        from planner.plots import plot_sweep
 
-        print(f"sweep curves: {_writable(args.plot, sweep_svg, rows)}", file=sys.stderr)
+        print(f"sweep curves: {_writable(args.plot, plot_sweep, rows)}", file=sys.stderr)
     if args.json:
         print(json.dumps([{k: v for k, v in r.items() if k != "plan"} for r in rows], indent=1))
         return
@@ -594,21 +801,25 @@ def _sweep(args: argparse.Namespace) -> None:
 
 
 def _plot(prefix: str, est: Estimate, name: str) -> None:
-    from planner.plots import memory_svg, time_svg
+    from planner.plots import plot_memory, plot_step_time
 
-    memory = _writable(f"{prefix}-memory.svg", memory_svg, est, title=f"{name}: memory per rank")
-    step = _writable(f"{prefix}-time.svg", time_svg, est)
+    memory_path, time_path = picture_paths(prefix, option="--plot")
+    memory = _writable(memory_path, plot_memory, est, title=f"{name}: memory per pipeline rank")
+    title = f"{name}: step time {est.step_time_s:.3f} s by part"
+    step = _writable(time_path, plot_step_time, est, title=title)
     print(f"pictures: {memory}, {step}", file=sys.stderr)
 
 
-def _writable(path: str, draw: Any, *args: Any, **kwargs: Any) -> str:
+def _writable(path: str | Path, draw: Any, *args: Any, **kwargs: Any) -> str:
     try:
         return str(draw(*args, path, **kwargs))
     except OSError as exc:
-        raise PlannerError(f"--plot={path!r}: cannot write ({exc.strerror})") from None
+        raise PlannerError(f"--plot={str(path)!r}: cannot write ({exc.strerror})") from None
 
 
-def _export(args: argparse.Namespace) -> None:
+def _export(args: argparse.Namespace) -> bool:
+    """Write the plan's launch config; False (exit 3) when it does not fit and --force is
+    not given."""
 
     from planner import export
     from planner.solve.result import Plan
@@ -622,6 +833,15 @@ def _export(args: argparse.Namespace) -> None:
     except ValueError as exc:
         first = str(exc).splitlines()[0]
         raise PlannerError(f"--plan={args.plan!r}: not a plan JSON ({first})") from None
+    est = result.estimate
+    if est is not None and result.layout is not None and not est.fits and not args.force:
+        print(
+            f"planner: --plan={args.plan!r}: the plan does not fit HBM (peak "
+            f"{est.peak_bytes / GiB:.2f} GiB per GPU, cap {est.cap_bytes / GiB:.2f} GiB); "
+            "nothing written (--force writes it anyway)",
+            file=sys.stderr,
+        )
+        return False
     out = getattr(export, args.target)(result)
     if args.out:
         folder = Path(args.out)
@@ -633,10 +853,11 @@ def _export(args: argparse.Namespace) -> None:
             raise PlannerError(f"--out={args.out!r}: cannot write ({exc.strerror})") from None
     if args.json:
         print(out.model_dump_json(indent=1))
-        return
+        return True
     for name, content in out.files.items():
         print(f"==> {name} <==\n{content}")
     print(out.summary(), file=sys.stderr)
+    return True
 
 
 def _print_time(est: Estimate, framework: str) -> None:
@@ -689,6 +910,45 @@ def _print_memory(name: str, layout: Layout, est: Estimate, margin: float) -> No
         "saved activations of the schedule's in-flight micro-batches, communication buffers, "
         "CUDA context and fragmentation; ignores optimizer-step temporaries."
     )
+    host = max(s.host_bytes for s in est.memory)
+    if host:
+        offloaded = sum(b.recompute == "offload" for s in layout.stages for b in s.blocks)
+        held = [f"{layout.optimizer_offload:.0%} of the optimizer state"] * bool(
+            layout.optimizer_offload
+        ) + ["the EMA"] * (layout.ema == "host")
+        held += [f"the saved activations of {offloaded} layers"] * bool(offloaded)
+        console.print(
+            f"Host RAM: up to {host / GiB:.2f} GiB per rank for {' and '.join(held)} (not in "
+            "HBM; checked against the node's RAM with every GPU of the node at that figure)."
+        )
+
+
+# The CLI's flag for each SearchSpace field an explanation may name (fields without a flag
+# keep their Python name).
+SPACE_FLAGS = {
+    "tp": "--tp",
+    "cp": "--cp",
+    "pp": "--pp",
+    "ep": "--ep",
+    "etp": "--etp",
+    "micro_batch": "--micro-batch",
+    "schedules": "--schedule",
+    "zero": "--zero",
+    "recompute": "--recompute",
+    "sequence_parallel": "--sequence-parallel",
+}
+
+
+def cli_words(text: str) -> str:
+    """An explanation's fix in the CLI's own flags: "free SearchSpace.tp" becomes "drop
+    --tp", "SearchSpace.optimizer_offload=[0, 1]" becomes "--optimizer-offload 0 1"."""
+    text = text.replace("SearchSpace.optimizer_offload=[0, 1]", "--optimizer-offload 0 1")
+    text = text.replace(
+        "SearchSpace.recompute=[none, offload], pp=1", "--recompute none offload --pp 1"
+    )
+    for field, flag in SPACE_FLAGS.items():
+        text = text.replace(f"free SearchSpace.{field})", f"drop {flag})")
+    return text
 
 
 def _memory_summary(est: Estimate, margin: float) -> str:
@@ -731,6 +991,7 @@ def _summarise(layout: Layout, chunks: list[int]) -> str:
 def _validate(args: argparse.Namespace) -> None:
     try:
         from planner.run.calibrate import calibrated_cluster
+        from planner.run.device import Device
         from planner.run.validate import (
             cap_demo,
             label,
@@ -748,12 +1009,25 @@ def _validate(args: argparse.Namespace) -> None:
         bad = [i for i in args.only if not 1 <= i <= len(cases)]
         if bad:
             raise PlannerError(f"--only={bad[0]}: cases are numbered 1..{len(cases)}")
+    device = Device.of(args.device)
+    gpus = device.count() if device.is_cuda else None  # on CUDA, one GPU per rank
+    if args.only:
+        for i in args.only:
+            if gpus is not None and cases[i - 1][1].world_size > gpus:
+                raise PlannerError(
+                    f"--only={i}: case {i} runs {cases[i - 1][1].world_size} ranks; --device=cuda "
+                    f"needs a GPU per rank, {gpus} visible"
+                )
         cases = [cases[i - 1] for i in args.only]
+    elif gpus is not None:
+        cases = [case for case in cases if case[1].world_size <= gpus]
     if args.steps < 1:
         raise PlannerError(f"--steps={args.steps}: needs at least 1 timed step")
     if args.rounds < 1:
         raise PlannerError(f"--rounds={args.rounds}: needs at least 1 round")
     if args.cap is not None:
+        if device.is_cuda:
+            raise PlannerError("--cap: the memory-cap demonstration runs on --device cpu only")
         if args.cap <= 0:
             raise PlannerError(f"--cap={args.cap}: must be a positive number of MiB")
         err = Console(stderr=True)
@@ -788,14 +1062,16 @@ def _validate(args: argparse.Namespace) -> None:
     if args.cluster is not None:
         for ranks in sorted({layout.world_size for _, layout in cases}):
             profiles[ranks] = load_cluster(args.cluster, gpus=ranks)
-    # One rank runs alone on a core as each of two does: it takes the 2-worker profile.
+    # One rank runs alone on a core as each of two does: it takes the 2-worker profile. On
+    # CUDA a profile of n workers needs n GPUs; without them, no step-time prediction.
     worlds = sorted({max(layout.world_size, 2) for _, layout in cases} - set(profiles))
+    worlds = [w for w in worlds if gpus is None or w <= gpus]
     err = Console(stderr=True)
     with tempfile.TemporaryDirectory() as folder:
         for ranks in worlds:
             with err.status(f"calibrating this machine with {ranks} workers"):
-                profiles[ranks] = calibrated_cluster(ranks, Path(folder))
-    if 1 in {layout.world_size for _, layout in cases} and 1 not in profiles:
+                profiles[ranks] = calibrated_cluster(ranks, Path(folder), device)
+    if 1 in {layout.world_size for _, layout in cases} and 1 not in profiles and 2 in profiles:
         profiles[1] = profiles[2].model_copy(update={"num_gpus": 1})
     columns = (TextColumn("running layouts"), BarColumn(), MofNCompleteColumn())
     with Progress(*columns, console=err, transient=True) as bar:
@@ -804,14 +1080,16 @@ def _validate(args: argparse.Namespace) -> None:
             cases,
             steps=args.steps,
             rounds=args.rounds,
-            clusters=profiles.__getitem__,
+            clusters=profiles.get,
             progress=lambda done, _: bar.update(task, completed=done),
+            device=device,
         )
     if args.json:
         print(json.dumps([e.model_dump() for e in entries], indent=2))
         return
     table = Table(title="cost model vs real run, per rank: error = predicted / measured - 1")
-    heads = ("layout", "rank", "peak MiB", "peak", "wts", "grads", "opt", "act", "other")
+    heads: tuple[str, ...] = ("layout", "rank", "pred MiB", "peak MiB", "peak", "alloc MiB")
+    heads += ("resv MiB", "wts", "grads", "opt", "act", "other")
     for col in (*heads, "step s", "time"):
         table.add_column(col, justify="left" if col == "layout" else "right", no_wrap=True)
 
@@ -819,8 +1097,12 @@ def _validate(args: argparse.Namespace) -> None:
         return f"{err:+.1%}" if ok else f"[red]{err:+.1%}[/red]"
 
     for e in entries:
-        row = [label(e), str(e.rank), f"{e.measured_peak_bytes / 2**20:.1f}"]
+        row = [label(e), str(e.rank), f"{e.predicted_peak_bytes / 2**20:.1f}"]
+        row.append(f"{e.measured_peak_bytes / 2**20:.1f}")
         row.append(cell(e.peak_error, abs(e.peak_error) <= 0.05))
+        row.append(f"{e.allocated_peak_bytes / 2**20:.1f}")
+        reserved = e.reserved_peak_bytes
+        row.append(f"{reserved / 2**20:.1f}" if reserved is not None else "not measured")
         for key in ("weights", "grads", "optimizer", "activations", "other"):
             b = e.buckets[key]
             row.append(cell(b.error, b.agrees) if b.measured_bytes else "-")
@@ -830,16 +1112,19 @@ def _validate(args: argparse.Namespace) -> None:
             cell(p / e.measured_step_s - 1, abs(p / e.measured_step_s - 1) <= 0.2) if p else "-"
         )
         table.add_row(*row)
-    console = Console(width=max(Console().width, 120))
+    console = Console(width=max(Console().width, 160))
     console.print(table)
     console.print(
-        "Measured: live tensor bytes in one step, each bucket at its own highest level; red: "
-        "off by more than 5% and 1 MiB. other: pipeline buffers, gathered weights, reduce "
+        "pred MiB: the cost model's peak; peak MiB: measured live tensor bytes in one step "
+        "(peak: their error), each bucket at its own highest level; red: off by more than 5% "
+        "and 1 MiB. alloc / resv MiB: the CUDA caching allocator's allocated and reserved peaks "
+        "(on CPU: the live bytes; reserved not measured). other: pipeline buffers, gathered "
+        "weights, reduce "
         "buckets and gradients in flight in backward (predicted as buffers). step s: median "
         "measured step wall time; time: the cost model's step time with a profile of this "
         "machine calibrated for that many workers (red: off by more than 20%)."
     )
-    r = ranking(entries)
+    r = ranking(entries, cores=gpus)
     if r.layouts:
         verdict = "same order" if r.same_order else f"[red]{r.discordant_pairs} pairs swapped[/red]"
         console.print(
@@ -856,31 +1141,38 @@ def _calibrate(args: argparse.Namespace) -> None:
     if args.runs is not None:
         _fit_runs(args)
         return
-    if args.cluster is not None:
+    if args.cluster is not None and not args.sweep:
         raise PlannerError(
-            "--cluster: only with --runs (without it, calibrate measures this machine)"
+            "--cluster: only with --runs or --sweep (without them, calibrate measures this machine)"
         )
     try:
         from planner.run.calibrate import measure, write_profile
+        from planner.run.device import Device
     except ImportError as exc:  # torch is the optional extra ``run``
         raise PlannerError(
             f"calibrate needs PyTorch: pip install -e '.[run]' ({exc.msg})"
         ) from None
 
+    device = Device.of(args.device)
+    if args.sweep:
+        _device_sweep(args, device)
+        return
     if args.processes < 2:
         raise PlannerError(f"--processes={args.processes}: needs at least 2 (pairs for p2p)")
-    path = Path(args.out or f"cpu-{args.processes}.yaml")
+    device.check_workers(args.processes, "--processes")
+    machine = f"{device.kind}-{args.processes}"
+    path = Path(args.out or f"{machine}.yaml")
     if path.parent and not path.parent.is_dir():
         raise PlannerError(f"--out={args.out}: no such directory {path.parent}")
     with Console(stderr=True).status(f"measuring with {args.processes} workers"):
-        found = measure(args.processes)
-    data = write_profile(found, path, name=args.name or f"cpu-{args.processes}")
+        found = measure(args.processes, device)
+    data = write_profile(found, path, name=args.name or machine)
     console = Console()
     rates = Table(title=f"{path}: this machine as {args.processes} 'GPUs'")
     rates.add_column("quantity")
     rates.add_column("value", justify="right")
     for what, value in (
-        ("GEMM (FP32)", f"{data['bf16_dense_tflops'] * 1e3:.1f} GFLOP/s"),
+        (f"GEMM ({device.dtype_name.upper()})", f"{data['bf16_dense_tflops'] * 1e3:.1f} GFLOP/s"),
         (
             "attention",
             f"{data['bf16_dense_tflops'] * data['achieved']['attention'] * 1e3:.1f} GFLOP/s",
@@ -908,6 +1200,27 @@ def _calibrate(args: argparse.Namespace) -> None:
         )
     console.print(checks)
     console.print(f"Use it with --cluster {path} (plan, evaluate, simulate, validate).")
+
+
+def _device_sweep(args: argparse.Namespace, device: Any) -> None:
+    """``calibrate --sweep``: one device against the cost model (``planner.run.bench``)."""
+    from planner.run.bench import sweep
+    from planner.run.benchtable import print_sweep
+
+    path = Path(args.out or f"sweep-{device.kind}.json")
+    if path.parent and not path.parent.is_dir():
+        raise PlannerError(f"--out={args.out}: no such directory {path.parent}")
+    reference = load_cluster(args.cluster, gpus=1) if args.cluster else None
+    with Console(stderr=True).status(f"measuring {device.name()}") as status:
+        result = sweep(
+            device,
+            scale=args.scale,
+            reference=reference,
+            progress=lambda what: status.update(f"measuring {device.name()}: {what}"),
+        )
+    path.write_text(result.model_dump_json(indent=2))
+    print_sweep(result, Console(width=max(Console().width, 150)))
+    Console().print(f"Every row: {path}")
 
 
 def _fit_runs(args: argparse.Namespace) -> None:

@@ -38,11 +38,12 @@ RECOMPUTE_MODULES: tuple[str, ...] = (
 )
 
 
-def parse_recompute(choice: str) -> frozenset[str] | Literal["full"]:
+def parse_recompute(choice: str) -> frozenset[str] | Literal["full", "offload"]:
     """``"none"`` -> {}, ``"selective"`` -> Megatron's default {core_attn}, ``"full"`` -> keep
-    only the block input, ``"layernorm+mla_up_proj"`` -> those modules."""
-    if choice == "full":
-        return "full"
+    only the block input, ``"layernorm+mla_up_proj"`` -> those modules, ``"offload"`` -> keep
+    everything, on the host (``costs.blocks.OFFLOAD``)."""
+    if choice in ("full", "offload"):
+        return choice  # type: ignore[return-value]
     if choice == "none":
         return frozenset()
     if choice == "selective":
@@ -53,8 +54,8 @@ def parse_recompute(choice: str) -> frozenset[str] | Literal["full"]:
     unknown = sorted(modules - set(RECOMPUTE_MODULES))
     if unknown:
         raise PlannerError(
-            f"recompute={choice!r}: unknown module {unknown[0]!r}; use none, selective, full, op "
-            f"or '+'-joined modules from {', '.join(RECOMPUTE_MODULES)}"
+            f"recompute={choice!r}: unknown module {unknown[0]!r}; use none, selective, full, op, "
+            f"offload or '+'-joined modules from {', '.join(RECOMPUTE_MODULES)}"
         )
     return modules
 
@@ -133,6 +134,16 @@ class Layout(Spec):
     )
     ema: Literal["hbm", "host"] = Field(
         default="hbm", description="Where the EMA copy lives when the job keeps one."
+    )
+    optimizer_offload: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="Fraction of the rank's optimizer state (master weights and moments) kept "
+        "in host memory and stepped by the host CPU, its gradients copied to the host and its "
+        "updated weights back over PCIe (Megatron-LM --optimizer-cpu-offload with "
+        "--optimizer-offload-fraction; DeepSpeed zero_optimization.offload_optimizer, whole "
+        "only). 0: all on the GPU.",
     )
     sequence_parallel: bool = Field(
         default=True,

@@ -1,227 +1,279 @@
-"""Pictures as standalone SVG files (no plotting library needed).
+"""Pictures drawn with matplotlib (its Agg canvas: no display needed), as PNG, SVG or PDF
+chosen by the file's suffix.
 
-- ``memory_svg``: per pipeline rank, its memory buckets stacked against the GPU's HBM line.
-- ``time_svg``: the step time's breakdown as one stacked bar with its parts labelled.
-- ``sweep_svg``: step time, MFU and tokens/s against GPU count (log scale), one line per
-  model and machine type.
+- ``plot_memory``: per pipeline rank, its memory buckets stacked against the GPU's usable
+  HBM and the cap.
+- ``plot_step_time``: the step time's parts, one row each, laid end to end (a waterfall
+  whose last bar ends at the step time).
+- ``plot_sweep``: step time, MFU and tokens/s against GPU count (log2 axis), one line per
+  model, machine type and job; a case with no layout is marked at the bottom of each panel.
 
 The pipeline timeline is the simulator's Perfetto trace (``Simulation.to_chrome_trace``).
+matplotlib is imported inside the functions, so ``import planner`` does not pay for it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from html import escape
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from planner.costs.memory import BUCKETS
+from planner.errors import PlannerError
 from planner.estimate import Estimate
 from planner.timeline import PARTS as BREAKDOWN_KEYS
 
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
 GiB = 2**30
-COLOURS = (
-    "#4e79a7",
-    "#f28e2b",
-    "#e15759",
-    "#76b7b2",
-    "#59a14f",
-    "#edc948",
-    "#b07aa1",
-    "#ff9da7",
-    "#9c755f",
-    "#bab0ac",
+FORMATS = ("png", "svg", "pdf")
+DPI = 150  # PNG resolution: 150 dots per inch keeps 9-point tick labels legible
+# A y axis goes to log scale when its largest value is more than this many times its smallest.
+LOG_SPAN = 10.0
+# Sweep panels: (row key, axis label with unit, factor from the row's unit to the axis's).
+METRICS = (
+    ("step_time_s", "step time (s)", 1.0),
+    ("mfu", "MFU (% of dense BF16 peak)", 100.0),
+    ("tokens_per_s", "throughput (tokens/s)", 1.0),
 )
-FONT = 'font-family="sans-serif"'
 
 
-class _Svg:
-    def __init__(self, width: int, height: int) -> None:
-        self.width, self.height = width, height
-        self.parts: list[str] = []
-
-    def rect(self, x: float, y: float, w: float, h: float, fill: str, tip: str = "") -> None:
-        title = f"<title>{escape(tip)}</title>" if tip else ""
-        self.parts.append(
-            f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(w, 0):.1f}" height="{max(h, 0):.1f}" '
-            f'fill="{fill}">{title}</rect>'
-        )
-
-    def line(self, x1: float, y1: float, x2: float, y2: float, **style: str) -> None:
-        attrs = " ".join(f'{k.replace("_", "-")}="{v}"' for k, v in style.items())
-        self.parts.append(
-            f'<line x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}" {attrs}/>'
-        )
-
-    def polyline(self, points: Sequence[tuple[float, float]], colour: str) -> None:
-        pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
-        self.parts.append(
-            f'<polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="2"/>'
-        )
-        for x, y in points:
-            self.parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{colour}"/>')
-
-    def text(self, x: float, y: float, s: str, anchor: str = "start", **extra: str) -> None:
-        extra = {"font_size": "12", **extra}
-        attrs = " ".join(f'{k.replace("_", "-")}="{v}"' for k, v in extra.items())
-        head = f'<text x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}" {FONT} {attrs}>'
-        self.parts.append(f"{head}{escape(s)}</text>")
-
-    def write(self, path: str | Path) -> Path:
-        path = Path(path)
-        body = "\n".join(self.parts)
-        path.write_text(
-            f'<svg xmlns="http://www.w3.org/2000/svg" width="{self.width}" '
-            f'height="{self.height}" viewBox="0 0 {self.width} {self.height}">\n'
-            f'<rect width="100%" height="100%" fill="white"/>\n{body}\n</svg>\n'
-        )
-        return path
+def picture_format(path: str | Path, *, option: str = "path") -> str:
+    """The format a picture file's suffix asks for: png, svg or pdf; any other suffix (or
+    none) is a one-line error naming ``option``."""
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in FORMATS:
+        raise PlannerError(f"{option}={str(path)!r}: the suffix must be .png, .svg or .pdf")
+    return suffix
 
 
-def memory_svg(est: Estimate, path: str | Path, *, title: str = "") -> Path:
+def picture_paths(prefix: str | Path, *, option: str = "path") -> tuple[Path, Path]:
+    """``PREFIX-memory.EXT`` and ``PREFIX-time.EXT``: a .png, .svg or .pdf suffix on the
+    prefix picks the format, no suffix means SVG, any other suffix is an error."""
+    prefix = Path(prefix)
+    if not prefix.suffix:
+        prefix = prefix.with_name(prefix.name + ".svg")
+    ext = picture_format(prefix, option=option)
+    stem = prefix.with_suffix("")
+    return (
+        stem.with_name(f"{stem.name}-memory.{ext}"),
+        stem.with_name(f"{stem.name}-time.{ext}"),
+    )
+
+
+def plot_memory(est: Estimate, path: str | Path, *, title: str = "") -> Path:
     """Stacked memory buckets (GiB) per pipeline rank against usable HBM and the cap (usable
     HBM less the margin for the memory model's error)."""
+    fmt = picture_format(path)
     ranks = est.memory
-    left, top, plot_h = 70, 40, 320
-    bar_w = max(8, min(48, 900 // max(1, len(ranks))))
-    gap = max(2, bar_w // 4)
-    width = left + len(ranks) * (bar_w + gap) + 300
-    svg = _Svg(width, top + plot_h + 60)
-    scale_max = max([est.usable_hbm_bytes, *(m.peak_bytes for m in ranks)]) * 1.05
-    y = _linear(0, scale_max, top + plot_h, top)
-    svg.text(
-        left,
-        20,
-        title or "memory per pipeline rank (GiB) against usable HBM and the cap",
-        **{"font-weight": "bold"},
+    fig = _figure(max(6.0, min(16.0, 3.0 + 0.25 * len(ranks))), 4.8)
+    ax = fig.add_subplot()
+    xs = list(range(len(ranks)))
+    base = [0.0] * len(ranks)
+    bars: list[Any] = []
+    for i, bucket in enumerate(BUCKETS):
+        sizes = [m.buckets.get(bucket, 0) / GiB for m in ranks]
+        if any(sizes):
+            bars.append(ax.bar(xs, sizes, bottom=base, width=0.8, color=f"C{i}", label=bucket))
+            base = [b + s for b, s in zip(base, sizes, strict=True)]
+    usable, cap = est.usable_hbm_bytes / GiB, est.cap_bytes / GiB
+    lines = [
+        ax.axhline(usable, color="black", linestyle="--", label=f"usable HBM {usable:.2f} GiB"),
+        ax.axhline(cap, color="#c00000", linestyle=":", label=f"cap {cap:.2f} GiB"),
+    ]
+    step = math.ceil(len(ranks) / 32) or 1  # at most 32 rank labels
+    ax.set_xticks(xs[::step], [str(m.stage) for m in ranks][::step])
+    ax.set_xlabel("pipeline rank (index)")
+    ax.set_ylabel("memory per rank (GiB)")
+    ax.set_ylim(0, max(usable, *base) * 1.08)
+    ax.set_title(title or "memory per pipeline rank against usable HBM and the cap")
+    ax.legend(  # the two lines, then the buckets top to bottom as they are stacked
+        handles=[*lines, *reversed(bars)], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9
     )
-    for tick in _ticks(0, scale_max / GiB):
-        svg.line(
-            left - 4, y(tick * GiB), left + len(ranks) * (bar_w + gap), y(tick * GiB), stroke="#eee"
-        )
-        svg.text(left - 8, y(tick * GiB) + 4, f"{tick:g}", anchor="end")
-    for i, m in enumerate(ranks):
-        x = left + i * (bar_w + gap)
-        base = 0
-        for colour, bucket in zip(COLOURS, BUCKETS, strict=False):
-            size = m.buckets.get(bucket, 0)
-            if size:
-                tip = f"rank {m.stage} {bucket}: {size / GiB:.2f} GiB"
-                svg.rect(x, y(base + size), bar_w, y(base) - y(base + size), colour, tip)
-            base += size
-        svg.text(x + bar_w / 2, top + plot_h + 16, str(m.stage), anchor="middle")
-    svg.text(
-        left + len(ranks) * (bar_w + gap) / 2, top + plot_h + 36, "pipeline rank", anchor="middle"
-    )
-    right = left + len(ranks) * (bar_w + gap)
-    usable, cap = y(est.usable_hbm_bytes), y(est.cap_bytes)
-    svg.line(left, usable, right, usable, stroke="black", stroke_dasharray="6,3")
-    svg.text(right + 4, usable - 2, f"usable HBM {est.usable_hbm_bytes / GiB:.2f} GiB")
-    svg.line(left, cap, right, cap, stroke="#c00", stroke_dasharray="2,2")
-    svg.text(right + 4, cap + 12, f"cap {est.cap_bytes / GiB:.2f} GiB")
-    _legend(svg, left + len(ranks) * (bar_w + gap) + 150, top + 20, list(BUCKETS))
-    return svg.write(path)
+    return _save(fig, path, fmt)
 
 
-def time_svg(est: Estimate, path: str | Path, *, title: str = "") -> Path:
-    """The step time's parts (seconds) as one stacked horizontal bar."""
-    left, width = 20, 760
-    svg = _Svg(width + 2 * left, 150)
-    total = sum(est.breakdown.values()) or 1.0
-    svg.text(left, 20, title or f"step time {est.step_time_s:.3f} s", **{"font-weight": "bold"})
-    x = float(left)
+def plot_step_time(est: Estimate, path: str | Path, *, title: str = "") -> Path:
+    """The step time's parts (seconds), one row each, each starting where the one above
+    ends, so the last ends at the step time."""
+    fmt = picture_format(path)
     keys = [k for k in BREAKDOWN_KEYS if est.breakdown.get(k, 0.0) > 0]
-    for colour, key in zip(COLOURS, BREAKDOWN_KEYS, strict=False):
-        seconds = est.breakdown.get(key, 0.0)
-        if seconds <= 0:
-            continue
-        w = width * seconds / total
-        svg.rect(x, 40, w, 36, colour, f"{key}: {seconds:.3f} s ({seconds / total:.1%})")
-        if w > 60:
-            svg.text(x + w / 2, 63, f"{seconds:.2f} s", anchor="middle", fill="white")
-        x += w
-    legend = [f"{k} {est.breakdown[k]:.3f} s" for k in keys]
-    colours = [c for c, k in zip(COLOURS, BREAKDOWN_KEYS, strict=False) if k in keys]
-    for i, (label, colour) in enumerate(zip(legend, colours, strict=True)):
-        lx = left + (i % 4) * 190
-        ly = 100 + (i // 4) * 18
-        svg.rect(lx, ly - 10, 12, 12, colour)
-        svg.text(lx + 16, ly, label)
-    return svg.write(path)
+    keys += sorted(k for k, v in est.breakdown.items() if v > 0 and k not in BREAKDOWN_KEYS)
+    total = sum(est.breakdown[k] for k in keys) or 1.0
+    fig = _figure(9.0, 1.6 + 0.4 * max(1, len(keys)))
+    ax = fig.add_subplot()
+    start = 0.0
+    for row, key in enumerate(keys):
+        seconds = est.breakdown[key]
+        colour = f"C{BREAKDOWN_KEYS.index(key) if key in BREAKDOWN_KEYS else row}"
+        ax.broken_barh([(start, seconds)], (row - 0.4, 0.8), facecolors=colour)
+        ax.annotate(
+            f"{_duration(seconds)} ({seconds / total:.1%})",
+            (start + seconds, row),
+            xytext=(4, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=9,
+        )
+        start += seconds
+    ax.axvline(est.step_time_s, color="black", linestyle="--", linewidth=1)
+    trans = ax.get_xaxis_transform()  # x in seconds, y in axes coordinates
+    ax.text(est.step_time_s, 0.02, "end of step ", transform=trans, ha="right", fontsize=8)
+    ax.set_yticks(range(len(keys)), keys)
+    ax.invert_yaxis()  # first part on top
+    ax.set_xlim(0, total * 1.3)  # room for the last row's label
+    ax.set_xlabel("time into the optimizer step (s)")
+    ax.set_ylabel("part of the step")
+    ax.set_title(title or f"step time {est.step_time_s:.3f} s")
+    return _save(fig, path, fmt)
 
 
-METRICS = (
-    ("step_time_s", "step time (s)"),
-    ("mfu", "MFU (% of BF16 peak)"),
-    ("tokens_per_s", "tokens/s (millions)"),
-)
+def plot_sweep(rows: Iterable[dict[str, Any]], path: str | Path, *, title: str = "") -> Path:
+    """Step time, MFU and tokens/s against GPU count (log2 axis), a line per model, machine
+    type and job. A case without a layout is a cross at the bottom of each panel (a triangle
+    where its planning failed), never a point on the curve; the line breaks there."""
+    from matplotlib.lines import Line2D
 
-
-def sweep_svg(rows: Iterable[dict[str, Any]], path: str | Path) -> Path:
-    """Step time, MFU and tokens/s against GPU count (log 2 axis), a line per model and
-    machine type; cases without a layout are left out of their line."""
-    rows = [r for r in rows if r.get("step_time_s") is not None]
+    fmt = picture_format(path)
+    rows = list(rows)
+    jobs = sorted(
+        {(r.get("seq_len"), r.get("global_batch")) for r in rows},
+        key=lambda j: (j[0] or 0, j[1] or 0),
+    )
     series: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-        series.setdefault(f"{r['model']} on {r['gpu']}", []).append(r)
-    panel_w, panel_h, left, top = 300, 220, 60, 40
-    svg = _Svg(3 * (panel_w + left) + 40, top + panel_h + 60 + 18 * max(1, len(series)))
-    gpus = sorted({r["gpus"] for r in rows}) or [1]
-    x = _log2(gpus[0], gpus[-1], 0, panel_w)
-    for p, (metric, label) in enumerate(METRICS):
-        ox = 20 + p * (panel_w + left) + left
-        values = [_metric(r, metric) for r in rows] or [0.0, 1.0]
-        lo, hi = 0.0, max(values) * 1.1 or 1.0
-        y = _linear(lo, hi, top + panel_h, top)
-        svg.text(ox + panel_w / 2, top - 12, label, anchor="middle", **{"font-weight": "bold"})
-        for tick in _ticks(lo, hi):
-            svg.line(ox, y(tick), ox + panel_w, y(tick), stroke="#eee")
-            svg.text(ox - 6, y(tick) + 4, f"{tick:g}", anchor="end")
-        shown = -1e9
-        for g in gpus:  # labels at least 34 px apart
-            if x(g) - shown >= 34:
-                svg.text(ox + x(g), top + panel_h + 16, f"{g}", anchor="middle", font_size="9")
-                shown = x(g)
-        svg.text(ox + panel_w / 2, top + panel_h + 34, "GPUs (log scale)", anchor="middle")
-        for colour, (_, rs) in zip(COLOURS, sorted(series.items()), strict=False):
-            pts = sorted((r["gpus"], _metric(r, metric)) for r in rs)
-            svg.polyline([(ox + x(g), y(v)) for g, v in pts], colour)
-    _legend(svg, 20 + left, top + panel_h + 56, sorted(series))
-    return svg.write(path)
+        label = f"{r['model']} on {r['gpu']}"
+        if len(jobs) > 1:
+            label += f", {r.get('seq_len')} tokens x {r.get('global_batch')} sequences"
+        series.setdefault(label, []).append(r)
+    fig = _figure(15.0, 5.0)
+    axes = fig.subplots(1, len(METRICS))
+    gpus = sorted({int(r["gpus"]) for r in rows})
+    marks = {"infeasible": False, "failed": False}
+    for ax, (key, label, factor) in zip(axes, METRICS, strict=True):
+        for i, (_, rs) in enumerate(sorted(series.items())):
+            colour = f"C{i % 10}"
+            rs = sorted(rs, key=lambda r: int(r["gpus"]))
+            ys = [_value(r, key, factor) for r in rs]
+            ax.plot([r["gpus"] for r in rs], ys, marker="o", color=colour)
+            for r, y in zip(rs, ys, strict=True):
+                if math.isnan(y):
+                    kind = "failed" if r.get("status") == "failed" else "infeasible"
+                    marks[kind] = True
+                    _bottom_mark(ax, r["gpus"], kind, colour)
+        _gpu_axis(ax, gpus)
+        values = [v for r in rows if not math.isnan(v := _value(r, key, factor))]
+        if key == "mfu":
+            ax.set_ylim(0, max(values, default=1.0) * 1.15)
+        elif values and max(values) > LOG_SPAN * min(values) > 0:
+            _log_y(ax, tokens=key == "tokens_per_s")
+        elif key == "tokens_per_s":
+            _eng_y(ax)
+        ax.set_xlabel("GPUs (log2 scale)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="major", alpha=0.3)
+    handles: list[Any] = [
+        Line2D([], [], color=f"C{i % 10}", marker="o", label=name)
+        for i, name in enumerate(sorted(series))
+    ]
+    for kind, text in (
+        ("infeasible", "infeasible: no layout found"),
+        ("failed", "failed: planning raised an error"),
+    ):
+        if marks[kind]:
+            handles.append(Line2D([], [], **_MARK[kind], color="black", label=text))
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(4, len(handles)))
+    fig.suptitle(title or _sweep_title(rows, jobs))
+    return _save(fig, path, fmt)
 
 
-def _metric(row: dict[str, Any], metric: str) -> float:
-    v = float(row[metric])
-    return v * 100 if metric == "mfu" else v / 1e6 if metric == "tokens_per_s" else v
+# -- helpers ---------------------------------------------------------------------------
+
+_MARK: dict[str, dict[str, Any]] = {
+    "infeasible": {"marker": "x", "markersize": 10, "markeredgewidth": 2, "linestyle": "none"},
+    "failed": {"marker": "v", "markersize": 8, "linestyle": "none"},
+}
 
 
-def _legend(svg: _Svg, x: float, y: float, labels: Sequence[str]) -> None:
-    for i, (colour, label) in enumerate(zip(COLOURS, labels, strict=False)):
-        svg.rect(x, y + i * 18 - 10, 12, 12, colour)
-        svg.text(x + 16, y + i * 18, label)
+def _figure(width: float, height: float) -> Figure:
+    """A figure on its own Agg canvas: no pyplot, no global figure list."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
 
 
-def _linear(lo: float, hi: float, out_lo: float, out_hi: float):  # type: ignore[no-untyped-def]
-    span = (hi - lo) or 1.0
-    return lambda v: out_lo + (v - lo) / span * (out_hi - out_lo)
+def _save(fig: Figure, path: str | Path, fmt: str) -> Path:
+    """Write ``fig``; SVG keeps its text as text (searchable, and the tests read it) and no
+    file carries a date, so the same picture gives the same bytes."""
+    import matplotlib
+
+    path = Path(path)
+    metadata = {"svg": {"Date": None}, "pdf": {"CreationDate": None}, "png": {}}[fmt]
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "planner"}):
+        fig.savefig(path, format=fmt, dpi=DPI, metadata=metadata)
+    return path
 
 
-def _log2(lo: float, hi: float, out_lo: float, out_hi: float):  # type: ignore[no-untyped-def]
-    a, b = math.log2(lo), math.log2(hi)
-    span = (b - a) or 1.0
-    return lambda v: out_lo + (math.log2(v) - a) / span * (out_hi - out_lo)
+def _duration(seconds: float) -> str:
+    return f"{seconds:.3f} s" if seconds >= 0.01 else f"{seconds * 1e3:.3g} ms"
 
 
-def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    """Round tick values covering [lo, hi]."""
-    if hi <= lo:
-        return [lo]
-    raw = (hi - lo) / n
-    step = 10 ** math.floor(math.log10(raw))
-    for m in (1, 2, 5, 10):
-        if raw <= m * step:
-            step *= m
-            break
-    first = math.ceil(lo / step) * step
-    return [round(first + i * step, 10) for i in range(int((hi - first) / step) + 1)]
+def _value(row: dict[str, Any], key: str, factor: float) -> float:
+    v = row.get(key)
+    return float("nan") if v is None else float(v) * factor
+
+
+def _bottom_mark(ax: Axes, gpus: int, kind: str, colour: str) -> None:
+    """A mark at ``gpus`` on the panel's bottom edge: x in data, y in axes coordinates, so it
+    stays off every value scale."""
+    trans = ax.get_xaxis_transform()
+    ax.plot([gpus], [0.0], transform=trans, clip_on=False, zorder=5, color=colour, **_MARK[kind])
+
+
+def _gpu_axis(ax: Axes, gpus: Sequence[int]) -> None:
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullLocator
+
+    ax.set_xscale("log", base=2)
+    if gpus and len(gpus) <= 10:
+        ax.xaxis.set_major_locator(FixedLocator(list(gpus)))
+        ax.xaxis.set_minor_locator(NullLocator())
+    else:
+        ax.xaxis.set_major_locator(LogLocator(base=2))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    if len(gpus) == 1:
+        ax.set_xlim(gpus[0] / 1.5, gpus[0] * 1.5)
+
+
+def _log_y(ax: Axes, *, tokens: bool) -> None:
+    from matplotlib.ticker import EngFormatter, FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    if tokens:
+        ax.yaxis.set_major_formatter(EngFormatter(sep=" "))
+    else:
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+
+
+def _eng_y(ax: Axes) -> None:
+    from matplotlib.ticker import EngFormatter
+
+    ax.yaxis.set_major_formatter(EngFormatter(sep=" "))
+
+
+def _sweep_title(rows: Sequence[dict[str, Any]], jobs: Sequence[tuple[Any, Any]]) -> str:
+    models = sorted({str(r["model"]) for r in rows})
+    gpus = sorted({str(r["gpu"]) for r in rows})
+    text = f"sweep: {', '.join(models)} on {', '.join(gpus)}"
+    if 0 < len(jobs) <= 3:
+        text += "; " + ", ".join(f"{s} tokens x {b} sequences per step" for s, b in jobs)
+    elif jobs:
+        text += f"; {len(jobs)} jobs"
+    return text

@@ -103,6 +103,75 @@ class ModelSpec(Spec):
     )
     attention_dropout: float = Field(default=0.0, ge=0, lt=1, description="Attention dropout p.")
     hidden_dropout: float = Field(default=0.0, ge=0, lt=1, description="Residual dropout p.")
+    # What a launch config needs to build this exact model; no cost reads them. None: the
+    # source did not record it (an export then says it cannot state the model exactly).
+    rope_theta: float | None = Field(
+        default=None, gt=0, description="RoPE base theta (config rope_theta; None: no RoPE)."
+    )
+    rope_scaling: tuple[tuple[str, str | float], ...] = Field(
+        default=(),
+        description="The config's rope_scaling entries as (key, value) pairs sorted by key, "
+        "its kind under 'rope_type' (empty: no scaling).",
+    )
+    norm_eps: float | None = Field(
+        default=None, gt=0, description="Epsilon of every norm (rms_norm_eps, layer_norm_epsilon)."
+    )
+    router_score: Literal["softmax", "sigmoid"] | None = Field(
+        default=None, description="Router score function over the experts (None: dense)."
+    )
+    router_renormalize: bool | None = Field(
+        default=None,
+        description="The chosen experts' weights are rescaled to sum to 1 (Mixtral; "
+        "norm_topk_prob in DeepSeek and Qwen2-MoE configs).",
+    )
+    router_scale: float = Field(
+        default=1.0,
+        gt=0,
+        description="Factor on the chosen experts' weights (DeepSeek's routed_scaling_factor).",
+    )
+    group_score_experts: int | None = Field(
+        default=None,
+        gt=0,
+        description="A group's routing score sums its best this-many expert scores (DeepSeek-V3 "
+        "noaux_tc: 2; DeepSeek-V2 group_limited_greedy, the group's best: 1; None: no groups).",
+    )
+    # Attention and MLP details of newer families; the defaults are the Llama shape.
+    o_proj_bias: bool = Field(
+        default=False,
+        description="Bias on the attention output projection (Llama attention_bias, gpt-oss).",
+    )
+    mlp_bias: bool = Field(
+        default=False,
+        description="Bias on the MLP's and the routed experts' linears (Llama mlp_bias, gpt-oss).",
+    )
+    router_bias: bool = Field(
+        default=False, description="A learned bias on the router's logits (gpt-oss)."
+    )
+    qk_norm: bool = Field(
+        default=False,
+        description="RMSNorm over each head's query and key, head_dim weights each (Qwen3).",
+    )
+    attention_sinks: bool = Field(
+        default=False, description="A learned sink logit per query head in the softmax (gpt-oss)."
+    )
+    sliding_window: int | None = Field(
+        default=None,
+        gt=0,
+        description="Keys a query attends to at most in a windowed layer, itself included "
+        "(tokens; None: full causal attention everywhere).",
+    )
+    sliding_window_layers: tuple[int, ...] | None = Field(
+        default=None,
+        description="Main-model layers (0-based, increasing) with the window; None: every "
+        "layer when sliding_window is set (Mistral).",
+    )
+    swiglu_limit: float | None = Field(
+        default=None,
+        gt=0,
+        description="gpt-oss's clamped gated activation: gate clamped above at the limit, up "
+        "to +-limit, out = (up + 1) * gate * sigmoid(1.702 gate) (transformers' GptOssExperts; "
+        "config swiglu_limit). None: plain SwiGLU. Costs as SwiGLU.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelSpec:
@@ -128,6 +197,19 @@ class ModelSpec(Spec):
                     f"ModelSpec.expert_groups={self.expert_groups}: must divide "
                     f"num_experts={self.num_experts}"
                 )
+        if self.sliding_window_layers is not None:
+            layers = self.sliding_window_layers
+            if self.sliding_window is None:
+                raise PlannerError(
+                    "ModelSpec.sliding_window_layers: set without sliding_window (the window size)"
+                )
+            if list(layers) != sorted(set(layers)) or not all(
+                0 <= i < self.num_layers for i in layers
+            ):
+                raise PlannerError(
+                    f"ModelSpec.sliding_window_layers={list(layers)}: must be increasing layer "
+                    f"indices in 0..{self.num_layers - 1}"
+                )
         if self.groups_per_token is not None and self.groups_per_token > self.expert_groups:
             raise PlannerError(
                 f"ModelSpec.groups_per_token={self.groups_per_token}: must be at most "
@@ -140,6 +222,15 @@ class ModelSpec(Spec):
         if not self.num_experts or index < self.first_dense_layers:
             return False
         return index % self.moe_layer_freq == 0
+
+    def attention_window(self, index: int) -> int | None:
+        """Keys a query of main-model layer ``index`` (0-based) attends to at most (None: all
+        before it). MTP layers (``index >= num_layers``) attend fully."""
+        if self.sliding_window is None or index >= self.num_layers:
+            return None
+        if self.sliding_window_layers is None or index in self.sliding_window_layers:
+            return self.sliding_window
+        return None
 
     def num_params(self, *, active: bool = False, include_mtp: bool = True) -> int:
         """All parameters (MTP included where the config has it), or with ``active=True`` the
@@ -184,6 +275,12 @@ class ClusterSpec(Spec):
     nic_Bps: float = Field(gt=0, description="Bandwidth per NIC per direction (bytes/s).")
     host_ram_bytes: int = Field(gt=0, description="Host memory per node (bytes).")
     pcie_Bps: float = Field(gt=0, description="GPU-host bandwidth per GPU per direction (B/s).")
+    host_memory_Bps: float | None = Field(
+        default=None,
+        gt=0,
+        description="Host memory bandwidth per node, all sockets (B/s): what an offloaded "
+        "optimizer's host step runs at (None: unknown; offload is then refused).",
+    )
     nvlink_latency_s: float = Field(ge=0, description="Small-message NVLink latency (s).")
     ib_latency_s: float = Field(ge=0, description="Small-message InfiniBand latency (s).")
     kernel_overhead_s: float = Field(
@@ -436,6 +533,12 @@ class SearchSpace(Spec):
         default=None, description="Allowed recompute choices (none, selective, full, module sets)."
     )
     ema: list[Literal["hbm", "host"]] | None = Field(default=None, description="EMA placements.")
+    optimizer_offload: list[float] | None = Field(
+        default=None,
+        description="Allowed Layout.optimizer_offload fractions, each in [0, 1] (None: 0, no "
+        "offload; it is searched only when asked, e.g. [0, 1], since it doubles the "
+        "configurations one time budget has to cover).",
+    )
     fp8_cache: list[bool] | None = Field(
         default=None,
         description="Allowed Layout.fp8_cache values (None: off; [False, True] searches both, "
@@ -457,4 +560,9 @@ class SearchSpace(Spec):
             values = getattr(self, key)
             if values is not None and (not values or min(values) <= 0):
                 raise PlannerError(f"SearchSpace.{key}={values}: needs positive values")
+        offload = self.optimizer_offload
+        if offload is not None and (not offload or not all(0 <= f <= 1 for f in offload)):
+            raise PlannerError(
+                f"SearchSpace.optimizer_offload={offload}: needs fractions in [0, 1]"
+            )
         return self

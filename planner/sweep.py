@@ -248,6 +248,10 @@ def sweep(
     processes (default: the CPUs);
     ``ray_address``: run on Ray instead ("auto" joins a running cluster, "local" starts one
     here). ``progress(done, running, failed, total)`` is called as cases start and finish."""
+    if not time_limit_s > 0:
+        raise PlannerError(
+            f"sweep.time_limit_s={time_limit_s:g}: must be a positive number of seconds"
+        )
     todo = cases(
         models,
         gpus,

@@ -117,7 +117,8 @@ def test_a_host_ema_over_host_ram_is_caught() -> None:
     layout = Layout.uniform(MODEL, pp=2, tp=2, dp=4, ema="host")
     assert check_plan(MODEL, CLUSTER, job, plan_of(layout, job=job)) == []
     problems = check_plan(MODEL, small, job, plan_of(layout, job=job))
-    assert len(problems) == 1 and problems[0].startswith("host EMA needs 5.2 GiB"), problems
+    need = "host-side state (EMA, offloaded optimizer and activations) needs 5.2 GiB"
+    assert len(problems) == 1 and problems[0].startswith(need), problems
 
 
 def test_degrees_that_do_not_divide_are_named() -> None:

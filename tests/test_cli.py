@@ -7,6 +7,7 @@ import math
 import shutil
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -222,9 +223,27 @@ def test_infeasible_plan_is_explained_not_a_traceback() -> None:
     args[args.index("--model") + 1] = "llama3-70b"
     args[args.index("--gpus") + 1] = "8"
     out = run(*args)
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 3, out.stderr  # infeasible, explained: exit 3, no traceback
     assert "infeasible" in out.stdout and "binds: memory" in out.stdout
     assert "GPUs: fits" in out.stdout
+    assert "fix: the optimizer state on the host (--optimizer-offload 0 1): fits" in out.stdout
+    assert "SearchSpace." not in out.stdout  # fixes in the CLI's own flags
+
+
+def test_an_export_of_a_plan_that_does_not_fit_is_refused_unless_forced(tmp_path: Path) -> None:
+    layout = tmp_path / "plan.json"
+    args = list(PLAN)
+    args[args.index("--gpus") + 1] = "8"
+    planned = run(*args, "--pp", "1", "--tp", "1", "--json")
+    assert planned.returncode == 0, planned.stderr
+    plan = json.loads(planned.stdout)
+    plan["estimate"]["cap_bytes"] = plan["estimate"]["peak_bytes"] - 1  # 1 byte over its cap
+    layout.write_text(json.dumps(plan))
+    refused = run("export", "--plan", str(layout), "--target", "megatron")
+    assert refused.returncode == 3 and refused.stdout == ""
+    assert "does not fit HBM" in refused.stderr and refused.stderr.count("\n") == 1
+    forced = run("export", "--plan", str(layout), "--target", "megatron", "--force")
+    assert forced.returncode == 0 and "--tensor-model-parallel-size" in forced.stdout
 
 
 @pytest.mark.parametrize(
@@ -245,24 +264,29 @@ def test_plan_bad_input_is_one_line_and_exit_2(change: tuple[str, str], message:
 
 def test_pinned_degree_that_cannot_divide_is_explained_with_the_pin_to_free() -> None:
     out = run(*PLAN, "--tp", "3")
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 3, out.stderr  # infeasible: the explanation, exit 3
     assert "binds: degrees" in out.stdout
-    assert "fix: any tensor-parallel degree (free SearchSpace.tp): fits" in out.stdout
+    assert "fix: any tensor-parallel degree (drop --tp): fits" in out.stdout  # the CLI's flag
 
 
 def test_pictures_are_written_and_hold_the_figures(tmp_path: Path) -> None:
     prefix = str(tmp_path / "ds")
     out = run(*DEMO[:1], *DEMO[1:], "--plot", prefix)
     assert out.returncode == 0, out.stderr
-    memory = Path(f"{prefix}-memory.svg").read_text()
-    assert memory.startswith("<svg") and memory.count("<rect") > 16 * 5  # 16 ranks of buckets
-    assert "usable HBM 79.15 GiB" in memory and "cap 75.19 GiB" in memory
-    evaluated = run("evaluate", *DEMO[1:], "--plot", prefix)
+    memory = ET.parse(f"{prefix}-memory.svg").getroot()
+    texts = {"".join(t.itertext()) for t in memory.iter("{http://www.w3.org/2000/svg}text")}
+    assert {str(rank) for rank in range(16)} <= texts  # a bar per pipeline rank
+    assert {"usable HBM 79.15 GiB", "cap 75.19 GiB", "memory per rank (GiB)"} <= texts
+    evaluated = run("evaluate", *DEMO[1:], "--plot", f"{prefix}.png")
     assert evaluated.returncode == 0, evaluated.stderr
+    assert Path(f"{prefix}-time.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     step = Path(f"{prefix}-time.svg").read_text()
-    assert "compute" in step and "bubble" in step and " s" in step
+    assert "compute" in step and "bubble" in step and " s (" in step
     refused = run("evaluate", *DEMO[1:], "--plot", str(tmp_path / "missing" / "x"))
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    gif = run(*PLAN, "--plot", "x.gif")  # refused before the search starts
+    assert gif.returncode == 2
+    assert gif.stderr == "planner: --plot='x.gif': the suffix must be .png, .svg or .pdf\n"
 
 
 def test_catalog_json() -> None:

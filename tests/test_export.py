@@ -13,6 +13,10 @@ Sources of the expected values:
   126 layers, pp 16 (Llama 3 paper, arXiv 2407.21783, section 3.3.2 and Table 4).
 - torchtitan's keys: ``JobConfig`` at tag v0.2.2 (commit 73a0e697); DeepSpeed's batch rule:
   ``deepspeed/runtime/config.py`` ``_batch_assertion``.
+- The architecture flags' values: the published Hugging Face ``config.json`` files of the
+  catalog (``models/<name>.json``, sources in ``models/index.yaml``), read here directly.
+- torchtitan's flavors: ``torchtitan/models/llama3/__init__.py`` and
+  ``torchtitan/models/deepseek_v3/__init__.py`` (with their ``model/args.py``) at v0.2.2.
 """
 
 from __future__ import annotations
@@ -341,7 +345,12 @@ def test_a_plan_searched_for_a_target_exports_exactly(target: str) -> None:
     space = planner.SearchSpace(pp=[2], target=target)  # type: ignore[arg-type]
     result = planner.plan(model, cluster, job, space, time_limit_s=10)
     out = getattr(planner.export, target)(result)
-    assert out.exact, out.differences
+    # The layout is stated exactly everywhere; an 8-layer Llama 3 8B is no torchtitan
+    # flavor, so there the model is the one difference.
+    assert out.layout == result.layout
+    model_differences = [d for d in out.differences if d.startswith("model")]
+    assert out.differences == model_differences, out.differences
+    assert len(model_differences) == (target == "torchtitan")
     assert out.exported_step_s == pytest.approx(result.estimate.step_time_s)  # type: ignore[union-attr]
 
 
@@ -380,3 +389,165 @@ def test_torchtitan_loads_the_toml_with_its_own_loader(tmp_path: Path) -> None:
     assert config.parallelism.pipeline_parallel_degree == 16
     assert len(config.parallelism.module_fqns_per_model_part) == 64
     schedules.get_schedule_class(config.parallelism.pipeline_parallel_schedule)
+
+
+# Megatron-LM flag -> the published config.json key (models/<name>.json) whose value it carries;
+# a tuple is a nested key. Flag semantics: megatron/training/arguments.py at d98e8a64.
+COMMON_KEYS: dict[str, str | tuple[str, str]] = {
+    "--num-layers": "num_hidden_layers",
+    "--hidden-size": "hidden_size",
+    "--num-attention-heads": "num_attention_heads",
+    "--ffn-hidden-size": "intermediate_size",  # the dense MLP (DeepSeek's first 3 layers)
+    "--padded-vocab-size": "vocab_size",
+    "--rotary-base": "rope_theta",
+    "--norm-epsilon": "rms_norm_eps",
+}
+MODEL_KEYS: dict[str, dict[str, str | tuple[str, str]]] = {
+    "llama3-70b": {
+        "--num-query-groups": "num_key_value_heads",
+        "--rope-scaling-factor": ("rope_scaling", "factor"),
+    },
+    "mixtral-8x7b": {
+        "--num-query-groups": "num_key_value_heads",
+        "--num-experts": "num_local_experts",
+        "--moe-router-topk": "num_experts_per_tok",
+        "--moe-ffn-hidden-size": "intermediate_size",
+    },
+    "deepseek-v3": {
+        "--q-lora-rank": "q_lora_rank",
+        "--kv-lora-rank": "kv_lora_rank",
+        "--qk-head-dim": "qk_nope_head_dim",
+        "--qk-pos-emb-head-dim": "qk_rope_head_dim",
+        "--v-head-dim": "v_head_dim",
+        "--rotary-scaling-factor": ("rope_scaling", "factor"),
+        "--mscale": ("rope_scaling", "mscale"),
+        "--mscale-all-dim": ("rope_scaling", "mscale_all_dim"),
+        "--num-experts": "n_routed_experts",
+        "--moe-router-topk": "num_experts_per_tok",
+        "--moe-ffn-hidden-size": "moe_intermediate_size",
+        "--moe-router-score-function": "scoring_func",
+        "--moe-router-topk-scaling-factor": "routed_scaling_factor",
+        "--moe-router-num-groups": "n_group",
+        "--moe-router-group-topk": "topk_group",
+        "--mtp-num-layers": "num_nextn_predict_layers",
+    },
+}
+# Switches each model needs (their configs: SiLU-gated MLP, RMSNorm, RoPE, no biases, untied
+# head; DeepSeek-V3's latent norms and noaux_tc expert bias) and must not get (Megatron-LM's
+# pre-softmax routing leaves the top-k weights unnormalised; both MoE configs renormalise).
+SWITCHES = {
+    "llama3-70b": {"--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                   "--group-query-attention", "--use-rope-scaling"},
+    "mixtral-8x7b": {"--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                     "--group-query-attention"},
+    "deepseek-v3": {"--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                    "--multi-latent-attention", "--qk-layernorm",
+                    "--moe-router-enable-expert-bias"},
+}  # fmt: skip
+ABSENT = {"--add-qkv-bias", "--moe-router-pre-softmax", "--moe-shared-expert-gate"}
+
+
+def _after(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def _megatron_of(name: str) -> planner.export.Export:
+    model = planner.load_model(name)
+    if name == "deepseek-v3":
+        layout = Layout.uniform(model, pp=16, dp=128, ep=64)
+        return planner.export.megatron(plan_of(model, H800, DS_JOB, layout))
+    cluster = planner.load_cluster("h100", gpus=256)
+    layout = Layout.uniform(model, tp=8, pp=4, dp=8, ep=8 if model.num_experts else 1)
+    return planner.export.megatron(plan_of(model, cluster, LLAMA_JOB, layout))
+
+
+@pytest.mark.parametrize("name", ["llama3-70b", "mixtral-8x7b", "deepseek-v3"])
+def test_megatron_builds_the_published_model(name: str) -> None:
+    config = json.loads((Path(planner.catalog.MODELS_DIR) / f"{name}.json").read_text())
+    out = _megatron_of(name)
+    args = out.args
+    flags = [a for a in args if a.startswith("--")]
+    assert set(flags) <= MEGATRON_FLAGS and len(flags) == len(set(flags))
+    for flag, key in {**COMMON_KEYS, **MODEL_KEYS[name]}.items():
+        value = config[key[0]][key[1]] if isinstance(key, tuple) else config[key]
+        stated = _after(args, flag)
+        assert stated == value if isinstance(value, str) else float(stated) == value, flag
+    assert SWITCHES[name] <= set(flags) and not ABSENT & set(flags)
+    assert _after(args, "--normalization") == "RMSNorm"
+    assert _after(args, "--position-embedding-type") == "rope"
+    assert _after(args, "--attention-dropout") == _after(args, "--hidden-dropout") == "0.0"
+    if name != "deepseek-v3":  # head_dim = hidden / heads in both configs
+        heads = config["num_attention_heads"]
+        assert int(_after(args, "--kv-channels")) == config["hidden_size"] // heads
+    else:
+        width = config["n_shared_experts"] * config["moe_intermediate_size"]
+        assert int(_after(args, "--moe-shared-expert-intermediate-size")) == width
+        dense = config["first_k_dense_replace"]
+        runs = re.findall(r"\[([01])\]\*(\d+)", _after(args, "--moe-layer-freq"))
+        pattern = [int(f) for f, n in runs for _ in range(int(n))]
+        assert pattern == [0] * dense + [1] * (config["num_hidden_layers"] - dense)
+        assert _after(args, "--rope-type") == "yarn"
+    if name == "mixtral-8x7b":
+        assert _after(args, "--moe-router-score-function") == "softmax"
+    assert out.exact, out.differences
+
+
+def test_a_model_megatron_cannot_state_is_not_exact() -> None:
+    # DeepSeek-V2 scores an expert group by its best expert (topk_method group_limited_greedy);
+    # Megatron-LM sums the best top-k / group-top-k = 6 / 3 = 2 of each group.
+    v2 = planner.load_model("deepseek-v2")
+    layout = Layout.uniform(v2, pp=4, dp=32, ep=32)
+    cluster = planner.load_cluster("h800", gpus=128)
+    out = planner.export.megatron(plan_of(v2, cluster, DS_JOB, layout))
+    assert not out.exact and "group score" in " ".join(out.differences)
+    assert "exactly" not in out.summary()
+    # Biases on q/k/v and the attention output but not the MLP (Llama's attention_bias):
+    # Megatron-LM biases every linear layer or q/k/v alone.
+    llama = planner.load_model("llama3-8b").model_copy(
+        update={"qkv_bias": True, "o_proj_bias": True, "norm_eps": None}
+    )
+    cluster, job = (
+        planner.load_cluster("h100", gpus=64),
+        planner.TrainingJob(seq_len=4096, global_batch=256),
+    )
+    out = planner.export.megatron(plan_of(llama, cluster, job, Layout.uniform(llama, pp=4, dp=16)))
+    said = " ".join(out.differences)
+    assert not out.exact and "biases" in said and "epsilon" in said
+
+
+def test_torchtitan_names_a_flavor_only_where_it_builds_the_model() -> None:
+    # torchtitan v0.2.2 llama3_args "70B": dim 8192, 80 layers, 64 heads, 8 kv heads,
+    # ffn_dim_multiplier 1.3, multiple_of 4096 (FFN 28672), rope_theta 500000, and the
+    # defaults (vocabulary 128256, norm_eps 1e-5, Llama 3.1 scaling): Llama 3.1 70B's config.
+    llama = planner.load_model("llama3-70b")
+    cluster = planner.load_cluster("h100", gpus=256)
+    job = LLAMA_JOB.model_copy(update={"framework": "torchtitan"})
+    layout = Layout.uniform(llama, tp=8, pp=4, dp=8, zero=3, recompute="full")
+    out = planner.export.torchtitan(plan_of(llama, cluster, job, layout))
+    assert tomllib.loads(out.files["torchtitan.toml"])["model"] == {
+        "name": "llama3",
+        "flavor": "70B",
+    }
+    assert out.exact, out.differences
+    # deepseekv3_args "671B" keeps DeepSeekV3ModelArgs.norm_eps 1e-5; the config says 1e-6,
+    # and torchtitan's model has no MTP module.
+    layout = Layout.uniform(DEEPSEEK, pp=16, dp=128, ep=64, zero=3, recompute="full")
+    ds_job = DS_JOB.model_copy(update={"framework": "torchtitan"})
+    out = planner.export.torchtitan(plan_of(DEEPSEEK, H800, ds_job, layout))
+    assert tomllib.loads(out.files["torchtitan.toml"])["model"]["flavor"] == "671B"
+    said = " ".join(d for d in out.differences if d.startswith("model"))
+    assert "norm_eps" in said and "num_mtp_layers" in said and not out.exact
+
+
+def test_deepspeed_says_which_model_the_user_brings() -> None:
+    model = planner.load_model("mixtral-8x7b")
+    cluster = planner.load_cluster("h100", gpus=64)
+    job = planner.TrainingJob(seq_len=4096, global_batch=256, framework="deepspeed")
+    layout = Layout.uniform(
+        model, tp=8, dp=8, ep=8, zero=1, recompute="full", sequence_parallel=False
+    )
+    out = planner.export.deepspeed(plan_of(model, cluster, job, layout))
+    assert out.exact, out.differences  # the layout: DeepSpeed builds no model
+    note = " ".join(out.notes)
+    assert "train.py" in note and "8 experts" in note and "32 layers" in note
+    assert note in out.summary() and "Build" in out.files["pipeline.py"]

@@ -63,6 +63,11 @@ FP8_SAVED_BYTES = 1 + 1 / 32
 # drops carry the OP tag, and ``ActGroup.added_by`` marks the one output it keeps that no
 # other choice does (the w2 output, otherwise freed after the residual add).
 OP = "op"
+# Activation offload (``recompute="offload"``, Megatron-LM --cpu-offloading-num-layers with
+# Transformer Engine's CPU offload): the block recomputes nothing and keeps nothing in HBM
+# once its forward is done; its saved tensors go to host memory and come back for its
+# backward, where they stand in HBM as a recompute's rebuilt tensors would.
+OFFLOAD = "offload"
 
 
 @dataclass(frozen=True)
@@ -210,7 +215,12 @@ class BlockCost:
         micro-batch): what it re-materialises, or the block's ``transient`` if more."""
         key = ("rebuilt", dropped, len(self.saved), self.transient)
         if key not in self._memo:
-            rebuilt = sum(g.bytes for g in self.saved if not g.added_by and _is_dropped(g, dropped))
+            if dropped == OFFLOAD:  # what comes back from the host for the backward
+                rebuilt = self.saved_bytes(frozenset())
+            else:
+                rebuilt = sum(
+                    g.bytes for g in self.saved if not g.added_by and _is_dropped(g, dropped)
+                )
             self._memo[key] = max(rebuilt, self.transient)
         return self._memo[key]
 
@@ -218,6 +228,8 @@ class BlockCost:
         """Forward work repeated in backward to rebuild what ``dropped`` discards."""
         if dropped == "full":
             return self.fwd
+        if dropped == OFFLOAD:
+            return ZERO
         chosen = set(dropped)
         if OP in chosen and self.moe_layers:  # grouped expert matmuls are not kept
             chosen.add("moe")
@@ -325,7 +337,7 @@ class BlockCost:
 
 
 def _is_dropped(group: ActGroup, dropped: frozenset[str] | str) -> bool:
-    if group.keep_always:
+    if group.keep_always or dropped == OFFLOAD:
         return False
     if dropped == "full":
         return True
@@ -335,6 +347,9 @@ def _is_dropped(group: ActGroup, dropped: frozenset[str] | str) -> bool:
 
 
 def _is_kept(group: ActGroup, dropped: frozenset[str] | str) -> bool:
+    """Whether ``group`` stays in HBM for the backward (an offloaded block keeps none)."""
+    if dropped == OFFLOAD:
+        return False
     if group.added_by:
         return dropped != "full" and group.added_by in dropped
     return not _is_dropped(group, dropped)
@@ -378,7 +393,8 @@ def _block_cost(model: ModelSpec, name: str, shard: Shard) -> BlockCost:
     elif name.startswith("layer."):
         index = _index(name, model.num_layers)
         prefix = f"layer.{index}."
-        _layer(cost, model, shard, prefix, moe=model.is_moe_layer(index))
+        moe, window = model.is_moe_layer(index), model.attention_window(index)
+        _layer(cost, model, shard, prefix, moe=moe, window=window)
         # Group names are local to the block; parameter keys stay model-wide.
         cost.saved = [replace(g, name=g.name.removeprefix(prefix)) for g in cost.saved]
     elif name.startswith("mtp."):
@@ -550,7 +566,14 @@ def _saved_norm(
 
 
 def _layer(
-    cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str, *, moe: bool, keep: bool = True
+    cost: BlockCost,
+    model: ModelSpec,
+    shard: Shard,
+    prefix: str,
+    *,
+    moe: bool,
+    keep: bool = True,
+    window: int | None = None,
 ) -> None:
     h, a, sp = model.hidden_size, shard.act_bytes, shard.sp_tokens
     cost.save(prefix + "block_input", sp * h * a, keep=keep)
@@ -558,9 +581,9 @@ def _layer(
         cost, model, shard, prefix + "input_norm", prefix + "input_norm_out", quantized=True
     )
     if model.attention == "mla":
-        _mla(cost, model, shard, prefix)
+        _mla(cost, model, shard, prefix, window)
     else:
-        _gqa(cost, model, shard, prefix)
+        _gqa(cost, model, shard, prefix, window)
     _residual(cost, model, shard, prefix + "attn_dropout_mask")
     cost.save(prefix + "residual_mid", sp * h * a, *_op(shard))
     # An MoE layer's router (BF16) keeps the norm output; its FP8 copies are the experts'.
@@ -605,10 +628,28 @@ def _mtp(cost: BlockCost, model: ModelSpec, shard: Shard, index: int) -> None:
     _head(cost, model, shard, prefix=prefix)
 
 
+def attended_share(seq_len: int, window: int | None) -> float:
+    """Share of a sequence's s x s score matrix that causal flash attention computes: half
+    (``CAUSAL``), or with a sliding window w < s, where query p attends to min(p+1, w) keys,
+    (s*w - w^2/2) / s^2. The exact count of attended pairs is s*w - w^2/2 + w/2; like the
+    causal half (s^2/2 of s(s+1)/2 pairs), the half diagonal is left out, so the share is
+    continuous at w = s and never above the causal one."""
+    if window is None or window >= seq_len:
+        return CAUSAL
+    return (seq_len * window - window * window / 2) / seq_len**2
+
+
 def _core_attention(
-    cost: BlockCost, model: ModelSpec, shard: Shard, *, d_qk: int, d_v: int
+    cost: BlockCost,
+    model: ModelSpec,
+    shard: Shard,
+    *,
+    d_qk: int,
+    d_v: int,
+    window: int | None = None,
 ) -> None:
-    """Softmax(QK^T)V over the rank's heads; causal, so half the score matrix is computed.
+    """Softmax(QK^T)V over the rank's heads; causal, so half the score matrix is computed
+    (less with a sliding ``window``: ``attended_share``).
 
     With context parallelism the rank holds tokens / cp queries of each sequence and sees
     every key as the ring passes them (``cp_kv_bytes`` per step); the load-balanced split
@@ -617,15 +658,17 @@ def _core_attention(
     b, s = shard.micro_batch, shard.seq_len
     queries = shard.tokens  # b * s / cp
     heads = model.num_attention_heads / shard.tp
-    # Flash attention skips the masked half of a causal score matrix; unfused attention
-    # computes the whole matrix and masks it (FLOPs here are those executed).
-    share = CAUSAL if shard.flash_attention else 1.0
+    # Flash attention skips the masked half of a causal score matrix (and what lies outside a
+    # sliding window); unfused attention computes the whole matrix and masks it (FLOPs here
+    # are those executed), so a window changes neither its FLOPs nor its saved s x s tensors.
+    # Flash attention saves no score matrix: a window changes its FLOPs only.
+    share = attended_share(s, window) if shard.flash_attention else 1.0
     qk = 2.0 * queries * s * heads * d_qk * share
     av = 2.0 * queries * s * heads * d_v * share
     # Backward: dQ, dK (from QK^T) and dV, dP (from PV) are 2x forward; flash attention also
     # recomputes the scores QK^T in backward instead of saving them.
     if shard.flash_attention:
-        extra = flash_overhead(s // shard.cp, (d_qk + d_v) / 2, causal=True)
+        extra = flash_overhead(s // shard.cp, (d_qk + d_v) / 2, causal=True, window=window)
         fwd_flops, bwd_flops = qk + av, 2 * (qk + av) + qk
         fwd = Work(attention=fwd_flops, kernels=1, attention_overhead=fwd_flops * extra)
         bwd = Work(attention=bwd_flops, kernels=1, attention_overhead=bwd_flops * extra)
@@ -655,7 +698,9 @@ def _core_attention(
         cost.save("attn_dropout_out", scores * a, "core_attn")
 
 
-def _gqa(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
+def _gqa(
+    cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str, window: int | None = None
+) -> None:
     h, d, t = model.hidden_size, model.head_dim, shard.tp
     nq, nkv = model.num_attention_heads, model.num_kv_heads
     tokens, a = shard.tokens, shard.act_bytes
@@ -669,10 +714,16 @@ def _gqa(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
     cost.save(prefix + "q", tokens * nq * d * a / t)
     cost.save(prefix + "k", tokens * nkv * d * a / t, *_op(shard))
     cost.save(prefix + "v", tokens * nkv * d * a / t)
+    if model.qk_norm:
+        _qk_norm(cost, model, shard, prefix)
     if not model.learned_positions:  # rotary embedding of q and k: read + write
         cost.elementwise(2 * tokens * (nq + nkv) * d * a / t, *_op(shard))
     cost.cp_kv_bytes += 2 * tokens * nkv * d * a / t  # the K and V the context ring passes
-    _core_attention(cost, model, shard, d_qk=d, d_v=d)
+    if model.attention_sinks:
+        # One learned logit per query head joins each softmax (gpt-oss): parameters, and
+        # work too small to count (one exponential per query and head).
+        cost.params.append(Param(prefix + "sinks", nq, tp_split=True))
+    _core_attention(cost, model, shard, d_qk=d, d_v=d, window=window)
     cost.save(prefix + "attn_proj_in", tokens * nq * d * shard.linear_input_bytes / t)
     cost.linear(
         prefix + "o_proj",
@@ -680,12 +731,30 @@ def _gqa(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
         h,
         tokens=tokens / t,
         split=True,
-        bias=model.linear_bias,
+        bias=model.linear_bias or model.o_proj_bias,
         module=op,
     )
 
 
-def _mla(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
+def _qk_norm(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
+    """RMSNorm over each head's query and key before the rotary embedding (Qwen3's q_norm and
+    k_norm: head_dim weights each, shared by the heads, so replicated over tp). Its backward
+    needs its inputs, the q and k projections' outputs, which nothing else keeps: Megatron's
+    ``layernorm`` recompute module covers the two layer norms only, so only full recompute
+    drops them. Per-op checkpointing keeps the q projection's output (its ``q`` group
+    stands for it) and recomputes the k projection, so it drops both copies here."""
+    d, t, tokens, a = model.head_dim, shard.tp, shard.tokens, shard.act_bytes
+    nq, nkv = model.num_attention_heads, model.num_kv_heads
+    cost.norm(prefix + "q_norm", d, model.norm)
+    cost.norm(prefix + "k_norm", d, model.norm)
+    cost.save(prefix + "q_norm_in", tokens * nq * d * a / t, *_op(shard))
+    cost.save(prefix + "k_norm_in", tokens * nkv * d * a / t, *_op(shard))
+    cost.elementwise(2 * tokens * (nq + nkv) * d * a / t, *_op(shard))  # read + write
+
+
+def _mla(
+    cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str, window: int | None = None
+) -> None:
     """Multi-head latent attention (DeepSeek-V2/V3). Down projections are replicated on every
     tp rank and run on all tokens (Megatron-LM's ``parallel_mode='duplicated'``); the up
     projections (the per-head q RoPE part included) are column-parallel."""
@@ -717,7 +786,7 @@ def _mla(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
     cost.elementwise(2 * tokens * (n / t + 1) * dr * a)  # rotary part of q and of the shared k
     cost.save(prefix + "qkv", tokens * n * (2 * dq + dv) * a / t, up)
     cost.cp_kv_bytes += tokens * n * (dq + dv) * a / t  # per-head K and V, as the ring passes
-    _core_attention(cost, model, shard, d_qk=dq, d_v=dv)
+    _core_attention(cost, model, shard, d_qk=dq, d_v=dv, window=window)
     cost.save(prefix + "attn_proj_in", tokens * n * dv * shard.linear_input_bytes / t)
     cost.linear(prefix + "o_proj", n * dv, h, tokens=tokens / t, split=True)
 
@@ -769,7 +838,7 @@ def _ffn(
 
 def _fc_params(model: ModelSpec, width: int) -> int:
     gate_up = 2 * width if model.mlp == "swiglu" else width
-    bias = (gate_up + model.hidden_size) if model.linear_bias else 0
+    bias = (gate_up + model.hidden_size) if model.linear_bias or model.mlp_bias else 0
     return model.hidden_size * gate_up + width * model.hidden_size + bias
 
 
@@ -797,7 +866,7 @@ def _moe(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
     h, e, k, a = model.hidden_size, model.num_experts, model.experts_per_token, shard.act_bytes
     sp = shard.sp_tokens
     cost.moe_layers += 1
-    cost.params.append(Param(prefix + "router", e * h, tp_split=False))
+    cost.params.append(Param(prefix + "router", e * h + (e if model.router_bias else 0), False))
     if model.router_expert_bias:
         cost.params.append(Param(prefix + "router_bias", e, False, trainable=False))
     cost.gemm(Gemm(sp, e, h), "moe", quantized=False)

@@ -59,6 +59,7 @@ class Rates:
     host_s: float  # host seconds per kernel
     weight_bytes: int  # bytes per GEMM input element read (FP8: 1)
     sms: int | None = None  # SMs per GPU: tiles run in waves of this many
+    pcie_Bps: float = math.inf  # GPU-host copies, each way (activation offload)
 
     @classmethod
     def of(cls, cluster: ClusterSpec, job: TrainingJob) -> Rates:
@@ -79,6 +80,7 @@ class Rates:
             host_s=cluster.host_overhead_s,
             weight_bytes=1 if job.compute_dtype == "fp8" else DTYPE_BYTES[job.working_weight_dtype],
             sms=cluster.sm_count,
+            pcie_Bps=cluster.pcie_Bps * achieved.get("pcie", 1.0),
         )
 
 

@@ -32,7 +32,14 @@ rank holds its own copy, as Megatron-LM does.
 Ignored: the optimizer's temporary buffers during the step, NCCL's own memory beyond the
 stated buffer, activation-gradient tensors in flight during backward (bounded by one block's
 activations; counted in buffers for an eager PyTorch runtime, ``runtime="torch"``), and the
-CPU side of the EMA (reported as ``host_bytes``).
+host side of an EMA kept on the host and of an offloaded optimizer (reported as
+``host_bytes``, and checked against the node's host RAM by the search).
+
+Optimizer offload (``Layout.optimizer_offload``, a fraction ``f``): the rank keeps ``1 - f``
+of its optimizer state in HBM; the rest lives on the host with what the framework keeps
+there per offloaded element (``OFFLOAD_HOST_BYTES``). Working weights and gradient buffers
+stay in HBM as before (the framework copies from and into them). What the step moves is in
+``StageMemory.step_bytes`` (see ``planner.costs.timing.optimizer_seconds``).
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.costs.blocks import BlockCost, Param, Shard, block_cost
+from planner.costs.blocks import OFFLOAD, BlockCost, Param, Shard, block_cost
 from planner.errors import PlannerError
 from planner.layout import Layout, parse_recompute
 from planner.schedules import op_order
@@ -134,7 +141,16 @@ class StageMemory(BaseModel):
     embedding_head_bytes: int = Field(
         description="Part of weights+grads+optimizer+ema that is embedding/head state (bytes)."
     )
-    host_bytes: int = Field(description="Host RAM the rank uses for an EMA kept on the host.")
+    host_bytes: int = Field(
+        description="Host RAM the rank uses for an EMA kept on the host and an offloaded "
+        "optimizer (bytes)."
+    )
+    step_bytes: dict[str, int] = Field(
+        default_factory=dict,
+        description="Bytes the rank's optimizer step moves, by path: 'hbm' (the GPU's part), "
+        "'d2h' and 'h2d' (gradients to and weights from an offloaded part, over PCIe), 'host' "
+        "(the host CPU's part, through host memory).",
+    )
 
     @property
     def allocated_bytes(self) -> int:
@@ -276,11 +292,59 @@ def shards(p: Param, layout: Layout) -> int:
     return (layout.tp if p.tp_split else 1) * (layout.ep * layout.etp if p.expert else 1)
 
 
+# Optimizer offload, per element of the offloaded optimizer state, as each framework does it:
+# - megatron (HybridDeviceOptimizer, megatron/core/optimizer/cpu_offloading/
+#   hybrid_optimizer.py at NVIDIA/Megatron-LM d98e8a64): the host holds an FP32 master copy,
+#   a pinned FP32 copy of the gradient and torch.optim.AdamW's two FP32 moments (16 B); the
+#   gradient crosses PCIe as FP32 (copied into the FP32 host buffer) and the updated FP32
+#   master crosses back (a non_blocking copy converts on the GPU: PyTorch
+#   aten/src/ATen/native/cuda/Copy.cu), 4 B each way;
+# - deepspeed (ZeRO-Offload, deepspeed/runtime/zero/stage_1_and_2.py at deepspeedai/DeepSpeed
+#   edaa7221): FP32 master and moments (12 B), the FP32 gradient partition (4 B) and a 16-bit
+#   pinned copy of the updated weights (2 B); gradients cross as FP32, weights back as 16-bit.
+# Host memory each element's step reads and writes: the gradient read, master and moments
+# read and written, plus the two PCIe copies landing in and leaving host memory.
+OFFLOAD_HOST_BYTES = {"megatron": 16, "deepspeed": 18}
+OFFLOAD_D2H_BYTES = {"megatron": 4, "deepspeed": 4}
+OFFLOAD_H2D_BYTES = {"megatron": 4, "deepspeed": 2}
+
+
+def optimizer_offload_rule(job: TrainingJob, fraction: float, zero: int | None = None) -> str:
+    """Why ``fraction`` of the optimizer state cannot be offloaded for this job (and ZeRO
+    stage), or "" when it can."""
+    if fraction == 0:
+        return ""
+    if job.framework not in OFFLOAD_HOST_BYTES:
+        return (
+            f"framework {job.framework!r} has no optimizer-only offload (torchtitan's "
+            "enable_cpu_offload moves weights and gradients too); offload needs megatron or "
+            "deepspeed"
+        )
+    if job.optimizer != "adamw" or job.master_dtype != "fp32":
+        return "offload runs the host's AdamW on FP32 master weights; the job has another optimizer"
+    if job.framework == "deepspeed" and fraction != 1:
+        return f"DeepSpeed offloads all of the optimizer state or none, not {fraction:g}"
+    if job.framework == "megatron" and zero is not None and zero != 1:
+        return (
+            f"Megatron-LM offloads through its distributed optimizer (ZeRO-1), not ZeRO-{zero} "
+            "(--optimizer-cpu-offload needs --use-precision-aware-optimizer, which needs "
+            "--use-distributed-optimizer; Megatron FSDP is not supported)"
+        )
+    return ""
+
+
 def state_bytes(
     params: list[Param], *, job: TrainingJob, layout: Layout, ema_on_gpu: bool
 ) -> dict[str, float]:
-    """Weights, gradients, optimizer state and EMA of ``params`` on one rank (bytes)."""
-    out = dict.fromkeys(("weights", "grads", "optimizer", "ema", "host"), 0.0)
+    """Weights, gradients, optimizer state and EMA of ``params`` on one rank (bytes), what
+    lives on the host (``host``), and what the optimizer step moves (``step``: HBM bytes of
+    the GPU's part; ``d2h``, ``h2d``: PCIe bytes of an offloaded part; ``host_rw``: host
+    memory bytes of the host's part)."""
+    keys = ("weights", "grads", "optimizer", "ema", "host", "step", "d2h", "h2d", "host_rw")
+    out = dict.fromkeys(keys, 0.0)
+    off = layout.optimizer_offload
+    fw = job.framework
+    moved_rw = 0.0  # gradient reads and weight writes the PCIe copies take off the GPU's step
     wb, gb = DTYPE_BYTES[job.weight_dtype], DTYPE_BYTES[job.grad_dtype]
     moments = 2 if job.optimizer == "adamw" else 1
     opt_b = (DTYPE_BYTES[job.master_dtype] if job.master_dtype else 0) + moments * DTYPE_BYTES[
@@ -305,9 +369,25 @@ def state_bytes(
         out["grads"] += local * gb / (group if z >= 2 else 1)
         if held and layout.pp > 1:
             out["grads"] += local * gb
-        out["optimizer"] += local * opt_b / (group if z >= 1 else 1)
-        ema = local * ema_b / (group if z >= 1 else 1)
+        stepped = local / (group if z >= 1 else 1)  # elements this rank's step updates
+        out["optimizer"] += stepped * opt_b * (1 - off)
+        ema = stepped * ema_b
         out["ema" if ema_on_gpu else "host"] += ema
+        if off:
+            moved = stepped * off
+            out["host"] += moved * OFFLOAD_HOST_BYTES[fw]
+            out["d2h"] += moved * OFFLOAD_D2H_BYTES[fw]
+            out["h2d"] += moved * OFFLOAD_H2D_BYTES[fw]
+            # the step reads the gradient copy, reads and writes master and moments; the
+            # copies write the gradient into and read the weights out of host memory
+            rw = OFFLOAD_D2H_BYTES[fw] + 2 * (OFFLOAD_HOST_BYTES[fw] - OFFLOAD_D2H_BYTES[fw])
+            out["host_rw"] += moved * (rw + OFFLOAD_D2H_BYTES[fw] + OFFLOAD_H2D_BYTES[fw])
+            moved_rw += moved * (gb + wb)
+    # The GPU's part reads and writes its master weights and moments, reads the gradients and
+    # writes the weights (less those of the offloaded elements, which the PCIe copies move),
+    # reads and writes an HBM EMA.
+    out["step"] = 2 * out["optimizer"] + out["grads"] + out["weights"] + 2 * out["ema"]
+    out["step"] -= min(moved_rw, out["grads"] + out["weights"])
     return out
 
 
@@ -333,6 +413,9 @@ def shard_of(job: TrainingJob, layout: Layout) -> Shard:
             f"the job has "
             f"compute_dtype={job.compute_dtype!r}, framework={job.framework!r}"
         )
+    reason = optimizer_offload_rule(job, layout.optimizer_offload, layout.zero)
+    if reason:
+        raise PlannerError(f"Layout.optimizer_offload={layout.optimizer_offload:g}: {reason}")
     return Shard(
         seq_len=job.seq_len,
         micro_batch=layout.micro_batch,
@@ -425,11 +508,47 @@ def stage_memory(
       before accumulation (``_backward_temporaries``; in ``buffers``, like the reduce
       bucket)."""
     shard = shard_of(job, layout)
+    reason = activation_offload_rule(model, job, layout)
+    if reason:
+        raise PlannerError(f"recompute='offload': {reason}")
     costs = block_costs(model, layout, shard)
     return [
         _rank_memory(rank, model, job, layout, shard, costs, num_microbatches, runtime)
         for rank in range(layout.pp)
     ]
+
+
+def offloaded_blocks(layout: Layout) -> list[str]:
+    """The blocks whose activations go to the host (``recompute="offload"``)."""
+    return [b.block for s in layout.stages for b in s.blocks if b.recompute == OFFLOAD]
+
+
+def activation_offload_rule(model: ModelSpec, job: TrainingJob, layout: Layout) -> str:
+    """Why the layout's activation offload cannot run, or "" (also when it has none). As
+    Megatron-LM runs it (--cpu-offloading-num-layers N; megatron/core/transformer/
+    transformer_config.py at d98e8a64): Transformer Engine's CPU offload of the first N
+    transformer layers, N below the layer count, without pipeline parallelism and without
+    activation recompute anywhere."""
+    offloaded = offloaded_blocks(layout)
+    if not offloaded:
+        return ""
+    if job.framework != "megatron":
+        return f"activation offload runs under megatron only, not {job.framework!r}"
+    if layout.pp > 1 or layout.virtual_stages > 1:
+        return (
+            f"Megatron-LM offloads activations without pipeline parallelism only (pp={layout.pp})"
+        )
+    if any(not name.startswith("layer.") for name in offloaded):
+        return "only transformer layers offload their activations"
+    others = {b.recompute for s in layout.stages for b in s.blocks} - {OFFLOAD, "none"}
+    if others:
+        return f"Megatron-LM offloads with no activation recompute, not with {sorted(others)}"
+    if len(offloaded) >= model.num_layers:
+        return (
+            f"{len(offloaded)} of {model.num_layers} layers offloaded: Megatron-LM keeps at "
+            "least one in HBM"
+        )
+    return ""
 
 
 def _rank_memory(
@@ -506,6 +625,13 @@ def _rank_memory(
             resident = sum(p.numel / shards(p, layout) for p in plist)
             gathered = max(gathered, min(DEEPSPEED_MAX_LIVE_PARAMETERS, resident))
         buffers += gathered * DTYPE_BYTES[job.working_weight_dtype]
+    # offloaded activations on the host: one micro-batch's (pipeline parallelism is off)
+    offloaded_activations = sum(
+        costs[b.block].saved_bytes(frozenset())
+        for c in chunks
+        for b in layout.stages[c].blocks
+        if b.recompute == OFFLOAD
+    )
     buckets = {
         "weights": state["weights"],
         "grads": state["grads"],
@@ -526,5 +652,11 @@ def _rank_memory(
         peak_bytes=sum(rounded.values()),
         params=sum(p.numel // shards(p, layout) for p in plist if p.trainable),
         embedding_head_bytes=round(emb["weights"] + emb["grads"] + emb["optimizer"] + emb["ema"]),
-        host_bytes=round(state["host"]),
+        host_bytes=round(state["host"] + offloaded_activations),
+        step_bytes={
+            "hbm": round(state["step"]),
+            "d2h": round(state["d2h"]),
+            "h2d": round(state["h2d"]),
+            "host": round(state["host_rw"]),
+        },
     )

@@ -199,10 +199,20 @@ class Parts:
     p2p: float = 0.0  # pipeline sends the compute waits for
     zero: float = 0.0  # ZeRO collectives: their SM share, or what they take beyond the work
     cp: float = 0.0  # the context-parallel ring's exposed sends
+    offload: float = 0.0  # activation copies to and from the host the compute waits for
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.tp + self.a2a + self.p2p + self.zero + self.cp
+        return (
+            self.compute
+            + self.recompute
+            + self.tp
+            + self.a2a
+            + self.p2p
+            + self.zero
+            + self.cp
+            + self.offload
+        )
 
     def __add__(self, other: Parts) -> Parts:
         return Parts(
@@ -213,6 +223,7 @@ class Parts:
             self.p2p + other.p2p,
             self.zero + other.zero,
             self.cp + other.cp,
+            self.offload + other.offload,
         )
 
 
@@ -221,30 +232,32 @@ def task_parts(key: TaskKey, times: list[StageTime], duration: float) -> Parts:
     tensor-parallel communication; then, for a single op, the all-to-alls and sends it
     waits for and the rest as ZeRO; for a pair, the rest as communication."""
     ops = [("F", key[1]), (key[3], key[2])] if key[0] == "pair" else [key]
-    compute = recompute = tp = a2a = p2p = cp = 0.0
+    compute = recompute = tp = a2a = p2p = cp = off = 0.0
     for kind, s in ops:
         st = times[s]
         if kind == "F":
-            compute += st.fwd - st.tp_fwd - st.cp_fwd
+            compute += st.fwd - st.tp_fwd - st.cp_fwd - st.offload_fwd
             tp += st.tp_fwd
             cp += st.cp_fwd
+            off += st.offload_fwd
             a2a += st.a2a_fwd.seconds
             p2p += st.p2p.seconds
         else:
             if kind in ("B", "BW"):
-                compute += st.bwd_input - st.recompute - st.tp_bwd - st.cp_bwd
+                compute += st.bwd_input - st.recompute - st.tp_bwd - st.cp_bwd - st.offload_bwd
                 recompute += st.recompute
                 tp += st.tp_bwd
                 cp += st.cp_bwd
+                off += st.offload_bwd
                 a2a += st.a2a_bwd.seconds
                 p2p += st.p2p_back.seconds
             if kind in ("W", "BW"):
                 compute += st.bwd_weight
-    work = compute + recompute + tp + cp
+    work = compute + recompute + tp + cp + off
     if key[0] != "pair":
         zero = max(0.0, duration - work - a2a - p2p)
-        return Parts(compute, recompute, tp, a2a, p2p, zero, cp)
+        return Parts(compute, recompute, tp, a2a, p2p, zero, cp, off)
     comm = a2a + p2p
     excess = max(0.0, duration - work)
     share = a2a / comm if comm > 0 else 0.0
-    return Parts(compute, recompute, tp, excess * share, excess * (1 - share), 0.0, cp)
+    return Parts(compute, recompute, tp, excess * share, excess * (1 - share), 0.0, cp, off)

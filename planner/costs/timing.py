@@ -28,7 +28,8 @@ Every communication is a ``Transfer``: its seconds and how long it keeps the GPU
 share and its NVLink ports busy, so transfers in flight at once share the links.
 
 Per rank: ``optimizer``: the optimizer step, memory-bound over the rank's state (read and
-write master weights and moments, read gradients, write weights; an HBM EMA read and written).
+write master weights and moments, read gradients, write weights; an HBM EMA read and
+written), and an offloaded part's PCIe copies and host step (``optimizer_seconds``).
 
 Ignored: the tied embedding's gradient all-reduce between the first and last stage, the
 cross-entropy's small tensor-parallel reductions, and the MoE router's auxiliary reductions.
@@ -40,10 +41,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from planner.costs.blocks import BlockCost, Param
+from planner.costs.blocks import OFFLOAD, BlockCost, Param
 from planner.costs.comm import NO_TRANSFER, Network, Transfer, group, moe_dispatch_bytes
-from planner.costs.compute import Rates, block_time, work_time
+from planner.costs.compute import BlockTime, Rates, block_time, work_time
 from planner.costs.memory import StageMemory, block_costs, shard_of, shards
+from planner.errors import PlannerError
 from planner.layout import Layout, parse_recompute
 from planner.schedules import stage_rank
 from planner.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, TrainingJob
@@ -85,6 +87,8 @@ class StageTime:
     zero_reduce: Transfer
     cp_fwd: float = 0.0  # exposed context-parallel ring inside ``fwd``
     cp_bwd: float = 0.0  # ... inside ``bwd_input``
+    offload_fwd: float = 0.0  # exposed activation copies to the host inside ``fwd``
+    offload_bwd: float = 0.0  # ... and back, inside ``bwd_input``
 
     @property
     def tp_comm(self) -> float:
@@ -131,6 +135,8 @@ def stage_times(
                 zero_reduce=_zero_reduce(layout, network, rank, dense, expert),
                 cp_fwd=total.cp_fwd,
                 cp_bwd=total.cp_bwd,
+                offload_fwd=total.offload_fwd,
+                offload_bwd=total.offload_bwd,
             )
         )
     return out
@@ -253,6 +259,8 @@ class BlockRow:
     moe_rerun: int = 0  # MoE layers whose forward (and all-to-alls) recompute repeats
     cp_fwd: float = 0.0  # exposed context-parallel ring inside ``fwd`` ...
     cp_bwd: float = 0.0  # ... and inside ``bwd_input`` (a re-run ring is in ``recompute``)
+    offload_fwd: float = 0.0  # exposed copy of offloaded activations inside ``fwd`` ...
+    offload_bwd: float = 0.0  # ... and of their return inside ``bwd_input``
 
     def __add__(self, other: BlockRow) -> BlockRow:
         return BlockRow(
@@ -266,6 +274,8 @@ class BlockRow:
             self.moe_rerun + other.moe_rerun,
             self.cp_fwd + other.cp_fwd,
             self.cp_bwd + other.cp_bwd,
+            self.offload_fwd + other.offload_fwd,
+            self.offload_bwd + other.offload_bwd,
         )
 
 
@@ -281,9 +291,10 @@ def block_row(cost: BlockCost, rates: Rates, choice: frozenset[str] | str, tp: T
     cp_f, cp_b = cp_exposed(cost, rates, tp)
     rerun = (tp_f, sm_f) if choice == "full" else (0.0, 0.0)
     rerun_ring = cp_f if choice == "full" or "core_attn" in choice else 0.0
+    off_f, off_b = offload_exposed(cost, rates, t) if choice == OFFLOAD else (0.0, 0.0)
     return BlockRow(
-        fwd=t.fwd + tp_f + sm_f + cp_f,
-        bwd_input=t.bwd_input + t.recompute + tp_b + sm_b + sum(rerun) + cp_b + rerun_ring,
+        fwd=t.fwd + tp_f + sm_f + cp_f + off_f,
+        bwd_input=t.bwd_input + t.recompute + tp_b + sm_b + sum(rerun) + cp_b + rerun_ring + off_b,
         bwd_weight=t.bwd_weight,
         recompute=t.recompute + sum(rerun) + rerun_ring,
         tp_fwd=tp_f,
@@ -292,20 +303,78 @@ def block_row(cost: BlockCost, rates: Rates, choice: frozenset[str] | str, tp: T
         moe_rerun=cost.moe_layers if _reruns_moe(choice) else 0,
         cp_fwd=cp_f,
         cp_bwd=cp_b,
+        offload_fwd=off_f,
+        offload_bwd=off_b,
     )
 
 
+def offload_exposed(cost: BlockCost, rates: Rates, t: BlockTime) -> tuple[float, float]:
+    """(forward, backward) seconds of an offloaded block's activation copies that compute
+    does not hide, per micro-batch. Transformer Engine's CPU offload (Megatron-LM
+    --cpu-offloading-num-layers) copies a layer's saved tensors to the host on a stream of
+    their own as its forward saves them, beside the next layer's forward, and brings them
+    back one layer ahead in backward, beside the next-later layer's backward (TE
+    cpu_offload.py; its docs: offload starts as soon as tensors are saved, reload is
+    prefetched). Counted: each copy against one layer's compute in that direction, at the
+    PCIe rate. Ignored: the copies' share of HBM bandwidth, and the longer window TE gives
+    a copy when more layers stay in HBM."""
+    copy = cost.saved_bytes(frozenset()) / rates.pcie_Bps
+    return max(0.0, copy - t.fwd), max(0.0, copy - t.bwd_input - t.bwd_weight)
+
+
+@dataclass(frozen=True)
+class StepRates:
+    """Rates of the optimizer step's paths on one GPU (bytes/s): its HBM, its PCIe link
+    each way, and its share of the node's host memory bandwidth."""
+
+    hbm: float
+    pcie: float
+    host: float | None  # None: the cluster does not state its host memory bandwidth
+
+    @classmethod
+    def of(cls, cluster: ClusterSpec) -> StepRates:
+        host = None
+        if cluster.host_memory_Bps is not None:
+            share = cluster.host_memory_Bps / cluster.gpus_per_node  # every GPU offloads at once
+            host = share * cluster.achieved.get("host_memory", 1.0)
+        return cls(
+            hbm=cluster.hbm_bandwidth_Bps * cluster.achieved.get("memory_bound", 1.0),
+            pcie=cluster.pcie_Bps * cluster.achieved.get("pcie", 1.0),
+            host=host,
+        )
+
+
 def optimizer_time(memory: StageMemory, cluster: ClusterSpec) -> float:
-    """Seconds of one rank's optimizer step (memory-bound; see the module docstring)."""
-    rate = cluster.hbm_bandwidth_Bps * cluster.achieved.get("memory_bound", 1.0)
-    return optimizer_traffic(memory.buckets) / rate
+    """Seconds of one rank's optimizer step (see ``optimizer_seconds``)."""
+    b = memory.step_bytes
+    state = {"step": b["hbm"], "d2h": b["d2h"], "h2d": b["h2d"], "host_rw": b["host"]}
+    return optimizer_seconds(state, StepRates.of(cluster))
 
 
-def optimizer_traffic(state: Mapping[str, float]) -> float:
-    """HBM bytes the optimizer step moves for state of these bucket sizes: master weights
-    and moments read and written, gradients read, weights written, an HBM EMA read and
-    written."""
-    return 2 * state["optimizer"] + state["grads"] + state["weights"] + 2 * state["ema"]
+def optimizer_seconds(state: Mapping[str, float], rates: StepRates) -> float:
+    """Seconds of the optimizer step of state of these sizes (``costs.memory.state_bytes``'s
+    ``step``, ``d2h``, ``h2d``, ``host_rw``).
+
+    The GPU's part is memory-bound: master weights and moments read and written, gradients
+    read, weights written, an HBM EMA read and written. An offloaded part is a pipeline per
+    parameter, as Megatron-LM's HybridDeviceOptimizer runs it with
+    --overlap-cpu-optimizer-d2h-h2d (each tensor's host step starts once its gradient has
+    arrived, its weights go back while the next one steps): the slowest of the gradient
+    copies, the host's step and the weight copies, the first tensor's fill ignored. Both
+    parts are added, though Megatron-LM runs the GPU's part between the host's copies: a
+    bound above by the smaller part, kept so a rank's step stays a sum over its layers.
+    Ignored: the NICs' traffic sharing the PCIe switches, and the host CPU's arithmetic
+    beyond its memory traffic."""
+    seconds = state["step"] / rates.hbm
+    if state["d2h"] or state["h2d"] or state["host_rw"]:
+        if rates.host is None:
+            raise PlannerError(
+                "ClusterSpec.host_memory_Bps=None: an offloaded optimizer needs the host "
+                "memory bandwidth (state it in the cluster YAML as host_memory_GBps)"
+            )
+        links = max(state["d2h"], state["h2d"]) / rates.pcie
+        seconds += max(links, state["host_rw"] / rates.host)
+    return seconds
 
 
 # -- helpers --------------------------------------------------------------------------------

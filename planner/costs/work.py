@@ -102,12 +102,23 @@ ATTENTION_EXP_FLOPS = 70.0  # matmul FLOPs one exponential costs
 ATTENTION_REFERENCE_DIM = 128
 
 
-def flash_overhead(seq_len: int, head_dim: float, *, causal: bool) -> float:
+def flash_overhead(
+    seq_len: int, head_dim: float, *, causal: bool, window: int | None = None
+) -> float:
     """Time of a fused attention kernel at this shape over its FLOPs' time at the reference
-    shape, less 1: the FLOP-equivalents it spends beyond its FLOPs, per FLOP."""
+    shape, less 1: the FLOP-equivalents it spends beyond its FLOPs, per FLOP.
+
+    With a causal sliding ``window`` shorter than the sequence (m = window/128 key blocks),
+    query block i touches min(i+1, m+1) key blocks, n(m+1) - m(m+1)/2 in all, for
+    n*m - m^2/2 blocks' worth of FLOPs (``blocks.attended_share``), with the same n
+    overheads; at m = n this is the causal count above."""
     n = seq_len / ATTENTION_BLOCK
     c = ATTENTION_BLOCK_OVERHEAD
-    blocks = (n + 1 + 2 * c) / n if causal else (n + c) / n
+    if causal and window is not None and window < seq_len:
+        m = window / ATTENTION_BLOCK
+        blocks = (n * (m + 1) - m * (m + 1) / 2 + n * c) / (n * m - m * m / 2)
+    else:
+        blocks = (n + 1 + 2 * c) / n if causal else (n + c) / n
     exp = ATTENTION_EXP_FLOPS
     ref = 4 * ATTENTION_REFERENCE_DIM
     dims = (4 * head_dim + exp) / (4 * head_dim) / ((ref + exp) / ref)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.errors import PlannerError
-from planner.estimate import evaluate
+from planner.estimate import Estimate, evaluate
 from planner.layout import Layout
 from planner.solve.result import Plan
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
@@ -28,7 +28,13 @@ class Export(BaseModel):
     args: list[str] = Field(default_factory=list, description="Megatron-LM argv, one per item.")
     layout: Layout = Field(description="The layout the target runs (the plan's, or the nearest).")
     differences: list[str] = Field(
-        default_factory=list, description="What the target cannot state exactly, and what runs."
+        default_factory=list,
+        description="What the target cannot state exactly (layout or model), and what runs.",
+    )
+    notes: list[str] = Field(
+        default_factory=list,
+        description="What the user must bring that the launch config does not state and that "
+        "does not change what runs (DeepSpeed's model code).",
     )
     planned_step_s: float = Field(description="The plan's predicted step time (seconds).")
     exported_step_s: float = Field(description="Predicted step time of what runs (seconds).")
@@ -44,14 +50,18 @@ class Export(BaseModel):
 
     def summary(self) -> str:
         """One paragraph for a person: exact, or what differs and what it costs."""
+        notes = "".join(f" Note: {n}." for n in self.notes)
         if self.exact:
-            return f"{self.target}: states the plan exactly ({self.planned_step_s:.3f} s/step)."
+            return (
+                f"{self.target}: states the plan exactly ({self.planned_step_s:.3f} s/step)."
+                + notes
+            )
         change = self.exported_step_s / self.planned_step_s - 1
         fit = "fits" if self.fits else "DOES NOT FIT the memory cap"
         return (
             f"{self.target}: {len(self.differences)} difference(s); predicted "
             f"{self.exported_step_s:.3f} s/step vs {self.planned_step_s:.3f} planned "
-            f"({change:+.1%}), {fit}: " + "; ".join(self.differences)
+            f"({change:+.1%}), {fit}: " + "; ".join(self.differences) + "." + notes
         )
 
 
@@ -74,6 +84,7 @@ def finish(
     files: dict[str, str],
     differences: list[str],
     args: list[str] | None = None,
+    notes: list[str] | None = None,
 ) -> Export:
     model, cluster, job, layout = inputs(plan)
     planned = evaluate(model, cluster, job, layout)
@@ -86,8 +97,11 @@ def finish(
         else evaluate(model, cluster, target_job, runs)
     )
     if target_job != job:
-        retimed = evaluate(model, cluster, target_job, layout)
-        if abs(retimed.step_time_s - planned.step_time_s) > 1e-9 * planned.step_time_s:
+        try:
+            retimed: Estimate | None = evaluate(model, cluster, target_job, layout)
+        except PlannerError:  # a decision the target cannot run: a difference says which
+            retimed = None
+        if retimed and abs(retimed.step_time_s - planned.step_time_s) > 1e-9 * planned.step_time_s:
             differences.append(
                 f"planned for {job.framework}, run by {target}: what {target} overlaps makes "
                 f"the planned layout {retimed.step_time_s:.3f} s per step, not "
@@ -99,11 +113,64 @@ def finish(
         args=args or [],
         layout=runs,
         differences=differences,
+        notes=notes or [],
         planned_step_s=planned.step_time_s,
         exported_step_s=exported.step_time_s,
         exported_peak_bytes=exported.peak_bytes,
         fits=exported.fits,
     )
+
+
+def describe(model: ModelSpec) -> str:
+    """The model's architecture in one line: what model code must build."""
+    if model.attention == "mla":
+        attention = (
+            f"MLA ({model.num_attention_heads} heads, q rank {model.q_lora_rank or 'none'}, "
+            f"kv rank {model.kv_lora_rank}, q/k {model.qk_nope_head_dim}+{model.qk_rope_head_dim}"
+            f", v {model.v_head_dim})"
+        )
+    else:
+        attention = (
+            f"{model.attention.upper()} ({model.num_attention_heads} heads, "
+            f"{model.num_kv_heads} key/value heads of {model.head_dim})"
+        )
+    parts = [
+        f"{model.num_layers} layers",
+        f"hidden {model.hidden_size}",
+        attention,
+        f"{'SwiGLU' if model.mlp == 'swiglu' else 'GeLU'} MLP of {model.ffn_hidden_size}",
+        f"{'RMSNorm' if model.norm == 'rmsnorm' else 'LayerNorm'} (epsilon {model.norm_eps})",
+    ]
+    if model.num_experts:
+        shared = f" + {model.num_shared_experts} shared" if model.num_shared_experts else ""
+        parts.append(
+            f"{model.num_experts} experts of {model.moe_ffn_hidden_size}{shared}, top "
+            f"{model.experts_per_token} by {model.router_score} (after {model.first_dense_layers} "
+            "dense layers)"
+        )
+    if model.learned_positions:
+        parts.append(f"{model.learned_positions} learned positions")
+    else:
+        scaling = dict(model.rope_scaling).get("rope_type")
+        parts.append(f"RoPE base {model.rope_theta}" + (f" ({scaling} scaling)" if scaling else ""))
+    biases = {
+        "q/k/v": model.qkv_bias,
+        "attention output": model.linear_bias or model.o_proj_bias,
+        "MLP": model.linear_bias or model.mlp_bias,
+        "router": model.router_bias,
+    }
+    parts.append("biases on " + (", ".join(b for b, on in biases.items() if on) or "none"))
+    if model.qk_norm:
+        parts.append("per-head q/k norms")
+    if model.attention_sinks:
+        parts.append("attention sinks")
+    if model.sliding_window:
+        parts.append(f"{model.sliding_window}-token windows")
+    parts.append(f"vocabulary {model.vocab_size}")
+    parts.append("tied embeddings" if model.tie_word_embeddings else "untied embeddings")
+    if model.num_mtp_layers:
+        parts.append(f"{model.num_mtp_layers} MTP module(s)")
+    return f"{model.name}: " + ", ".join(parts)
 
 
 def settle(plan: Plan, runs: Layout, differences: list[str]) -> Layout:
@@ -136,6 +203,7 @@ def uniform_1f1b(model: ModelSpec, layout: Layout) -> Layout:
         ema=layout.ema,
         fp8_cache=layout.fp8_cache,
         sequence_parallel=layout.sequence_parallel,
+        optimizer_offload=layout.optimizer_offload,
     )
 
 
@@ -145,14 +213,16 @@ def uniform_recompute(layout: Layout) -> str | None:
     return choices.pop() if len(choices) == 1 else None
 
 
-def with_recompute(layout: Layout, choice: str) -> Layout:
-    """The layout with every transformer layer (and MTP module) taking ``choice``."""
+def with_recompute(layout: Layout, choice: str, *, only: str | None = None) -> Layout:
+    """The layout with every transformer layer (and MTP module) taking ``choice`` (those
+    whose choice is ``only``, where given)."""
     stages = [
         s.model_copy(
             update={
                 "blocks": [
                     b.model_copy(update={"recompute": choice})
                     if b.block.startswith(("layer.", "mtp."))
+                    and (only is None or b.recompute == only)
                     else b
                     for b in s.blocks
                 ]
@@ -173,7 +243,7 @@ def heaviest_choice(layout: Layout) -> str:
     for c in choices:
         if c == "selective":
             modules.add("core_attn")
-        elif c != "none":
+        elif c not in ("none", "offload"):  # an offloaded layer recomputes nothing
             modules.update(c.split("+"))
     return "+".join(sorted(modules)) if modules else "none"
 

@@ -15,6 +15,10 @@ What does not: ZeRO-2/3 with pipeline parallelism (DeepSpeed's pipeline engine r
 runs ZeRO-1), every schedule but 1F1B and stages of unequal size (DeepSpeed runs its own 1F1B
 on ``uniform`` stages), selective recompute (DeepSpeed checkpoints whole layers), an EMA.
 Expert parallelism is set in the model code (``deepspeed.moe.layer.MoE(ep_size=...)``).
+
+The model: a DeepSpeed config builds none. The user's ``train.py`` brings the model code; the
+export's notes (and ``pipeline.py``) say which architecture it must build, and ``exact`` refers
+to the layout alone.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from planner.costs.memory import DEEPSPEED_MAX_LIVE_PARAMETERS, DEEPSPEED_REDUCE
 from planner.errors import PlannerError
 from planner.export import (
     Export,
+    describe,
     finish,
     inputs,
     settle,
@@ -70,6 +75,12 @@ def deepspeed(plan: Plan) -> Export:
             "ZeRO-1"
         )
         runs = runs.model_copy(update={"zero": 1})
+    if any(b.recompute == "offload" for s in runs.stages for b in s.blocks):
+        differences.append(
+            "activation offload: DeepSpeed has none for a layer's saved tensors; runs those "
+            "layers without recompute"
+        )
+        runs = with_recompute(runs, "none", only="offload")
     choice = uniform_recompute(runs)
     if choice not in ("none", "full"):
         differences.append(
@@ -97,6 +108,13 @@ def deepspeed(plan: Plan) -> Export:
             **(
                 {"stage3_max_live_parameters": DEEPSPEED_MAX_LIVE_PARAMETERS}
                 if runs.zero == 3
+                else {}
+            ),
+            # ZeRO-Offload: the optimizer state and its step on the host, all of it
+            # (deepspeed/runtime/zero/offload_config.py: valid with stages 1, 2 and 3)
+            **(
+                {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
+                if runs.optimizer_offload
                 else {}
             ),
         },
@@ -130,9 +148,14 @@ def deepspeed(plan: Plan) -> Export:
     files = {
         "ds_config.json": json.dumps(config, indent=2) + "\n",
         "launch.sh": launch,
-        "pipeline.py": pipeline,
+        "pipeline.py": "# Build: " + describe(model) + "\n" + pipeline,
     }
-    return finish("deepspeed", plan, runs, files, differences)
+    notes = [
+        "DeepSpeed's config builds no model: train.py must bring model code that builds "
+        f"{describe(model)} (e.g. the Hugging Face transformers class of its config.json); "
+        "'exact' here is the layout's"
+    ]
+    return finish("deepspeed", plan, runs, files, differences, notes=notes)
 
 
 def _layer_counts(layout: Layout) -> list[int]:

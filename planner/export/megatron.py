@@ -18,7 +18,9 @@ What maps exactly:
   or full recompute of the first k layers of every stage (``--recompute-method block``);
 - ZeRO-1: ``--use-distributed-optimizer``; ZeRO-2/3: Megatron-FSDP with
   ``--data-parallel-sharding-strategy optim_grads`` / ``optim_grads_params``;
-- micro and global batch, sequence length, model shape, MoE routing, BF16 / FP8 (blockwise);
+- micro and global batch, sequence length, BF16 / FP8 (blockwise);
+- the model itself: every architecture flag, from the ``ModelSpec``
+  (``planner.export.megatron_model``); a feature no flag states is a difference;
 - the overlap the time model assumes for Megatron-LM (``TrainingJob.framework``):
   ``--tp-comm-overlap`` with sequence parallelism, ``--overlap-grad-reduce`` and
   ``--overlap-param-gather``.
@@ -26,7 +28,9 @@ What maps exactly:
 What does not: Megatron-LM picks 1F1B or interleaved 1F1B from the degrees and has no ZB-H1 or
 DualPipe schedule (DualPipe runs as 1F1B on the same stages, DualPipeV as interleaved 1F1B
 with two chunks per rank); per-block recompute mixes become one choice that saves no more
-than any block did; an EMA is left to the training script.
+than any block did; an EMA is left to the training script; a model feature no flag states
+(DeepSeek-V2's group scoring by the best expert, a vocabulary tp does not divide) is listed,
+and the export is then not exact.
 """
 
 from __future__ import annotations
@@ -43,9 +47,10 @@ from planner.export import (
     uniform_recompute,
     with_recompute,
 )
+from planner.export.megatron_model import model_args
 from planner.layout import Layout
 from planner.solve.result import Plan
-from planner.specs import ModelSpec
+from planner.specs import TrainingJob
 
 COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
 
@@ -59,26 +64,9 @@ def megatron(plan: Plan) -> Export:
     differences: list[str] = []
     runs = _schedule(planned, differences)
     runs = settle(plan, _recompute_runs(runs, differences), differences)
-    args = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size)]
-    args += ["--num-attention-heads", str(model.num_attention_heads)]
-    args += ["--ffn-hidden-size", str(model.ffn_hidden_size)]
-    if model.attention == "gqa":
-        args += ["--group-query-attention", "--num-query-groups", str(model.num_kv_heads)]
-    if model.attention == "mla":
-        args += ["--multi-latent-attention", "--kv-lora-rank", str(model.kv_lora_rank)]
-        if model.q_lora_rank:
-            args += ["--q-lora-rank", str(model.q_lora_rank)]
-    if not model.tie_word_embeddings:
-        args.append("--untie-embeddings-and-output-weights")
-    if model.num_experts:
-        args += ["--num-experts", str(model.num_experts)]
-        args += ["--moe-router-topk", str(model.experts_per_token)]
-        args += ["--moe-ffn-hidden-size", str(model.moe_ffn_hidden_size)]
-        args += ["--moe-layer-freq", _layer_freq(model)]
-        args += ["--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"]
-    if model.num_mtp_layers:
-        args += ["--mtp-num-layers", str(model.num_mtp_layers)]
-    args += ["--seq-length", str(job.seq_len), "--max-position-embeddings", str(job.seq_len)]
+    args, unstated = model_args(model, tp=runs.tp, seq_len=job.seq_len)
+    differences += unstated
+    args += ["--seq-length", str(job.seq_len)]
     args += ["--micro-batch-size", str(runs.micro_batch)]
     args += ["--global-batch-size", str(job.global_batch)]
     args += ["--tensor-model-parallel-size", str(runs.tp)]
@@ -97,6 +85,7 @@ def megatron(plan: Plan) -> Export:
         args += ["--pipeline-model-parallel-layout", pipeline_layout(runs)]
     args += _recompute_args(runs)
     args += _zero_args(runs.zero)
+    args += _optimizer_args(job, runs, differences)
     args.append("--bf16")
     if job.compute_dtype == "fp8":
         args += ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
@@ -161,7 +150,39 @@ def _schedule(layout: Layout, differences: list[str]) -> Layout:
     return layout.model_copy(update={"schedule": nearest})
 
 
+def _offloaded(layout: Layout) -> int:
+    return sum(b.recompute == "offload" for s in layout.stages for b in s.blocks)
+
+
+def _offload_runs(layout: Layout, differences: list[str]) -> Layout:
+    """Megatron-LM offloads the first n transformer layers' activations (Transformer
+    Engine's CPU offload, --cpu-offloading-num-layers n); the layout's n offloaded layers
+    moved there."""
+    n = _offloaded(layout)
+    first = {f"layer.{i}" for i in range(n)}
+    stages = [
+        s.model_copy(
+            update={
+                "blocks": [
+                    b.model_copy(update={"recompute": "offload" if b.block in first else "none"})
+                    for b in s.blocks
+                ]
+            }
+        )
+        for s in layout.stages
+    ]
+    runs = layout.model_copy(update={"stages": stages})
+    if runs != layout:
+        differences.append(
+            f"activation offload of {n} layers: Megatron-LM offloads the first {n}, without "
+            "recompute elsewhere; runs that"
+        )
+    return runs
+
+
 def _recompute_runs(layout: Layout, differences: list[str]) -> Layout:
+    if _offloaded(layout):
+        return _offload_runs(layout, differences)
     if uniform_recompute(layout) is not None or _block_full(layout) is not None:
         return layout
     choice = heaviest_choice(layout)
@@ -196,6 +217,8 @@ def _block_full(layout: Layout) -> int | None:
 
 
 def _recompute_args(layout: Layout) -> list[str]:
+    if _offloaded(layout):
+        return ["--cpu-offloading-num-layers", str(_offloaded(layout))]
     choice = uniform_recompute(layout)
     if choice is None:
         k = _block_full(layout)
@@ -223,6 +246,31 @@ def _recompute_args(layout: Layout) -> list[str]:
     return ["--recompute-granularity", "selective", "--recompute-modules", *modules]
 
 
+def _optimizer_args(job: TrainingJob, runs: Layout, differences: list[str]) -> list[str]:
+    """Moments in a narrower dtype and the optimizer state offloaded to the host: both go
+    through the distributed optimizer's precision-aware path (Megatron-LM arguments.py:
+    --optimizer-cpu-offload needs --use-precision-aware-optimizer, which needs
+    --use-distributed-optimizer; --exp-avg-dtype / --exp-avg-sq-dtype take effect with it)."""
+    args: list[str] = []
+    narrow = job.moment_dtype != "fp32"
+    if (narrow or runs.optimizer_offload) and runs.zero != 1:
+        if narrow:
+            differences.append(
+                f"{job.moment_dtype} optimizer moments: Megatron-LM keeps them narrow through "
+                f"its distributed optimizer (ZeRO-1), not ZeRO-{runs.zero}; it then keeps FP32 "
+                "moments, which the plan did not cost"
+            )
+        return args
+    if narrow or runs.optimizer_offload:
+        args.append("--use-precision-aware-optimizer")
+    if narrow:
+        args += ["--exp-avg-dtype", job.moment_dtype, "--exp-avg-sq-dtype", job.moment_dtype]
+    if runs.optimizer_offload:
+        args += ["--optimizer-cpu-offload", "--optimizer-offload-fraction"]
+        args += [repr(runs.optimizer_offload), "--overlap-cpu-optimizer-d2h-h2d"]
+    return args
+
+
 def _zero_args(zero: int) -> list[str]:
     if zero == 0:
         return ["--overlap-grad-reduce"]
@@ -230,12 +278,6 @@ def _zero_args(zero: int) -> list[str]:
         return ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
     strategy = "optim_grads" if zero == 2 else "optim_grads_params"
     return ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
-
-
-def _layer_freq(model: ModelSpec) -> str:
-    """Megatron's list form of which layers are MoE, e.g. ([0]*3+[1]*58)."""
-    flags = (int(model.is_moe_layer(i)) for i in range(model.num_layers))
-    return "(" + "+".join(f"[{f}]*{len(list(g))}" for f, g in itertools.groupby(flags)) + ")"
 
 
 def _pairs(args: list[str]) -> list[str]:

@@ -13,6 +13,11 @@ names: ``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``), 1F1B, interlea
 GPipe and DualPipeV schedules, micro-batch (``pipeline_parallel_microbatch_size``) and the
 batch sizes, no or full recompute of every layer.
 
+The model: ``[model]`` names the flavor that builds the planned model field for field
+(``planner.export.flavors``: llama3 8B/70B/405B, deepseek_v3 16B/236B/671B); where none does,
+the one named after the model (or a placeholder) is written and the export lists what differs,
+so a flavor with the model's values must be added to torchtitan first.
+
 What does not: ZeRO-1 (FSDP2 shards gradients too; runs as ZeRO-2), ZB-H1 and DualPipe
 (run as 1F1B on the same stages), per-block recompute mixes and Megatron-style module sets
 (torchtitan's selective mode saves by op, not by module; the layers are costed with the
@@ -28,8 +33,10 @@ from typing import Any
 
 from planner.export import Export, finish, heaviest_choice, inputs, settle, uniform_recompute
 from planner.export import with_recompute as _with_recompute
+from planner.export.flavors import flavors, mismatches
 from planner.layout import Layout
 from planner.solve.result import Plan
+from planner.specs import ModelSpec
 
 COMMIT = "73a0e6979dd10b6b1904098eb3c8f62c18ab87ce"
 
@@ -39,10 +46,11 @@ SCHEDULES = {
     "gpipe": "GPipe",
     "dualpipev": "DualPipeV",
 }
-FLAVORS = {  # catalog name -> torchtitan (model name, flavor) at v0.2.2
+FLAVORS = {  # catalog name -> the torchtitan (model name, flavor) named after it, v0.2.2
     "llama3-8b": ("llama3", "8B"),
     "llama3-70b": ("llama3", "70B"),
     "llama3-405b": ("llama3", "405B"),
+    "deepseek-v2": ("deepseek_v3", "236B"),
     "deepseek-v3": ("deepseek_v3", "671B"),
 }
 
@@ -64,6 +72,12 @@ def torchtitan(plan: Plan) -> Export:
             "sequence; runs with it"
         )
         runs = runs.model_copy(update={"sequence_parallel": True})
+    if runs.optimizer_offload:
+        differences.append(
+            "optimizer offload: torchtitan has none on its own (training.enable_cpu_offload "
+            "moves weights and gradients to the host too); runs without"
+        )
+        runs = runs.model_copy(update={"optimizer_offload": 0.0})
     if runs.fp8_cache:
         differences.append("FP8 caching of activation inputs: torchtitan has none; costed without")
         runs = runs.model_copy(update={"fp8_cache": False})
@@ -76,6 +90,12 @@ def torchtitan(plan: Plan) -> Export:
     if runs.zero == 1:
         differences.append("ZeRO-1: torchtitan's FSDP2 shards gradients too; runs ZeRO-2")
         runs = runs.model_copy(update={"zero": 2})
+    if any(b.recompute == "offload" for s in runs.stages for b in s.blocks):
+        differences.append(
+            "activation offload: torchtitan has none for a layer's saved tensors; runs those "
+            "layers without recompute"
+        )
+        runs = _with_recompute(runs, "none", only="offload")
     choice = uniform_recompute(runs)
     if choice is None or choice not in ("none", "full"):
         nearest = heaviest_choice(runs) if choice is None else choice
@@ -95,9 +115,9 @@ def torchtitan(plan: Plan) -> Export:
     if job.compute_dtype == "fp8":
         differences.append("FP8: torchtitan's Float8 recipes are row-wise, not 128x128 blocks")
     runs = settle(plan, runs, differences)
-    name, flavor = FLAVORS.get(model.name, (model.name, "<flavor>"))
-    if model.name not in FLAVORS:
-        differences.append(f"model {model.name}: no torchtitan flavor known; set [model]")
+    name, flavor, unmatched = model_flavor(model, job.seq_len)
+    if unmatched:
+        differences.append(unmatched)
     m = job.global_batch // (runs.dp * runs.micro_batch)
     local = runs.micro_batch * m if runs.pp > 1 else runs.micro_batch
     sections: dict[str, dict[str, Any]] = {
@@ -124,6 +144,36 @@ def torchtitan(plan: Plan) -> Export:
         f"of {COMMIT[:8]}, v0.2.2)\n" + dumps(sections)
     )
     return finish("torchtitan", plan, runs, {"torchtitan.toml": text}, differences)
+
+
+def model_flavor(model: ModelSpec, seq_len: int) -> tuple[str, str, str | None]:
+    """torchtitan's (model name, flavor) that builds ``model`` at ``seq_len``, or the one
+    named after it (else a placeholder) with what differs."""
+    known = flavors(seq_len)
+    for (name, flavor), built in known.items():
+        if not mismatches(model, built):
+            return name, flavor, None
+    if model.name in FLAVORS:
+        name, flavor = FLAVORS[model.name]
+        return (
+            name,
+            flavor,
+            (
+                f"model: torchtitan's {name} {flavor} builds another model ("
+                + "; ".join(mismatches(model, known[name, flavor]))
+                + f"); add a flavor with the model's values to torchtitan/models/{name}/__init__.py"
+            ),
+        )
+    code = {"mla": "deepseek_v3"}.get(model.attention, "" if model.num_experts else "llama3")
+    where = f"a flavor to torchtitan/models/{code}/__init__.py" if code else "a torchtitan model"
+    return (
+        model.name,
+        "<flavor>",
+        (
+            f"model {model.name}: no torchtitan v0.2.2 flavor builds it; add {where} (where its "
+            "code can build this model) and set [model]"
+        ),
+    )
 
 
 def _parallelism(layout: Layout) -> dict[str, Any]:

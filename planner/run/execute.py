@@ -1,4 +1,5 @@
-"""Run a layout for real: one process per rank (gloo on CPU), PyTorch's own machinery.
+"""Run a layout for real: one process per rank (gloo on CPU; NCCL on CUDA, one GPU per rank,
+``planner.run.device``), PyTorch's own machinery.
 
 - Pipeline stages and schedules: ``torch.distributed.pipelining`` (``PipelineStage`` per
   chunk; 1F1B, GPipe, interleaved 1F1B, interleaved zero bubble for ``zb-h1``, DualPipeV).
@@ -18,8 +19,9 @@
 Rank order: data parallel innermost, then pipeline (rank = pp_rank * dp + dp_rank).
 
 Measured per rank, from the runtime (``planner.run.track``): the peak of live tensor bytes
-during one step after the others, split into buckets; the wall time of each step between
-two barriers (the median after warm-up is the step time); the loss of every step.
+during one step after the others, split into buckets; on CUDA also the caching allocator's
+allocated and reserved peaks in that step; the time of each step between two barriers
+(the median after warm-up is the step time); the loss of every step.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
-import time
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from torch.multiprocessing.spawn import ProcessExitedException, spawn
 
 from planner.errors import PlannerError
 from planner.layout import Layout
+from planner.run.device import Device
 from planner.run.model import DenseLayer, Embedding, Head, MoE, loss_fn
 from planner.run.state import _free_port
 from planner.run.track import Tracker
@@ -63,6 +65,16 @@ class RankRun(BaseModel):
     buckets: dict[str, int] = Field(description="Bytes per bucket at that peak.")
     bucket_peaks: dict[str, int] = Field(
         description="Each bucket's own highest level in the step (bytes)."
+    )
+    allocated_peak_bytes: int = Field(
+        default=0,
+        description="Allocated peak in the measured step (bytes): the CUDA caching "
+        "allocator's max_memory_allocated; on CPU the live tensor bytes' peak (peak_bytes).",
+    )
+    reserved_peak_bytes: int | None = Field(
+        default=None,
+        description="The CUDA caching allocator's reserved peak in the measured step (bytes); "
+        "None (not measured) on CPU.",
     )
     step_s: list[float] = Field(description="Wall time of each timed step (s).")
     losses: list[float] = Field(description="Mean loss of every step (last stage; else empty).")
@@ -123,15 +135,18 @@ def run_layout(
     *,
     steps: int = 3,
     warmup: int = 1,
+    device: Device | None = None,
 ) -> list[RankRun]:
-    """Train ``warmup + steps`` timed steps and one measured step of ``layout``; one entry
-    per rank, in rank order."""
+    """Train ``warmup + steps`` timed steps and one measured step of ``layout`` on
+    ``device`` (default the CPU); one entry per rank, in rank order."""
     check_runnable(model, job, layout)
     world = layout.world_size
+    device = device or Device()
+    device.check_workers(world, "Layout.world_size")
     with tempfile.TemporaryDirectory() as folder:
         for attempt in range(3):  # a port taken between choosing and binding it: try again
             try:
-                args = (model, job, layout, steps, warmup, _free_port(), folder)
+                args = (model, job, layout, steps, warmup, _free_port(), folder, device)
                 spawn(_worker, args=args, nprocs=world, join=True)
                 break
             except ProcessExitedException:
@@ -152,21 +167,30 @@ def _worker(
     warmup: int,
     port: int,
     folder: str,
+    device: Device,
 ) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=layout.world_size)
+    dev = device.bind(rank)  # one node: the local rank is the rank
+    dist.init_process_group(
+        dev.backend,
+        rank=rank,
+        world_size=layout.world_size,
+        device_id=dev.torch_device if dev.is_cuda else None,  # NCCL: bind the GPU now
+    )
     try:
-        run = _Rank(rank, model, job, layout)
+        run = _Rank(rank, model, job, layout, dev)
         times, losses = [], []
+        timer = dev.timer()
         for i in range(warmup + steps):
             dist.barrier()
-            start = time.perf_counter()
+            timer.start()
             losses.append(run.step())
             dist.barrier()
+            seconds = timer.stop()
             if i >= warmup:
-                times.append(time.perf_counter() - start)
-        peak, buckets, bucket_peaks = run.measured_step()
+                times.append(seconds)
+        peak, buckets, bucket_peaks, allocated, reserved = run.measured_step()
         out = RankRun(
             rank=rank,
             pp_rank=run.pp_rank,
@@ -174,6 +198,8 @@ def _worker(
             peak_bytes=peak,
             buckets=buckets,
             bucket_peaks=bucket_peaks,
+            allocated_peak_bytes=allocated,
+            reserved_peak_bytes=reserved,
             step_s=times,
             losses=[x for x in losses if x == x],
         )
@@ -199,8 +225,10 @@ class _Chunk(nn.Module):
 class _Rank:
     """One rank's share of the layout, its optimizer and its step."""
 
-    def __init__(self, rank: int, model: ModelSpec, job: TrainingJob, layout: Layout) -> None:
-        self.rank, self.layout, self.job = rank, layout, job
+    def __init__(
+        self, rank: int, model: ModelSpec, job: TrainingJob, layout: Layout, dev: Device
+    ) -> None:
+        self.rank, self.layout, self.job, self.dev = rank, layout, job, dev
         self.m = check_runnable(model, job, layout)
         dp, pp, ep = layout.dp, layout.pp, layout.ep
         self.pp_rank, self.dp_rank = divmod(rank, dp)
@@ -218,7 +246,8 @@ class _Rank:
             blocks = []
             for placed in layout.stages[c].blocks:
                 torch.manual_seed(1000 + names.index(placed.block))  # same weights any layout
-                block = self._block(model, placed.block, dtype, built)
+                with torch.device(dev.torch_device):  # parameters made on the device
+                    block = self._block(model, placed.block, dtype, built)
                 built[placed.block] = block
                 blocks.append((block, placed.recompute))
             self.chunks.append((c, _Chunk(blocks)))
@@ -273,7 +302,11 @@ class _Rank:
 
         if self.layout.ep > 1:
             raise PlannerError("Layout.zero=3: real runs cover ZeRO-3 with ep=1 only")
-        mesh = None if self.layout.pp == 1 else DeviceMesh.from_group(self.groups.dp, "cpu")
+        mesh = (
+            None
+            if self.layout.pp == 1
+            else DeviceMesh.from_group(self.groups.dp, self.dev.torch_device.type)
+        )
         for _, chunk in self.chunks:
             for block in chunk.blocks:
                 fully_shard(block, mesh=mesh)
@@ -314,6 +347,7 @@ class _Rank:
         tokens = torch.randint(model.vocab_size, (total, self.job.seq_len + 1), generator=gen)
         share = self.m * self.layout.micro_batch
         mine = tokens[self.dp_rank * share : (self.dp_rank + 1) * share]
+        mine = mine.to(self.dev.torch_device)
         self.x, self.y = mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
 
     def _schedule(self, model: ModelSpec) -> Any:
@@ -321,7 +355,7 @@ class _Rank:
 
         stages = [
             pipelining.PipelineStage(
-                chunk, c, len(self.layout.stages), torch.device("cpu"), group=self.groups.pp
+                chunk, c, len(self.layout.stages), self.dev.torch_device, group=self.groups.pp
             )
             for c, chunk in self.chunks
         ]
@@ -486,8 +520,9 @@ class _Rank:
                     if isinstance(value, torch.Tensor) and key != "step":
                         self.tracker.claim("optimizer", value)
 
-    def measured_step(self) -> tuple[int, dict[str, int], dict[str, int]]:
-        """One more step, followed tensor by tensor: its peak and the buckets at the peak."""
+    def measured_step(self) -> tuple[int, dict[str, int], dict[str, int], int, int | None]:
+        """One more step, followed tensor by tensor: its peak, the buckets at the peak,
+        each bucket's own peak, and the allocated and reserved peaks (``Device.memory``)."""
         tracker = Tracker()
         self.tracker = tracker
         self._claim_state()
@@ -495,11 +530,17 @@ class _Rank:
             (p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
             for p in self.params
         }
-        with tracker, tracker.saving(params):
+        with tracker, tracker.saving(params), self.dev.memory(tracker) as watch:
             tracker.reset_peak()
             self.step()
         self.tracker = None
-        return tracker.peak, tracker.peak_buckets(), dict(tracker.bucket_peaks)
+        return (
+            tracker.peak,
+            tracker.peak_buckets(),
+            dict(tracker.bucket_peaks),
+            watch.peak_allocated(),
+            watch.peak_reserved(),
+        )
 
 
 class _Groups:

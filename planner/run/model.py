@@ -323,20 +323,20 @@ class MLA(nn.Module):
         self.kv_up = nn.Linear(self.dc, n * (self.dn + self.dv), bias=False, dtype=dtype)
         self.o_proj = nn.Linear(n * self.dv, h, bias=False, dtype=dtype)
 
-    def forward(self, y: torch.Tensor) -> torch.Tensor:
+    def forward(self, y: torch.Tensor, rebuild_core: bool = False) -> torch.Tensor:
         b, s, _ = y.shape
         n, dn, dr = self.n, self.dn, self.dr
         q_in = self.q_norm(self.q_down(y)) if self.q_norm is not None else y
         q = self.q_up(q_in).view(b, s, n, dn + dr)
         latent = self.kv_down(y)
         kv = self.kv_up(self.kv_norm(latent[..., : self.dc])).view(b, s, n, dn + self.dv)
-        cos, sin = _tables(s, dr, y.dtype)
+        cos, sin = _tables(s, dr, y.dtype, y.device)
         q_rope = _Rotary.apply(q[..., dn:], cos, sin)
         k_rope = _Rotary.apply(latent[..., None, self.dc :], cos, sin).expand(b, s, n, dr)
         q = torch.cat((q[..., :dn], q_rope), dim=-1).transpose(1, 2)
         k = torch.cat((kv[..., :dn], k_rope), dim=-1).transpose(1, 2)
         v = kv[..., dn:].contiguous().transpose(1, 2)  # its own tensor, as fused kernels take
-        o = _Attention.apply(q, k, v)  # [b, n, s, dv]
+        o = _core(_Attention.apply, q, k, v, rebuild=rebuild_core)  # [b, n, s, dv]
         out: torch.Tensor = self.o_proj(o.transpose(1, 2).reshape(b, s, n * self.dv))
         return out
 
@@ -374,26 +374,31 @@ class DenseLayer(nn.Module):
         )
         self.rope = not model.learned_positions
 
-    def attention(self, x: torch.Tensor) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, rebuild_core: bool = False) -> torch.Tensor:
+        """Norm, attention and output projection; ``rebuild_core``: Megatron-LM's
+        ``core_attn`` recompute (the fused attention re-runs in backward; with flash
+        attention that drops only its softmax statistics)."""
         b, s, _ = x.shape
         y = self.input_norm(x)
         if self.mla is not None:
-            out: torch.Tensor = self.mla(y)
+            out: torch.Tensor = self.mla(y, rebuild_core)
             return out
         q = self.q_proj(y).view(b, s, self.nq, self.d)
         k = self.k_proj(y).view(b, s, self.nkv, self.d)
         v = self.v_proj(y).view(b, s, self.nkv, self.d)
         if self.rope:
-            cos, sin = _tables(s, self.d, x.dtype)
+            cos, sin = _tables(s, self.d, x.dtype, x.device)
             q, k = _Rotary.apply(q, cos, sin), _Rotary.apply(k, cos, sin)
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            is_causal=True,
-            enable_gqa=self.nkv != self.nq,
-        )  # [b, heads, s, d] laid out as [b, s, heads, d]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # [b, heads, s, d] laid out as [b, s, heads, d]
+        o = _core(self._sdpa, q, k, v, rebuild=rebuild_core)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, self.nq * self.d))
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.nkv != self.nq
+        )
+        return out
 
     def mlp(self, y: torch.Tensor) -> torch.Tensor:
         """The MLP (or MoE) after its norm: Megatron's ``mlp`` / ``moe`` module, whose
@@ -407,9 +412,11 @@ class DenseLayer(nn.Module):
         if recompute == "full":
             out: torch.Tensor = checkpoint(self._plain, x, use_reentrant=False)
             return out
-        if recompute not in ("none", "mlp", "moe"):
-            raise PlannerError(f"recompute={recompute!r}: real runs cover none, mlp, moe and full")
-        x = x + self.attention(x)
+        if recompute not in ("none", "selective", "mlp", "moe"):
+            raise PlannerError(
+                f"recompute={recompute!r}: real runs cover none, selective, mlp, moe and full"
+            )
+        x = x + self.attention(x, rebuild_core=recompute == "selective")
         y = self.pre_mlp_norm(x)
         # Megatron-LM's modules: ``mlp`` is a dense layer's MLP, ``moe`` an MoE layer's.
         if recompute == ("moe" if isinstance(self.ffn, MoE) else "mlp"):
@@ -421,17 +428,31 @@ class DenseLayer(nn.Module):
         return x + self.mlp(self.pre_mlp_norm(x))
 
 
-_TABLES: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+def _core(
+    fn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rebuild: bool
+) -> torch.Tensor:
+    """The core attention ``fn(q, k, v)``, checkpointed when ``rebuild`` (it then keeps
+    only q, k and v; its output is kept by the output projection either way)."""
+    from torch.utils.checkpoint import checkpoint
+
+    out: torch.Tensor = checkpoint(fn, q, k, v, use_reentrant=False) if rebuild else fn(q, k, v)
+    return out
 
 
-def _tables(s: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of rotary position embeddings, [s, 1, d] (shared by every layer)."""
-    key = (s, d, dtype)
+_TABLES: dict[tuple[int, int, torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _tables(
+    s: int, d: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of rotary position embeddings, [s, 1, d] (shared by every layer), on
+    ``device``."""
+    key = (s, d, dtype, device)
     if key not in _TABLES:
         inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
         angles = torch.outer(torch.arange(s, dtype=torch.float32), inv)
         full = torch.cat((angles, angles), dim=-1)[:, None, :]
-        _TABLES[key] = (full.cos().to(dtype), full.sin().to(dtype))
+        _TABLES[key] = (full.cos().to(dtype).to(device), full.sin().to(dtype).to(device))
     return _TABLES[key]
 
 

@@ -36,6 +36,7 @@ from planner.catalog import load_model
 from planner.costs.memory import stage_memory
 from planner.estimate import evaluate
 from planner.layout import Layout
+from planner.run.device import Device
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 
 COMPARED = ("weights", "grads", "optimizer", "activations")
@@ -64,19 +65,22 @@ def small_model(*, tied: bool = False) -> ModelSpec:
     )
 
 
-def small_job(seq_len: int = 256, global_batch: int = 8) -> TrainingJob:
-    """FP32 weights, gradients, AdamW moments and activations; nothing GPU-specific; the
-    eager ``torch`` runtime, which runs each collective in turn with the compute (gloo on
-    the same cores), as ``run_layout`` does."""
+def small_job(seq_len: int = 256, global_batch: int = 8, *, dtype: str = "fp32") -> TrainingJob:
+    """Weights, gradients, AdamW moments and activations all in ``dtype`` (FP32 on CPU, the
+    device's measurement dtype, BF16, on CUDA); no CUDA context, communication buffers or
+    fragmentation in the prediction (the CUDA context and NCCL's buffers lie outside the
+    caching allocator the measurement reads; fragmentation is its reserved peak, reported
+    beside); the eager ``torch`` runtime, which runs each collective in turn with the
+    compute, as ``run_layout`` does."""
     return TrainingJob(
         seq_len=seq_len,
         global_batch=global_batch,
         framework="torch",
-        weight_dtype="fp32",
-        grad_dtype="fp32",
+        weight_dtype=dtype,
+        grad_dtype=dtype,
         master_dtype=None,
-        moment_dtype="fp32",
-        activation_dtype="fp32",
+        moment_dtype=dtype,
+        activation_dtype=dtype,
         cuda_context_bytes=0,
         comm_buffer_bytes=0,
         fragmentation=0.0,
@@ -119,8 +123,16 @@ class Entry(BaseModel):
     rank: int
     pp_rank: int
     predicted_peak_bytes: int
-    measured_peak_bytes: int
+    measured_peak_bytes: int = Field(description="Peak of live tensor bytes in the step.")
     peak_error: float = Field(description="predicted / measured - 1.")
+    allocated_peak_bytes: int = Field(
+        default=0,
+        description="Allocator's allocated peak (CUDA max_memory_allocated); on CPU the live "
+        "tensor bytes' peak.",
+    )
+    reserved_peak_bytes: int | None = Field(
+        default=None, description="CUDA caching allocator's reserved peak; None on CPU."
+    )
     buckets: dict[str, Bucket]
     predicted_step_s: float | None = Field(
         description="Cost model with a calibrated profile (s); null without one."
@@ -160,16 +172,17 @@ def compare(
     *,
     steps: int = 3,
     cluster: ClusterSpec | None = None,
+    device: Device | None = None,
 ) -> list[Entry]:
-    """Run ``layout`` and compare every rank with the cost model (step time too, with a
-    calibrated ``cluster`` of ``layout.world_size`` GPUs)."""
+    """Run ``layout`` on ``device`` (default the CPU) and compare every rank with the cost
+    model (step time too, with a calibrated ``cluster`` of ``layout.world_size`` GPUs)."""
     from planner.run.execute import check_runnable, run_layout
 
     m = check_runnable(model, job, layout)
     predicted = stage_memory(model, job, layout, num_microbatches=m, runtime="torch")
     step_s = evaluate(model, cluster, job, layout).step_time_s if cluster else None
     out = []
-    for run in run_layout(model, job, layout, steps=steps):
+    for run in run_layout(model, job, layout, steps=steps, device=device):
         p = predicted[run.pp_rank]
         buckets = {k: _bucket(p.buckets[k], run.bucket_peaks[k]) for k in COMPARED}
         buckets["other"] = _bucket(p.buckets["buffers"], run.bucket_peaks["other"])
@@ -182,6 +195,8 @@ def compare(
                 predicted_peak_bytes=p.peak_bytes,
                 measured_peak_bytes=run.peak_bytes,
                 peak_error=p.peak_bytes / run.peak_bytes - 1,
+                allocated_peak_bytes=run.allocated_peak_bytes,
+                reserved_peak_bytes=run.reserved_peak_bytes,
                 buckets=buckets,
                 predicted_step_s=step_s,
                 measured_step_s=run.median_step_s,
@@ -197,23 +212,25 @@ def validate(
     job: TrainingJob | None = None,
     steps: int = 3,
     rounds: int = 1,
-    clusters: Callable[[int], ClusterSpec] | None = None,
+    clusters: Callable[[int], ClusterSpec | None] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    device: Device | None = None,
 ) -> list[Entry]:
-    """Run every case (default: ``validation_set()``) and compare; ``clusters(ranks)``
-    gives the calibrated profile for a layout of that many ranks (no step-time prediction
-    without it); ``progress(done, total)`` after each run. With ``rounds`` > 1 the whole
-    set runs that many times over, one case after another, and each rank's step time is
-    the median of its rounds' (a shared machine's slow spells then fall on every layout
-    alike); memory is the first round's (it does not change from run to run)."""
+    """Run every case (default: ``validation_set()``) on ``device`` (default the CPU) and
+    compare; ``clusters(ranks)`` gives the calibrated profile for a layout of that many
+    ranks (no step-time prediction without it); ``progress(done, total)`` after each run.
+    With ``rounds`` > 1 the whole set runs that many times over, one case after another,
+    and each rank's step time is the median of its rounds' (a shared machine's slow spells
+    then fall on every layout alike); memory is the first round's (it does not change from
+    run to run)."""
     todo = list(cases if cases is not None else validation_set())
-    job = job or small_job()
+    job = job or small_job(dtype=(device or Device()).dtype_name)
     per_round: list[list[list[Entry]]] = []
     for r in range(rounds):
         runs = []
         for i, (model, layout) in enumerate(todo):
             cluster = clusters(layout.world_size) if clusters else None
-            runs.append(compare(model, job, layout, steps=steps, cluster=cluster))
+            runs.append(compare(model, job, layout, steps=steps, cluster=cluster, device=device))
             if progress is not None:
                 progress(r * len(todo) + i + 1, rounds * len(todo))
         per_round.append(runs)

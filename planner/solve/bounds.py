@@ -19,7 +19,7 @@ import numpy as np
 
 from planner.costs.comm import Network
 from planner.costs.memory import memory_cap
-from planner.costs.timing import optimizer_traffic
+from planner.costs.timing import optimizer_seconds
 from planner.errors import PlannerError
 from planner.solve.tables import Config, Option, Tables, build, prototype
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
@@ -43,7 +43,8 @@ def lower_bound(
     if not state_fits(t, cluster, job, config):
         return None
     layers = [t.kinds[k].state for k in t.layer_kinds]
-    if config.ema == "host" and not host_fits(layers, t.fixed_state, cluster, config):
+    on_host = config.ema == "host" or config.optimizer_offload > 0
+    if on_host and not host_fits(layers, t.fixed_state, cluster, config):
         return None
     m, p = config.num_microbatches, config.pp
     blocks = t.layer_kinds + t.first_fixed + t.last_fixed
@@ -118,7 +119,7 @@ def _rank_groups(
 
     fixed: list[float] = []
     for stages, ranks in groups.items():
-        seconds = max(optimizer_traffic(t.fixed_state[r]) / t.opt_Bps for r in ranks)
+        seconds = max(optimizer_seconds(t.fixed_state[r], t.step) for r in ranks)
         for stage in stages:
             names = _fixed_blocks(t, stage, config.stages)
             seconds += count * sum(min(work(o) for o in t.kinds[b].options) for b in names)
@@ -153,7 +154,7 @@ def busiest_rank(t: Tables, config: Config) -> float:
     least = [sum(1 for stage in stages if 0 < stage < last) for stages in groups]
     unit = {
         k: count * min(work(o) for o in t.kinds[k].options)
-        + optimizer_traffic(t.kinds[k].state) / t.opt_Bps
+        + optimizer_seconds(t.kinds[k].state, t.step)
         for k in set(t.layer_kinds)
     }
     best = 0.0
@@ -201,7 +202,7 @@ def crowded_rank(t: Tables, config: Config, cap: float) -> float:
             hull=_hull(k.options),
             state=gpu_state(k.state),
             comm=work(k.options[0]) - k.options[0].time,  # the all-to-alls in series, if any
-            optimizer=optimizer_traffic(k.state) / t.opt_Bps,
+            optimizer=optimizer_seconds(k.state, t.step),
             runs=count,
             cap=cap,
         )
@@ -315,8 +316,8 @@ def fill_and_drain(t: Tables, config: Config) -> float:
     per_stage = np.stack([fixed[n] for n in _ALL_PRIMS])
     coef = np.einsum("fps,ps->fs", weights, per_layer)
     const = np.einsum("fps,ps->f", weights, per_stage)
-    layer_opt = min(optimizer_traffic(t.kinds[k].state) for k in kinds) / t.opt_Bps
-    fixed_opt = np.array([optimizer_traffic(t.fixed_state[r]) / t.opt_Bps for r in range(pp)])
+    layer_opt = min(optimizer_seconds(t.kinds[k].state, t.step) for k in kinds)
+    fixed_opt = np.array([optimizer_seconds(t.fixed_state[r], t.step) for r in range(pp)])
     coef += layer_opt * (optimizer @ held)
     const += optimizer @ fixed_opt
     lo = np.array([1.0 if 0 < s < S - 1 else 0.0 for s in range(S)])
@@ -552,9 +553,9 @@ def _hull(options: list[Option]) -> list[tuple[float, float]]:
 def _optimizer_floor(t: Tables, config: Config) -> float:
     """The mean rank's optimizer step: the tail is at least the largest rank's."""
     copies = 2 if config.schedule == "dualpipe" else 1
-    total = copies * sum(optimizer_traffic(t.kinds[k].state) for k in t.layer_kinds)
-    total += sum(optimizer_traffic(s) for s in t.fixed_state)
-    return total / config.pp / t.opt_Bps
+    total = copies * sum(optimizer_seconds(t.kinds[k].state, t.step) for k in t.layer_kinds)
+    total += sum(optimizer_seconds(s, t.step) for s in t.fixed_state)
+    return total / config.pp
 
 
 def _collective(t: Tables, kind: str, *, low: bool) -> float:
@@ -601,7 +602,8 @@ def host_fits(
     cluster: ClusterSpec,
     config: Config,
 ) -> bool:
-    """The average rank's host-RAM EMA, times the GPUs of a node, within the node's RAM
+    """The average rank's host RAM (an EMA kept there, an offloaded optimizer), times the GPUs
+    of a node, within the node's RAM
     (``layers``: each transformer layer's state; ``fixed``: each rank's fixed blocks', as
     ``tables.states`` gives them)."""
     copies = 2 if config.schedule == "dualpipe" else 1

@@ -5,14 +5,16 @@ of the space could need (its share of the model state and buffers, with nothing 
 backward) against the usable HBM, or, when no combination of degrees divides the job, that.
 Fixes are found by re-solving, not by guessing: the same job on 2x and 4x the GPUs (when
 memory binds), and the space with each pinned decision (a degree, the micro-batch, the
-schedule, the ZeRO stage, recompute, EMA placement, context parallelism) freed in turn.
+schedule, the ZeRO stage, recompute, EMA placement, context parallelism) freed in turn, and
+the optimizer state and (without pipeline parallelism) activations offloaded to the host
+where the framework can.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from planner.costs.memory import memory_cap
+from planner.costs.memory import memory_cap, optimizer_offload_rule
 from planner.solve.result import Binding, Explanation, Plan
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 
@@ -77,7 +79,9 @@ def explain(
         bigger = cluster.model_copy(update={"num_gpus": cluster.num_gpus * factor})
         found = replan(model, bigger, job, space, per)
         if found is None:
-            fixes.append(f"{bigger.num_gpus} GPUs: no answer within {per:.0f} s of solving")
+            fixes.append(
+                f"{bigger.num_gpus} GPUs: not settled within {per:.0f} s of solving (it may fit)"
+            )
         elif found.layout is not None and found.estimate is not None:
             fixes.append(
                 f"{bigger.num_gpus} GPUs: fits (tp={found.layout.tp} cp={found.layout.cp} "
@@ -106,6 +110,41 @@ def explain(
         if found is not None and found.layout is not None and found.estimate is not None:
             seconds = found.estimate.step_time_s
             fixes.append(f"{label} (free SearchSpace.{field}): fits, {seconds:.2f} s per step")
+    if (
+        lightest is not None
+        and not optimizer_offload_rule(job, 1.0)
+        and (space.optimizer_offload is None or set(space.optimizer_offload) == {0})
+    ):
+        # The optimizer state to the host: memory for a host step and PCIe copies per step.
+        zeros = space.zero if space.zero is None or 1 in space.zero else [*space.zero, 1]
+        offload = space.model_copy(update={"optimizer_offload": [0.0, 1.0], "zero": zeros})
+        found = replan(model, cluster, job, offload, per)
+        if found is not None and found.layout is not None and found.estimate is not None:
+            seconds = found.estimate.step_time_s
+            fixes.append(
+                "the optimizer state on the host (SearchSpace.optimizer_offload=[0, 1]): fits, "
+                f"{seconds:.2f} s per step"
+            )
+    if (
+        lightest is not None
+        and job.framework == "megatron"
+        and "offload" not in (space.recompute or [])
+    ):
+        # Activation offload, as Megatron-LM runs it: pp 1, the other layers not recomputed.
+        offload = space.model_copy(
+            update={"recompute": ["none", "offload"], "pp": [1], "virtual_stages": None}
+        )
+        found = replan(model, cluster, job, offload, per)
+        if found is not None and found.layout is not None and found.estimate is not None:
+            n = sum(b.recompute == "offload" for s in found.layout.stages for b in s.blocks)
+            fixes.append(
+                f"the first {n} layers' activations on the host (SearchSpace.recompute=[none, "
+                f"offload], pp=1): fits, {found.estimate.step_time_s:.2f} s per step"
+            )
     if not any(": fits" in f for f in fixes):
-        fixes.append("none of 2x or 4x the GPUs or a freer search space was found to fit")
+        unsettled = any("not settled" in f for f in fixes)
+        fixes.append(
+            "no change tried was shown to fit"
+            + ("; those not settled may fit with a longer time limit" if unsettled else "")
+        )
     return Explanation(summary=summary, binding=binding, fixes=fixes)

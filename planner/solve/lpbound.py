@@ -28,7 +28,7 @@ from ortools.linear_solver import pywraplp
 
 from planner.costs.memory import memory_cap
 from planner.costs.overlap import OVERLAPS, Prim, task_terms
-from planner.costs.timing import optimizer_traffic
+from planner.costs.timing import optimizer_seconds
 from planner.solve.bounds import bound_tables, gpu_state
 from planner.solve.tables import Config, Tables, even_counts, rank_orders
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
@@ -224,10 +224,10 @@ class _Lp:
 
     def _optimizer(self, r: int) -> Lin:
         t = self.t
-        total: Lin = {-1: optimizer_traffic(t.fixed_state[r])}
+        total: Lin = {-1: optimizer_seconds(t.fixed_state[r], t.step)}
         for c in self.orders[r].chunks:
-            total = _plus(total, self._layers(c, lambda k: optimizer_traffic(k.state)))
-        return _scale(total, 1 / t.opt_Bps)
+            total = _plus(total, self._layers(c, lambda k: optimizer_seconds(k.state, t.step)))
+        return total
 
     def _compact(self) -> None:
         """Each stage's quantities as one matrix over the stage's variables, so a chain's

@@ -39,7 +39,7 @@ from ortools.sat.python import cp_model
 
 from planner.costs.memory import DEEPSPEED_MAX_LIVE_PARAMETERS, memory_cap
 from planner.costs.overlap import OVERLAPS, Prim, TaskKey, Term, task_terms
-from planner.costs.timing import optimizer_traffic
+from planner.costs.timing import optimizer_seconds
 from planner.solve.tables import Affine, Tables
 from planner.specs import DTYPE_BYTES, ClusterSpec, TrainingJob
 from planner.timeline import Form
@@ -227,9 +227,14 @@ class StageModel:
     def _has_expert(self, s: int, fixed_expert: float) -> Any:
         if fixed_expert > 0:
             return True
-        if "moe" not in self.kinds:
+        moe = [k for k in self.kinds if k.startswith("moe")]
+        if not moe:
             return False
-        return self.has_layers[s]["moe"]
+        if len(moe) == 1:
+            return self.has_layers[s][moe[0]]
+        has = self.m.new_bool_var(f"has_expert[{s}]")
+        self.m.add_max_equality(has, [self.has_layers[s][k] for k in moe])
+        return has
 
     # -- task lengths ------------------------------------------------------------------
     def _op_times(self) -> None:
@@ -367,13 +372,12 @@ class StageModel:
 
     def _optimizer(self, r: int) -> Expr:
         t = self.t
-        rate = t.opt_Bps
         return sum(
             [
-                self._layers(c, lambda k: q(optimizer_traffic(k.state) / rate))
+                self._layers(c, lambda k: q(optimizer_seconds(k.state, t.step)))
                 for c in t.ranks[r].chunks
             ],
-            q(optimizer_traffic(t.fixed_state[r]) / rate),
+            q(optimizer_seconds(t.fixed_state[r], t.step)),
         )
 
     # -- solving -----------------------------------------------------------------------

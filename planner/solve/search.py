@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.costs.comm import Network
-from planner.costs.memory import memory_cap, stage_memory, usable_peak_bytes
+from planner.costs.memory import memory_cap, offloaded_blocks, stage_memory, usable_peak_bytes
 from planner.errors import PlannerError
 from planner.estimate import Estimate, evaluate, step_run
 from planner.layout import Layout, parse_recompute
@@ -163,7 +163,7 @@ def plan(
     space: SearchSpace | None = None,
     *,
     time_limit_s: float = 30.0,
-    top_k: int = 1,
+    top_k: int = 4,
     workers: int = 1,
     seed: int = 0,
     explain_infeasible: bool = True,
@@ -180,6 +180,8 @@ def plan(
     early. They change what the search finds first, and so the plan, never what a bound
     proves."""
     started = time.perf_counter()
+    if not time_limit_s > 0:
+        raise PlannerError(f"time_limit_s={time_limit_s:g}: must be a positive number of seconds")
     if processes is not None and processes < 1:
         raise PlannerError(f"processes={processes}: must be a positive process count")
     asked = space or SearchSpace()
@@ -212,6 +214,11 @@ def plan(
         found.append((step, config, layout))
         found.sort(key=lambda x: (x[0], _key(x[1])))
 
+    for item in _offloaded(model, cluster, job, space, configs, budget):
+        keep(*item)
+    # Activation offload is searched above, on its own: the lanes' stage models know the
+    # space's other recompute choices only.
+    space = without_offload(space)
     first = _feasible(model, cluster, job, space, configs, budget)
     if first is not None:
         keep(*first)
@@ -305,14 +312,12 @@ def plan(
     gap = max(0.0, (objective - lower) / objective)
     status = "optimal" if not open_bounds else "feasible"
     estimate = evaluate(model, cluster, job, layout)
-    alternatives = [
-        Alternative(
-            layout=alt,
-            step_time_s=evaluate(model, cluster, job, alt).step_time_s,
-            peak_bytes=evaluate(model, cluster, job, alt).peak_bytes,
+    alternatives = []
+    for _, _c, alt in _distinct(found[1:], exclude=config)[: max(0, top_k - 1)]:
+        other = evaluate(model, cluster, job, alt)
+        alternatives.append(
+            Alternative(layout=alt, step_time_s=other.step_time_s, peak_bytes=other.peak_bytes)
         )
-        for _, c, alt in _distinct(found[1:], exclude=config)[: max(0, top_k - 1)]
-    ]
     return Plan(
         status=status,
         layout=layout,
@@ -378,6 +383,82 @@ def _feasible(
     return None
 
 
+def without_offload(space: SearchSpace) -> SearchSpace:
+    """``space`` without activation offload among its recompute choices (layers it does not
+    offload run without recompute: "offload" alone leaves "none")."""
+    if not space.recompute or "offload" not in space.recompute:
+        return space
+    rest = [r for r in space.recompute if r != "offload"]
+    return space.model_copy(update={"recompute": rest or ["none"]})
+
+
+OFFLOAD_SHARE = 0.25  # of the budget the activation-offload search may take
+
+
+def _offloaded(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    job: TrainingJob,
+    space: SearchSpace,
+    configs: list[Config],
+    budget: Budget,
+) -> list[tuple[float, Config, Layout]]:
+    """Layouts with activation offload ("offload" in the space's recompute list), as
+    Megatron-LM runs it: the first n transformer layers of a layout without pipeline
+    parallelism offloaded, the others without recompute (``costs.memory.
+    activation_offload_rule``). Each layer offloaded holds less and adds its copies' exposed
+    time, so a configuration's fastest is the fewest layers that fit: found exactly, by
+    bisection over n, for each configuration until its share of the budget is spent."""
+    if not space.recompute or "offload" not in space.recompute:
+        return []
+    if job.framework != "megatron":
+        raise PlannerError(
+            f"SearchSpace.recompute={space.recompute}: activation offload runs under "
+            f"megatron only, not {job.framework!r}"
+        )
+    stop = budget.spent + OFFLOAD_SHARE * max(0.0, budget.limit - budget.spent)
+    out = []
+    for config in sorted(configs, key=_key):
+        if config.pp != 1 or config.virtual_stages != 1 or budget.spent > stop:
+            continue
+        tables = bound_tables(model, cluster, job, config)
+        if tables is None or not state_fits(tables, cluster, job, config):
+            continue
+        tried: dict[int, tuple[Estimate, Layout] | None] = {}
+
+        def run(
+            n: int,
+            config: Config = config,
+            tried: dict[int, tuple[Estimate, Layout] | None] = tried,
+        ) -> tuple[Estimate, Layout] | None:
+            if n not in tried:
+                budget.charge(_costing(model, config))
+                offload = {f"layer.{i}": "offload" for i in range(n)}
+                try:
+                    layout = config.layout(model, [model.num_layers], offload)
+                    est = evaluate(model, cluster, job, layout)
+                except PlannerError:
+                    tried[n] = None
+                else:
+                    ok = est.fits and _host_ok(job, cluster, layout, est)
+                    tried[n] = (est, layout) if ok else None
+            return tried[n]
+
+        low, high = 1, model.num_layers - 1
+        if high < low or run(high) is None:
+            continue
+        while low < high:
+            mid = (low + high) // 2
+            if run(mid) is not None:
+                high = mid
+            else:
+                low = mid + 1
+        fit = run(high)
+        if fit is not None:
+            out.append((fit[0].step_time_s, config, fit[1]))
+    return out
+
+
 def _hinted(
     model: ModelSpec,
     cluster: ClusterSpec,
@@ -412,6 +493,7 @@ def _hinted(
             fp8_cache=hint.fp8_cache,
             sequence_parallel=hint.sequence_parallel,
             etp=hint.etp,
+            optimizer_offload=hint.optimizer_offload,
         )
         same = [c for c in known if all(getattr(c, k) == v for k, v in rest.items())]
         if not same:
@@ -639,7 +721,8 @@ def _uniform(model: ModelSpec, choice: str) -> dict[str, str]:
 
 
 def _host_ok(job: TrainingJob, cluster: ClusterSpec, layout: Layout, est: Estimate) -> bool:
-    if layout.ema != "host" or job.ema is None:
+    on_host = layout.ema == "host" and job.ema is not None
+    if not (on_host or layout.optimizer_offload or offloaded_blocks(layout)):
         return True
     gpus = min(cluster.gpus_per_node, cluster.num_gpus)
     return max(s.host_bytes for s in est.memory) * gpus <= cluster.host_ram_bytes
@@ -773,6 +856,7 @@ def _key(c: Config) -> tuple[object, ...]:
         c.ema,
         c.fp8_cache,
         c.sequence_parallel,
+        c.optimizer_offload,
     )
 
 

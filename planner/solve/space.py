@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Iterator
 
 from planner.costs.blocks import Shard, block_cost
+from planner.costs.memory import optimizer_offload_rule
 from planner.errors import PlannerError
 from planner.layout import SCHEDULES
 from planner.solve.tables import Config
@@ -151,6 +152,7 @@ def _per_degrees(
     schedules = space.schedules or (list(DEFAULT_SCHEDULES) if pp > 1 else ["1f1b"])
     emas = space.ema or (["host"] if job.ema else ["hbm"])
     caches = fp8_cache_choices(job, space)
+    offloads = optimizer_offload_choices(job, space)
     # Sequence parallelism never loses where it is allowed (SearchSpace.sequence_parallel):
     # the same bytes cross the links, fewer stay, and Megatron-LM hides TP only with it.
     sps = list(dict.fromkeys(space.sequence_parallel or [True]))
@@ -168,8 +170,10 @@ def _per_degrees(
                 continue
             if not _schedule_ok(schedule, pp, m, v):
                 continue
-            for cache, sp in itertools.product(caches, sps):
-                yield Config(tp, pp, dp, ep, zero, mb, schedule, v, ema, m, cache, cp, sp, etp)
+            for cache, sp, off in itertools.product(caches, sps, offloads):
+                if optimizer_offload_rule(job, off, zero):
+                    continue
+                yield Config(tp, pp, dp, ep, zero, mb, schedule, v, ema, m, cache, cp, sp, etp, off)
 
 
 def fp8_cache_choices(job: TrainingJob, space: SearchSpace) -> list[bool]:
@@ -186,6 +190,19 @@ def fp8_cache_choices(job: TrainingJob, space: SearchSpace) -> list[bool]:
             f"the job has compute_dtype={job.compute_dtype!r}, framework={job.framework!r}"
         )
     return list(dict.fromkeys(asked))
+
+
+def optimizer_offload_choices(job: TrainingJob, space: SearchSpace) -> list[float]:
+    """The ``Layout.optimizer_offload`` fractions to search: 0 unless the space asks for
+    more, like ``fp8_cache``. Offload frees HBM at the price of a host step and two PCIe
+    copies per step; searching it doubles the configurations. The frameworks' rules are
+    ``optimizer_offload_rule``'s."""
+    asked = sorted(set(space.optimizer_offload or [0.0]))
+    for fraction in asked:
+        reason = optimizer_offload_rule(job, fraction)
+        if reason:
+            raise PlannerError(f"SearchSpace.optimizer_offload={asked}: {reason}")
+    return asked
 
 
 def _virtuals(space: SearchSpace, schedule: str) -> list[int]:

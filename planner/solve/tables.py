@@ -37,6 +37,7 @@ from planner.costs.memory import (
 )
 from planner.costs.timing import (
     BlockRow,
+    StepRates,
     TpComm,
     block_row,
     dp_groups,
@@ -69,6 +70,7 @@ class Config:
     cp: int = 1
     sequence_parallel: bool = True
     etp: int = 1
+    optimizer_offload: float = 0.0
 
     @property
     def stages(self) -> int:
@@ -92,6 +94,7 @@ class Config:
             layout.cp,
             layout.sequence_parallel,
             layout.etp,
+            layout.optimizer_offload,
         )
 
     def layout(self, model: ModelSpec, counts: list[int], recompute: dict[str, str]) -> Layout:
@@ -112,6 +115,7 @@ class Config:
             ema=self.ema,
             fp8_cache=self.fp8_cache,
             sequence_parallel=self.sequence_parallel,
+            optimizer_offload=self.optimizer_offload,
         )
 
 
@@ -194,7 +198,7 @@ class Tables:
     fixed_grad: list[tuple[float, float]]  # per stage: (dense, expert) grad bytes of fixed
     fixed_weight: list[tuple[float, float]]  # per stage: (dense, expert) gather bytes of fixed
     buffers: float  # communication buffers and pipeline send/receive tensors per rank
-    opt_Bps: float  # optimizer traffic rate
+    step: StepRates  # the optimizer step's rates
 
 
 def build(
@@ -212,7 +216,7 @@ def build(
     ``light`` leaves out the rank orders (bounds do not need them)."""
     proto = prototype(model, config)
     shard = shard_of(job, proto)
-    layer_kinds = ["moe" if model.is_moe_layer(i) else "dense" for i in range(model.num_layers)]
+    layer_kinds = [layer_kind(model, i) for i in range(model.num_layers)]
     fixed = [n for n in block_names(model) if not n.startswith("layer.")]
     kinds = _memo(
         _KINDS,
@@ -230,6 +234,7 @@ def build(
             config.ema,
             config.fp8_cache,
             config.sequence_parallel,
+            config.optimizer_offload,
             None if choices is None else frozenset(choices),
         ),
         lambda: _kinds(model, cluster, job, network, proto, shard, layer_kinds, fixed, choices),
@@ -320,7 +325,7 @@ def build(
         fixed_grad=fixed_grad,
         fixed_weight=fixed_weight,
         buffers=buffers,
-        opt_Bps=cluster.hbm_bandwidth_Bps * cluster.achieved.get("memory_bound", 1.0),
+        step=StepRates.of(cluster),
     )
 
 
@@ -370,6 +375,7 @@ def _fixed_tables(
             config.virtual_stages,
             config.fp8_cache,
             config.sequence_parallel,
+            config.optimizer_offload,
         ),
         lambda: _fixed(model, shard, job, proto, first, last, config.stages),
     )
@@ -387,7 +393,7 @@ def states(
     per_kind: dict[str, dict[str, float]] = {}
     layers = []
     for i in range(model.num_layers):
-        kind = "moe" if model.is_moe_layer(i) else "dense"
+        kind = layer_kind(model, i)
         if kind not in per_kind:
             params = block_cost(model, f"layer.{i}", shard).params
             per_kind[kind] = state_bytes(params, job=job, layout=proto, ema_on_gpu=ema_on_gpu)
@@ -399,7 +405,13 @@ def prototype(model: ModelSpec, config: Config) -> Layout:
     """A layout of ``config`` with even stages and no recompute: what every layout of the
     configuration shares (degrees, rank order, schedule)."""
     base = dataclasses.replace(
-        config, zero=1, micro_batch=1, ema="hbm", num_microbatches=1, fp8_cache=False
+        config,
+        zero=1,
+        micro_batch=1,
+        ema="hbm",
+        num_microbatches=1,
+        fp8_cache=False,
+        optimizer_offload=0.0,
     )
     shape = _memo(_PROTO, (model, base), lambda: base.layout(model, even_counts(model, base), {}))
     # ZeRO stage, micro-batch, EMA placement and FP8 caching are valid on their own (the
@@ -410,6 +422,7 @@ def prototype(model: ModelSpec, config: Config) -> Layout:
             "micro_batch": config.micro_batch,
             "ema": config.ema,
             "fp8_cache": config.fp8_cache,
+            "optimizer_offload": config.optimizer_offload,
         }
     )
 
@@ -485,6 +498,14 @@ def _groups(proto: Layout, network: Network, rank: int) -> tuple[_Group, _Group]
     """A pipeline position's gradient-reduction groups (dense, routed experts)."""
     dense, expert = dp_groups(proto, rank)
     return (dense, network._spread(dense)), (expert, network._spread(expert))
+
+
+def layer_kind(model: ModelSpec, index: int) -> str:
+    """The kind of transformer layer ``index``: layers of one kind cost the same (``moe`` or
+    ``dense``, with the attention window where the layer has one, e.g. ``moe-window128``)."""
+    base = "moe" if model.is_moe_layer(index) else "dense"
+    window = model.attention_window(index)
+    return base if window is None else f"{base}-window{window}"
 
 
 def even_counts(model: ModelSpec, config: Config) -> list[int]:

@@ -1,0 +1,31 @@
+"""The README's Python snippets run as written: one script, in the README's order (each
+snippet uses the names the ones before it defined), as a user pasting them would run it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+README = Path(__file__).parent.parent / "README.md"
+
+
+def snippets() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+
+
+def test_the_readme_has_its_snippets() -> None:
+    assert len(snippets()) >= 3
+
+
+def test_the_readme_python_runs_as_a_script(tmp_path: Path) -> None:
+    script = tmp_path / "readme.py"
+    script.write_text("\n".join(snippets()))
+    out = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "BlockPlacement" not in out.stdout  # degrees, not every block's repr
+    assert (tmp_path / "trace.json").exists() and (tmp_path / "sweep.sqlite").exists()
+    assert "--pipeline-model-parallel-size" in out.stdout  # the export's arguments
