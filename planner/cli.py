@@ -694,9 +694,9 @@ def _print_decisions(layout: Layout, est: Estimate, job: TrainingJob) -> None:
     )
     for i in empty:
         notes.append(
-            f"Stage {i} holds no transformer layer, only "
-            f"{_summarise(layout, [i]) or 'nothing'}: the embedding and head weigh as much "
-            "as layers there, and a layer more would make that stage the slowest."
+            f"Stage {i} holds no transformer layer, only {_summarise(layout, [i])}: its "
+            "embedding or head work (and MTP) is that stage's share of each micro-batch; the "
+            "search found no faster layout that gives it a layer."
         )
     console.print(" ".join(notes))
 

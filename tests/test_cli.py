@@ -209,6 +209,19 @@ def test_plan_json_is_a_plan_that_checks_out() -> None:
     cluster = planner.load_cluster("h100", gpus=16)
     job = planner.TrainingJob(seq_len=2048, global_batch=64)
     assert check_plan(model, cluster, job, plan) == []
+    # the runners-up: other degrees or schedules, none faster than the plan, each evaluated
+    assert plan.alternatives and plan.estimate is not None
+
+    def shape(lay: planner.Layout) -> tuple[str, str, int]:
+        return lay.degrees(), lay.schedule, lay.virtual_stages
+
+    seen = {shape(plan.layout)}
+    for alt in plan.alternatives:
+        assert shape(alt.layout) not in seen
+        seen.add(shape(alt.layout))
+        assert alt.step_time_s >= plan.estimate.step_time_s * (1 - 1e-9)
+        again = planner.evaluate(model, cluster, job, alt.layout)
+        assert again.step_time_s == pytest.approx(alt.step_time_s, rel=1e-9)
 
 
 def test_plan_prints_layout_memory_time_and_proof() -> None:
@@ -216,6 +229,10 @@ def test_plan_prints_layout_memory_time_and_proof() -> None:
     assert out.returncode == 0, out.stderr
     assert "per-rank memory (GiB)" in out.stdout and "step time:" in out.stdout
     assert "pp=2" in out.stdout and ("proven optimal" in out.stdout or "gap" in out.stdout)
+    # each decision said: each stage's blocks and recompute, the headroom, the runners-up
+    assert "decisions per stage: blocks and their recompute" in out.stdout
+    assert "Headroom kept: 5% of usable HBM" in out.stdout
+    assert "runners-up" in out.stdout and "vs plan" in out.stdout
 
 
 def test_infeasible_plan_is_explained_not_a_traceback() -> None:
