@@ -156,3 +156,24 @@ def test_the_host_check_from_the_state_alone_is_the_tables_own() -> None:
             assert host_fits(*states(model, job, config), small, config) == full, config
             verdicts.add(full)
     assert verdicts == {True, False}
+
+
+def test_the_bound_tables_price_every_choice_the_space_lists() -> None:
+    """A choice the space lists that no block's menu holds and no menu choice beats on both
+    bytes kept and time (Llama's core_attn+layernorm: the menu has each module and the
+    greedy combinations from mlp) is priced by the bound tables too: a bound over fewer
+    options than the search takes could cut off its best layout."""
+    from planner.costs.comm import Network
+    from planner.solve.tables import build
+
+    model = planner.load_model("llama3-8b").model_copy(update={"num_layers": 4})
+    job = planner.TrainingJob(seq_len=4096, global_batch=8)
+    listed = ["none", "core_attn+layernorm"]
+    space = planner.SearchSpace(recompute=listed, tp=[1], pp=[2], zero=[1], micro_batch=[1])
+    config = next(c for c in enumerate_configs(model, H100x8, job, space) if c.schedule == "1f1b")
+    assert config.recompute_extra == {"none", "core_attn+layernorm"}
+    searched = build(model, H100x8, job, config, Network.of(H100x8), choices=listed)
+    (choice,) = [o for o in searched.kinds["dense"].options if o.name == "core_attn+layernorm"]
+    t = bound_tables(model, H100x8, job, config)
+    assert t is not None
+    assert any(o.saved <= choice.saved and o.time <= choice.time for o in t.kinds["dense"].options)

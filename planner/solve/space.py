@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from planner.costs.blocks import Shard, block_cost
 from planner.costs.memory import optimizer_offload_rule
 from planner.errors import PlannerError
-from planner.layout import SCHEDULES
-from planner.solve.tables import Config
+from planner.layout import SCHEDULES, parse_recompute
+from planner.solve.tables import Config, choice_name
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 
 DEFAULT_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "dualpipe", "dualpipev")
@@ -153,6 +153,7 @@ def _per_degrees(
     emas = space.ema or (["host"] if job.ema else ["hbm"])
     caches = fp8_cache_choices(job, space)
     offloads = optimizer_offload_choices(job, space)
+    listed = listed_recompute(space)
     # Sequence parallelism never loses where it is allowed (SearchSpace.sequence_parallel):
     # the same bytes cross the links, fewer stay, and Megatron-LM hides TP only with it.
     sps = list(dict.fromkeys(space.sequence_parallel or [True]))
@@ -173,7 +174,9 @@ def _per_degrees(
             for cache, sp, off in itertools.product(caches, sps, offloads):
                 if optimizer_offload_rule(job, off, zero):
                     continue
-                yield Config(tp, pp, dp, ep, zero, mb, schedule, v, ema, m, cache, cp, sp, etp, off)
+                yield Config(
+                    tp, pp, dp, ep, zero, mb, schedule, v, ema, m, cache, cp, sp, etp, off, listed
+                )
 
 
 def fp8_cache_choices(job: TrainingJob, space: SearchSpace) -> list[bool]:
@@ -190,6 +193,14 @@ def fp8_cache_choices(job: TrainingJob, space: SearchSpace) -> list[bool]:
             f"the job has compute_dtype={job.compute_dtype!r}, framework={job.framework!r}"
         )
     return list(dict.fromkeys(asked))
+
+
+def listed_recompute(space: SearchSpace) -> frozenset[str]:
+    """The space's recompute choices by name (Config.recompute_extra): what the bound
+    tables price beside each block's menu. Activation offload is searched apart."""
+    if space.recompute is None:
+        return frozenset()
+    return frozenset(choice_name(parse_recompute(r)) for r in space.recompute) - {"offload"}
 
 
 def optimizer_offload_choices(job: TrainingJob, space: SearchSpace) -> list[float]:

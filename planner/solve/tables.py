@@ -71,6 +71,9 @@ class Config:
     sequence_parallel: bool = True
     etp: int = 1
     optimizer_offload: float = 0.0
+    # Recompute choices the search space lists: the bound tables (which price each block's
+    # whole menu) price these too, so a bound covers every choice a layout may take.
+    recompute_extra: frozenset[str] = frozenset()
 
     @property
     def stages(self) -> int:
@@ -236,8 +239,20 @@ def build(
             config.sequence_parallel,
             config.optimizer_offload,
             None if choices is None else frozenset(choices),
+            config.recompute_extra,
         ),
-        lambda: _kinds(model, cluster, job, network, proto, shard, layer_kinds, fixed, choices),
+        lambda: _kinds(
+            model,
+            cluster,
+            job,
+            network,
+            proto,
+            shard,
+            layer_kinds,
+            fixed,
+            choices,
+            config.recompute_extra,
+        ),
     )
     first_fixed = ["embedding"]
     last_fixed = [n for n in fixed if n != "embedding"]
@@ -437,6 +452,7 @@ def _kinds(
     layer_kinds: list[str],
     fixed: list[str],
     choices: list[str] | None,
+    extra: frozenset[str] = frozenset(),
 ) -> dict[str, Kind]:
     rates = Rates.of(cluster, job)
     representative: dict[str, str] = {}
@@ -447,7 +463,17 @@ def _kinds(
     tp = TpComm.of(model, job, proto, network, shard)
     allowed = set(choices) if choices is not None else None
     return {
-        k: _kind(k, block_cost(model, n, shard), rates, tp, job, proto, allowed, fixed=k in fixed)
+        k: _kind(
+            k,
+            block_cost(model, n, shard),
+            rates,
+            tp,
+            job,
+            proto,
+            allowed,
+            fixed=k in fixed,
+            extra=extra if allowed is None else frozenset(),
+        )
         for k, n in representative.items()
     }
 
@@ -529,12 +555,13 @@ def _kind(
     allowed: set[str] | None,
     *,
     fixed: bool,
+    extra: frozenset[str] = frozenset(),
 ) -> Kind:
-    key = (id(cost), name, rates, tp, frozenset(allowed) if allowed is not None else None)
+    key = (id(cost), name, rates, tp, frozenset(allowed) if allowed is not None else None, extra)
     if len(_OPTIONS) > 50_000:  # bounded across long sweeps
         _OPTIONS.clear()
     if key not in _OPTIONS or _OPTIONS[key][0] is not cost:
-        _OPTIONS[key] = (cost, _options(name, cost, rates, tp, allowed, fixed=fixed))
+        _OPTIONS[key] = (cost, _options(name, cost, rates, tp, allowed, fixed=fixed, extra=extra))
     options = _OPTIONS[key][1]
     params = cost.params
     st = state_bytes(params, job=job, layout=proto, ema_on_gpu=proto.ema == "hbm")
@@ -563,12 +590,15 @@ def _options(
     allowed: set[str] | None,
     *,
     fixed: bool,
+    extra: frozenset[str] = frozenset(),
 ) -> list[Option]:
-    """A block's undominated recompute options (cached: many configurations share them)."""
+    """A block's undominated recompute options (cached: many configurations share them):
+    its menu, with the listed choices (``allowed``) only, or with ``extra`` choices too."""
     menu = cost.menu()
-    if allowed is not None:  # a listed module set applies to every block, in its menu or not
-        listed = (parse_recompute(a) for a in sorted(allowed) if a != "op")
-        menu += [c for c in listed if c not in menu]
+    # a listed module set applies to every block, in its menu or not
+    named = allowed if allowed is not None else extra
+    listed = (parse_recompute(a) for a in sorted(named) if a not in ("op", "offload"))
+    menu += [c for c in listed if c not in menu]
     if name in ("embedding", "head"):
         menu = [frozenset()]  # launchers do not recompute them (Megatron-LM has no option)
     options = []
