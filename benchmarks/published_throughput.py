@@ -59,6 +59,7 @@ import planner
 from planner.errors import PlannerError
 from planner.estimate import ACCURACY, model_flops_per_token
 from planner.fit import Run, fit_runs, gpt_model, run_from_row
+from planner.export.megatron_model import hf_repo
 
 DATA = Path(__file__).resolve().parent / "published_runs.csv"
 SCHEDULES = {"1f1b": "1f1b", "interleaved": "interleaved", "dualpipe": "dualpipe", "zb": "zb-h1"}
@@ -112,8 +113,12 @@ def cost(row: dict[str, str]) -> tuple[float, float, Costed]:
     gpu = row["gpu"]
     if gpu not in planner.cluster_names():
         raise PlannerError(f"gpu={gpu}: no catalog entry")
-    if row["model"].startswith("hf:"):
-        raise PlannerError(f"model={row['model']}: architecture not in the catalog")
+    if row["model"].startswith("hf:"):  # a catalog model whose config came from that repo
+        by_repo = {hf_repo(name): name for name in planner.model_names()}
+        name = by_repo.get(row["model"].removeprefix("hf:"))
+        if name is None:
+            raise PlannerError(f"model={row['model']}: architecture not in the catalog")
+        row = {**row, "model": name}
     assumed = []
     fields = dict(row)
     framework = row["framework"]
