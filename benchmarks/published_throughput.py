@@ -58,8 +58,8 @@ import numpy as np
 import planner
 from planner.errors import PlannerError
 from planner.estimate import ACCURACY, model_flops_per_token
-from planner.fit import Run, fit_runs, gpt_model, run_from_row
 from planner.export.megatron_model import hf_repo
+from planner.fit import Run, fit_runs, gpt_model, run_from_row
 
 DATA = Path(__file__).resolve().parent / "published_runs.csv"
 SCHEDULES = {"1f1b": "1f1b", "interleaved": "interleaved", "dualpipe": "dualpipe", "zb": "zb-h1"}
