@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from planner.costs.memory import offloaded_blocks, usable_hbm, usable_peak_bytes
+from planner.costs.memory import offloads_activations, usable_hbm, usable_peak_bytes
 from planner.errors import PlannerError
 from planner.estimate import Estimate, check_layout, evaluate
 from planner.layout import Layout, parse_recompute
@@ -187,7 +187,7 @@ def check_host_ram(
     """What a rank keeps on the host (an EMA, an offloaded optimizer) fits in a node's RAM,
     taking the heaviest rank for every GPU on it."""
     on_host = layout.ema == "host" and job.ema is not None
-    if not (on_host or layout.optimizer_offload or offloaded_blocks(layout)):
+    if not (on_host or layout.optimizer_offload or offloads_activations(layout)):
         return []
     gpus = min(cluster.gpus_per_node, cluster.num_gpus)  # a partial node has only num_gpus
     need = max(s.host_bytes for s in fresh.memory) * gpus

@@ -27,6 +27,8 @@ Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "dualpipe", "dualpip
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipe", "dualpipev")
 
 # Megatron-LM's --recompute-modules vocabulary (megatron/core/transformer/transformer_config.py).
+# Megatron-LM's --offload-modules vocabulary that the cost model prices (costs.blocks).
+OFFLOAD_MODULES: tuple[str, ...] = ("core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
 RECOMPUTE_MODULES: tuple[str, ...] = (
     "core_attn",
     "layernorm",
@@ -51,11 +53,13 @@ def parse_recompute(choice: str) -> frozenset[str] | Literal["full", "offload"]:
     if choice == "op":  # torchtitan's per-op selective checkpointing (costs.blocks.OP)
         return frozenset({"op"})
     modules = frozenset(choice.split("+"))
-    unknown = sorted(modules - set(RECOMPUTE_MODULES))
+    offloads = {"offload:" + m for m in OFFLOAD_MODULES}
+    unknown = sorted(modules - set(RECOMPUTE_MODULES) - offloads)
     if unknown:
         raise PlannerError(
             f"recompute={choice!r}: unknown module {unknown[0]!r}; use none, selective, full, op, "
-            f"offload or '+'-joined modules from {', '.join(RECOMPUTE_MODULES)}"
+            f"offload or '+'-joined modules from {', '.join(RECOMPUTE_MODULES)} and "
+            f"offload:<module> for {', '.join(OFFLOAD_MODULES)}"
         )
     return modules
 

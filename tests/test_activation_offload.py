@@ -109,3 +109,59 @@ def test_megatron_states_it_and_the_others_say_they_cannot() -> None:
     ds = planner.export.deepspeed(plan)
     assert any(d.startswith("activation offload: DeepSpeed has none") for d in ds.differences)
     assert all(b.recompute == "none" for s in ds.layout.stages for b in s.blocks)
+
+
+# -- fine-grained offload: offload:<module> beside recompute modules ----------------------
+
+MIXTRAL = planner.load_model("mixtral-8x7b").model_copy(update={"num_layers": 4})
+MOE_JOB = planner.TrainingJob(seq_len=4096, global_batch=16)
+
+
+def moe_layout(choice: str, pp: int = 1) -> planner.Layout:
+    return planner.Layout.uniform(MIXTRAL, pp=pp, dp=8 // pp, zero=1, recompute=choice)
+
+
+def test_expert_fc1_sends_the_dispatched_tokens_to_the_host() -> None:
+    """Megatron-LM's docs: each listed module's input goes to the host. expert_fc1's input
+    is the tokens dispatched to the rank's experts: sequence x top-k copies x hidden in
+    BF16, 4096 x 2 x 4096 x 2 B = 64 MiB for a Mixtral layer without expert parallelism."""
+    cost = block_cost(MIXTRAL, "layer.1", shard_of(MOE_JOB, moe_layout("none")))
+    choice = frozenset({"offload:expert_fc1"})
+    assert cost.offloaded_bytes(choice) == 4096 * 2 * 4096 * 2
+    assert cost.saved_bytes(choice) == cost.saved_bytes(frozenset()) - 4096 * 2 * 4096 * 2
+    assert cost.recompute_work(choice).flops == 0  # nothing recomputed
+    # a module the recompute already drops is not sent: "moe" re-runs the whole MoE layer
+    assert cost.offloaded_bytes(frozenset({"moe", "offload:expert_fc1"})) == 0
+
+
+def test_the_host_holds_what_the_schedule_keeps_in_flight() -> None:
+    """Under 1F1B pipeline rank r holds pp - r micro-batches' activations at once (Narayanan
+    et al. 2021, section 2.2): rank 0 of 2 keeps two micro-batches' offloaded inputs on the
+    host, rank 1 one."""
+    lay = moe_layout("offload:expert_fc1", pp=2)
+    est = planner.evaluate(MIXTRAL, CLUSTER, MOE_JOB, lay)
+    per_layer = 4096 * 2 * 4096 * 2
+    assert [s.host_bytes for s in est.memory] == [2 * 2 * per_layer, 1 * 2 * per_layer]
+
+
+def test_megatron_states_the_modules_and_the_others_run_without() -> None:
+    lay = moe_layout("moe_act+offload:expert_fc1")
+    plan = Plan(
+        status="feasible",
+        layout=lay,
+        estimate=planner.evaluate(MIXTRAL, CLUSTER, MOE_JOB, lay),
+        solve_time_s=0.0,
+        model=MIXTRAL,
+        cluster=CLUSTER,
+        job=MOE_JOB,
+    )
+    args = planner.export.megatron(plan).args
+    at = args.index("--offload-modules")
+    assert "--fine-grained-activation-offloading" in args and args[at + 1] == "expert_fc1"
+    assert args[args.index("--recompute-modules") + 1] == "moe_act"
+    titan = planner.export.torchtitan(plan)
+    assert any(d.startswith("activation offload: torchtitan has none") for d in titan.differences)
+    with pytest.raises(PlannerError, match="fine-grained activation offload runs under megatron"):
+        planner.evaluate(
+            MIXTRAL, CLUSTER, MOE_JOB.model_copy(update={"framework": "deepspeed"}), lay
+        )

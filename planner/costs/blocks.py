@@ -68,6 +68,23 @@ OP = "op"
 # once its forward is done; its saved tensors go to host memory and come back for its
 # backward, where they stand in HBM as a recompute's rebuilt tensors would.
 OFFLOAD = "offload"
+# Fine-grained activation offload (Megatron-LM --fine-grained-activation-offloading
+# --offload-modules; its docs, user-guide/features/fine_grained_activation_offloading): each
+# listed module's input goes to the host in forward and comes back before its backward, with
+# pipeline parallelism and with module recompute. A choice names them as "offload:<module>"
+# beside recompute modules ("layernorm+moe_act+offload:expert_fc1"). Each tags the groups
+# that are its module's input: core_attn q, k and v (MLA: its up-projected q, k, v);
+# attn_proj the attention output; mlp_norm the residual after attention; expert_fc1 the
+# dispatched tokens; moe_act the routed experts' fc1 output. attn_norm (the block input,
+# which full recompute keeps) is not modelled.
+OFFLOAD_TAG = "offload:"
+
+
+def offload_tags(choice: frozenset[str] | str) -> frozenset[str]:
+    """The fine-grained offload tags of a recompute choice."""
+    if isinstance(choice, str):
+        return frozenset()
+    return frozenset(m for m in choice if m.startswith(OFFLOAD_TAG))
 
 
 @dataclass(frozen=True)
@@ -224,6 +241,22 @@ class BlockCost:
             self._memo[key] = max(rebuilt, self.transient)
         return self._memo[key]
 
+    def offloaded_bytes(self, choice: frozenset[str] | str) -> int:
+        """Bytes a choice sends to the host per micro-batch: the whole saved set under
+        layer offload (``OFFLOAD``), else the groups its ``offload:`` tags name that its
+        recompute modules do not already drop."""
+        if choice == OFFLOAD:
+            return self.saved_bytes(frozenset())
+        tags = offload_tags(choice)
+        if not tags:
+            return 0
+        recomputed = frozenset(choice) - tags
+        return sum(
+            g.bytes
+            for g in self.saved
+            if tags & set(g.modules) and not g.added_by and not _is_dropped(g, recomputed)
+        )
+
     def recompute_work(self, dropped: frozenset[str] | str) -> Work:
         """Forward work repeated in backward to rebuild what ``dropped`` discards."""
         if dropped == "full":
@@ -253,7 +286,9 @@ class BlockCost:
         more: the greedy frontier of the knapsack "free the most bytes for the least
         recompute". It holds the set DeepSeek-V3 trained with (RMSNorm, MLA up-projections
         and the SwiGLU output: layernorm+mla_up_proj+moe_act) without listing all 2^k sets."""
-        modules = sorted({m for g in self.saved for m in g.modules} - {OP})
+        modules = sorted(
+            {m for g in self.saved for m in g.modules if not m.startswith(OFFLOAD_TAG)} - {OP}
+        )
         choices: list[frozenset[str] | str] = [frozenset()]
         if any(OP in g.modules for g in self.saved):
             choices.append(frozenset({OP}))
@@ -585,7 +620,7 @@ def _layer(
     else:
         _gqa(cost, model, shard, prefix, window)
     _residual(cost, model, shard, prefix + "attn_dropout_mask")
-    cost.save(prefix + "residual_mid", sp * h * a, *_op(shard))
+    cost.save(prefix + "residual_mid", sp * h * a, OFFLOAD_TAG + "mlp_norm", *_op(shard))
     # An MoE layer's router (BF16) keeps the norm output; its FP8 copies are the experts'.
     _saved_norm(
         cost, model, shard, prefix + "pre_mlp_norm", prefix + "pre_mlp_norm_out", quantized=not moe
@@ -711,9 +746,10 @@ def _gqa(
     )
     cost.linear(prefix + "v_proj", h, nkv * d, tokens=tokens / t, split=True, bias=model.qkv_bias)
     # q, k, v as the fused attention reads them (after the rotary embedding)
-    cost.save(prefix + "q", tokens * nq * d * a / t)
-    cost.save(prefix + "k", tokens * nkv * d * a / t, *_op(shard))
-    cost.save(prefix + "v", tokens * nkv * d * a / t)
+    attn_in = OFFLOAD_TAG + "core_attn"
+    cost.save(prefix + "q", tokens * nq * d * a / t, attn_in)
+    cost.save(prefix + "k", tokens * nkv * d * a / t, attn_in, *_op(shard))
+    cost.save(prefix + "v", tokens * nkv * d * a / t, attn_in)
     if model.qk_norm:
         _qk_norm(cost, model, shard, prefix)
     if not model.learned_positions:  # rotary embedding of q and k: read + write
@@ -724,7 +760,11 @@ def _gqa(
         # work too small to count (one exponential per query and head).
         cost.params.append(Param(prefix + "sinks", nq, tp_split=True))
     _core_attention(cost, model, shard, d_qk=d, d_v=d, window=window)
-    cost.save(prefix + "attn_proj_in", tokens * nq * d * shard.linear_input_bytes / t)
+    cost.save(
+        prefix + "attn_proj_in",
+        tokens * nq * d * shard.linear_input_bytes / t,
+        OFFLOAD_TAG + "attn_proj",
+    )
     cost.linear(
         prefix + "o_proj",
         nq * d,
@@ -784,10 +824,14 @@ def _mla(
     cost.save(prefix + "mla_latent_norm_out", tokens * (latent + dc) * shard.linear_input_bytes, up)
     cost.elementwise(2 * tokens * (latent + dc) * a, up)  # the latent norms
     cost.elementwise(2 * tokens * (n / t + 1) * dr * a)  # rotary part of q and of the shared k
-    cost.save(prefix + "qkv", tokens * n * (2 * dq + dv) * a / t, up)
+    cost.save(prefix + "qkv", tokens * n * (2 * dq + dv) * a / t, up, OFFLOAD_TAG + "core_attn")
     cost.cp_kv_bytes += tokens * n * (dq + dv) * a / t  # per-head K and V, as the ring passes
     _core_attention(cost, model, shard, d_qk=dq, d_v=dv, window=window)
-    cost.save(prefix + "attn_proj_in", tokens * n * dv * shard.linear_input_bytes / t)
+    cost.save(
+        prefix + "attn_proj_in",
+        tokens * n * dv * shard.linear_input_bytes / t,
+        OFFLOAD_TAG + "attn_proj",
+    )
     cost.linear(prefix + "o_proj", n * dv, h, tokens=tokens / t, split=True)
 
 
@@ -824,14 +868,16 @@ def _ffn(
         elements = tokens * fc1_out
         cost.add(Work(memory=3 * elements, kernels=1), Work(memory=3 * elements, kernels=1))
     kept = shard.act_input_bytes
+    # the routed experts' activation input: what offloading moe_act sends to the host
+    off = (OFFLOAD_TAG + "moe_act",) if kind == "expert" else ()
     if gated and op:  # gate (w1) and up (w3) halves: per-op checkpointing keeps only w1's
         up = Gemm(rows, width, h, groups)
         cost.rerun(Work(kernels=1, shapes=((up, 1.0),), **{kind: up.flops}), *op)
-        cost.save(f"{name}_gate_out", tokens * width * kept, *modules)
-        cost.save(f"{name}_up_out", tokens * width * kept, *modules, *op)
+        cost.save(f"{name}_gate_out", tokens * width * kept, *modules, *off)
+        cost.save(f"{name}_up_out", tokens * width * kept, *modules, *op, *off)
         cost.save(f"{name}_out", tokens * h * a, added_by=OP)  # w2's output
     else:
-        cost.save(f"{name}_fc1_out", tokens * fc1_out * kept, *modules)
+        cost.save(f"{name}_fc1_out", tokens * fc1_out * kept, *modules, *off)
     act_tags = (*modules, *act_modules, *op)
     cost.save(f"{name}_act", tokens * width * shard.linear_input_bytes, *act_tags)
 
@@ -887,7 +933,12 @@ def _moe(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
     copies = sp * k * shard.moe_load_imbalance
     gathered = copies * shard.etp  # the tokens of the etp ranks of its experts
     cost.tokens_per_expert = gathered * shard.ep / e  # the busiest rank holds e/ep experts
-    cost.save(prefix + "moe_dispatched", gathered * h * shard.linear_input_bytes, "moe")
+    cost.save(
+        prefix + "moe_dispatched",
+        gathered * h * shard.linear_input_bytes,
+        "moe",
+        OFFLOAD_TAG + "expert_fc1",
+    )
     # Permute tokens into expert order before dispatch, and back (weighted) after combine.
     cost.elementwise(2 * copies * h * a, "moe")
     cost.elementwise(2 * copies * h * a, "moe")

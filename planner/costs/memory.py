@@ -51,7 +51,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.costs.blocks import OFFLOAD, BlockCost, Param, Shard, block_cost
+from planner.costs.blocks import OFFLOAD, OFFLOAD_TAG, BlockCost, Param, Shard, block_cost
 from planner.errors import PlannerError
 from planner.layout import Layout, parse_recompute
 from planner.schedules import op_order
@@ -519,8 +519,13 @@ def stage_memory(
 
 
 def offloaded_blocks(layout: Layout) -> list[str]:
-    """The blocks whose activations go to the host (``recompute="offload"``)."""
+    """The blocks whose activations go to the host whole (``recompute="offload"``)."""
     return [b.block for s in layout.stages for b in s.blocks if b.recompute == OFFLOAD]
+
+
+def offloads_activations(layout: Layout) -> bool:
+    """Whether any block sends activations to the host (layer or fine-grained offload)."""
+    return any(OFFLOAD in b.recompute for s in layout.stages for b in s.blocks)
 
 
 def activation_offload_rule(model: ModelSpec, job: TrainingJob, layout: Layout) -> str:
@@ -529,7 +534,15 @@ def activation_offload_rule(model: ModelSpec, job: TrainingJob, layout: Layout) 
     transformer_config.py at d98e8a64): Transformer Engine's CPU offload of the first N
     transformer layers, N below the layer count, without pipeline parallelism and without
     activation recompute anywhere."""
+    fine = any(OFFLOAD_TAG in b.recompute for s in layout.stages for b in s.blocks)
     offloaded = offloaded_blocks(layout)
+    if fine and job.framework != "megatron":
+        return f"fine-grained activation offload runs under megatron only, not {job.framework!r}"
+    if fine and offloaded:
+        return (
+            "Megatron-LM runs fine-grained (offload:<module>) and layer offload (offload) "
+            "one at a time"
+        )
     if not offloaded:
         return ""
     if job.framework != "megatron":
@@ -625,13 +638,21 @@ def _rank_memory(
             resident = sum(p.numel / shards(p, layout) for p in plist)
             gathered = max(gathered, min(DEEPSPEED_MAX_LIVE_PARAMETERS, resident))
         buffers += gathered * DTYPE_BYTES[job.working_weight_dtype]
-    # offloaded activations on the host: one micro-batch's (pipeline parallelism is off)
-    offloaded_activations = sum(
-        costs[b.block].saved_bytes(frozenset())
+    # offloaded activations on the host: each chunk's per micro-batch, as many micro-batches
+    # as the op order holds at once (the same walk as the HBM activations')
+    host_chunk = {
+        c: float(
+            sum(
+                costs[b.block].offloaded_bytes(parse_recompute(b.recompute))
+                for b in layout.stages[c].blocks
+            )
+        )
         for c in chunks
-        for b in layout.stages[c].blocks
-        if b.recompute == OFFLOAD
-    )
+    }
+    offloaded_activations = 0.0
+    if any(host_chunk.values()):
+        none = dict.fromkeys(chunks, 0.0)
+        offloaded_activations = activation_peak(layout, rank, num_microbatches, host_chunk, none)
     buckets = {
         "weights": state["weights"],
         "grads": state["grads"],

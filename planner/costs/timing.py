@@ -41,7 +41,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from planner.costs.blocks import OFFLOAD, BlockCost, Param
+from planner.costs.blocks import BlockCost, Param
 from planner.costs.comm import NO_TRANSFER, Network, Transfer, group, moe_dispatch_bytes
 from planner.costs.compute import BlockTime, Rates, block_time, work_time
 from planner.costs.memory import StageMemory, block_costs, shard_of, shards
@@ -291,7 +291,7 @@ def block_row(cost: BlockCost, rates: Rates, choice: frozenset[str] | str, tp: T
     cp_f, cp_b = cp_exposed(cost, rates, tp)
     rerun = (tp_f, sm_f) if choice == "full" else (0.0, 0.0)
     rerun_ring = cp_f if choice == "full" or "core_attn" in choice else 0.0
-    off_f, off_b = offload_exposed(cost, rates, t) if choice == OFFLOAD else (0.0, 0.0)
+    off_f, off_b = offload_exposed(cost, rates, t, choice)
     return BlockRow(
         fwd=t.fwd + tp_f + sm_f + cp_f + off_f,
         bwd_input=t.bwd_input + t.recompute + tp_b + sm_b + sum(rerun) + cp_b + rerun_ring + off_b,
@@ -308,17 +308,22 @@ def block_row(cost: BlockCost, rates: Rates, choice: frozenset[str] | str, tp: T
     )
 
 
-def offload_exposed(cost: BlockCost, rates: Rates, t: BlockTime) -> tuple[float, float]:
-    """(forward, backward) seconds of an offloaded block's activation copies that compute
-    does not hide, per micro-batch. Transformer Engine's CPU offload (Megatron-LM
-    --cpu-offloading-num-layers) copies a layer's saved tensors to the host on a stream of
-    their own as its forward saves them, beside the next layer's forward, and brings them
-    back one layer ahead in backward, beside the next-later layer's backward (TE
-    cpu_offload.py; its docs: offload starts as soon as tensors are saved, reload is
-    prefetched). Counted: each copy against one layer's compute in that direction, at the
-    PCIe rate. Ignored: the copies' share of HBM bandwidth, and the longer window TE gives
-    a copy when more layers stay in HBM."""
-    copy = cost.saved_bytes(frozenset()) / rates.pcie_Bps
+def offload_exposed(
+    cost: BlockCost, rates: Rates, t: BlockTime, choice: frozenset[str] | str
+) -> tuple[float, float]:
+    """(forward, backward) seconds of a block's activation copies to and from the host that
+    compute does not hide, per micro-batch (``BlockCost.offloaded_bytes``). Transformer
+    Engine's CPU offload (Megatron-LM --cpu-offloading-num-layers) copies a layer's saved
+    tensors to the host on a stream of their own as its forward saves them, beside the next
+    layer's forward, and brings them back one layer ahead in backward (TE cpu_offload.py;
+    its docs: offload starts as soon as tensors are saved, reload is prefetched); Megatron-
+    LM's fine-grained offload does the same per module input. Counted: each block's copies
+    against one layer's compute in that direction, at the PCIe rate. Ignored: the copies'
+    share of HBM bandwidth, and the longer window a copy gets when more layers stay in HBM."""
+    nbytes = cost.offloaded_bytes(choice)
+    if not nbytes:
+        return 0.0, 0.0
+    copy = nbytes / rates.pcie_Bps
     return max(0.0, copy - t.fwd), max(0.0, copy - t.bwd_input - t.bwd_weight)
 
 

@@ -213,16 +213,14 @@ def uniform_recompute(layout: Layout) -> str | None:
     return choices.pop() if len(choices) == 1 else None
 
 
-def with_recompute(layout: Layout, choice: str, *, only: str | None = None) -> Layout:
-    """The layout with every transformer layer (and MTP module) taking ``choice`` (those
-    whose choice is ``only``, where given)."""
+def with_recompute(layout: Layout, choice: str) -> Layout:
+    """The layout with every transformer layer (and MTP module) taking ``choice``."""
     stages = [
         s.model_copy(
             update={
                 "blocks": [
                     b.model_copy(update={"recompute": choice})
                     if b.block.startswith(("layer.", "mtp."))
-                    and (only is None or b.recompute == only)
                     else b
                     for b in s.blocks
                 ]
@@ -230,6 +228,36 @@ def with_recompute(layout: Layout, choice: str, *, only: str | None = None) -> L
         )
         for s in layout.stages
     ]
+    return layout.model_copy(update={"stages": stages})
+
+
+def without_host_offload(layout: Layout, target: str, differences: list[str]) -> Layout:
+    """The layout with no activation offload (layer or fine-grained), for a target that
+    has none: offloaded layers run without recompute, offload:<module> tags are dropped."""
+    changed = False
+
+    def keep(choice: str) -> str:
+        nonlocal changed
+        if choice == "offload":
+            changed = True
+            return "none"
+        parts = [m for m in choice.split("+") if not m.startswith("offload:")]
+        changed = changed or len(parts) < len(choice.split("+"))
+        return "+".join(parts) or "none"
+
+    stages = [
+        s.model_copy(
+            update={
+                "blocks": [b.model_copy(update={"recompute": keep(b.recompute)}) for b in s.blocks]
+            }
+        )
+        for s in layout.stages
+    ]
+    if not changed:
+        return layout
+    differences.append(
+        f"activation offload: {target} has none for a layer's saved tensors; runs them in HBM"
+    )
     return layout.model_copy(update={"stages": stages})
 
 

@@ -36,6 +36,7 @@ from planner.export import (
     uniform_1f1b,
     uniform_recompute,
     with_recompute,
+    without_host_offload,
 )
 from planner.layout import Layout
 from planner.solve.result import Plan
@@ -75,12 +76,7 @@ def deepspeed(plan: Plan) -> Export:
             "ZeRO-1"
         )
         runs = runs.model_copy(update={"zero": 1})
-    if any(b.recompute == "offload" for s in runs.stages for b in s.blocks):
-        differences.append(
-            "activation offload: DeepSpeed has none for a layer's saved tensors; runs those "
-            "layers without recompute"
-        )
-        runs = with_recompute(runs, "none", only="offload")
+    runs = without_host_offload(runs, "DeepSpeed", differences)
     choice = uniform_recompute(runs)
     if choice not in ("none", "full"):
         differences.append(

@@ -233,6 +233,11 @@ def _recompute_args(layout: Layout) -> list[str]:
         ]
     if choice == "none":
         return []
+    offload = [m.removeprefix("offload:") for m in choice.split("+") if m.startswith("offload:")]
+    if offload:  # fine-grained: these modules' inputs on the host, the rest recomputed
+        rest = "+".join(m for m in choice.split("+") if not m.startswith("offload:")) or "none"
+        flags = ["--fine-grained-activation-offloading", "--offload-modules", *offload]
+        return flags + _recompute_args(with_recompute(layout, rest))
     if choice == "full":
         return [
             "--recompute-granularity",

@@ -31,7 +31,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from planner.export import Export, finish, heaviest_choice, inputs, settle, uniform_recompute
+from planner.export import (
+    Export,
+    finish,
+    heaviest_choice,
+    inputs,
+    settle,
+    uniform_recompute,
+    without_host_offload,
+)
 from planner.export import with_recompute as _with_recompute
 from planner.export.flavors import flavors, mismatches
 from planner.layout import Layout
@@ -90,12 +98,7 @@ def torchtitan(plan: Plan) -> Export:
     if runs.zero == 1:
         differences.append("ZeRO-1: torchtitan's FSDP2 shards gradients too; runs ZeRO-2")
         runs = runs.model_copy(update={"zero": 2})
-    if any(b.recompute == "offload" for s in runs.stages for b in s.blocks):
-        differences.append(
-            "activation offload: torchtitan has none for a layer's saved tensors; runs those "
-            "layers without recompute"
-        )
-        runs = _with_recompute(runs, "none", only="offload")
+    runs = without_host_offload(runs, "torchtitan", differences)
     choice = uniform_recompute(runs)
     if choice is None or choice not in ("none", "full"):
         nearest = heaviest_choice(runs) if choice is None else choice

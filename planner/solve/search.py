@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.costs.comm import Network
-from planner.costs.memory import memory_cap, offloaded_blocks, stage_memory, usable_peak_bytes
+from planner.costs.memory import memory_cap, offloads_activations, stage_memory, usable_peak_bytes
 from planner.errors import PlannerError
 from planner.estimate import Estimate, evaluate, step_run
 from planner.layout import Layout, parse_recompute
@@ -722,7 +722,7 @@ def _uniform(model: ModelSpec, choice: str) -> dict[str, str]:
 
 def _host_ok(job: TrainingJob, cluster: ClusterSpec, layout: Layout, est: Estimate) -> bool:
     on_host = layout.ema == "host" and job.ema is not None
-    if not (on_host or layout.optimizer_offload or offloaded_blocks(layout)):
+    if not (on_host or layout.optimizer_offload or offloads_activations(layout)):
         return True
     gpus = min(cluster.gpus_per_node, cluster.num_gpus)
     return max(s.host_bytes for s in est.memory) * gpus <= cluster.host_ram_bytes
