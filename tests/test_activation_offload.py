@@ -165,3 +165,14 @@ def test_megatron_states_the_modules_and_the_others_run_without() -> None:
         planner.evaluate(
             MIXTRAL, CLUSTER, MOE_JOB.model_copy(update={"framework": "deepspeed"}), lay
         )
+
+
+def test_a_plan_never_offloads_more_than_the_host_holds() -> None:
+    """Four Mixtral layers each send 64 MiB a micro-batch (expert_fc1): at least 256 MiB a
+    GPU, 2 GiB for a node of 8, over a 1 GiB host."""
+    space = planner.SearchSpace(recompute=["offload:expert_fc1"], pp=[1], tp=[1], cp=[1])
+    roomy = planner.plan(MIXTRAL, CLUSTER, MOE_JOB, space, time_limit_s=2)
+    assert roomy.layout is not None  # the same space fits with the catalog's 2 TiB host
+    small = CLUSTER.model_copy(update={"host_ram_bytes": 2**30})
+    with pytest.raises(PlannerError, match=r"than a node's host RAM \(1 GiB\); offload fewer"):
+        planner.plan(MIXTRAL, small, MOE_JOB, space, time_limit_s=2)

@@ -210,7 +210,16 @@ def plan(
     def best() -> float:
         return found[0][0] if found else math.inf
 
+    over_host: list[Layout] = []  # layouts that fit HBM but not the host's RAM
+
     def keep(step: float, config: Config, layout: Layout) -> None:
+        # What the stage model does not hold: the host RAM of offloaded activations, which
+        # depends on the options it chose (checked here, on the layouts that offload).
+        if offloads_activations(layout) and not _host_ok(
+            job, cluster, layout, evaluate(model, cluster, job, layout)
+        ):
+            over_host.append(layout)
+            return
         found.append((step, config, layout))
         found.sort(key=lambda x: (x[0], _key(x[1])))
 
@@ -281,6 +290,12 @@ def plan(
         for b, c in sorted(pending, key=lambda x: (x[0], _key(x[1])))[:12]:
             log.debug("open %.4f %s", b, c)
     if not found:
+        if over_host:
+            raise PlannerError(
+                f"SearchSpace.recompute={space.recompute}: the {len(over_host)} layouts found "
+                f"that fit HBM keep more offloaded activations than a node's host RAM "
+                f"({cluster.host_ram_bytes / 2**30:.0f} GiB); offload fewer modules"
+            )
         if open_bounds or any(b < math.inf for b, _ in pending):
             raise PlannerError(
                 f"time_limit_s={time_limit_s}: no layout found in time and infeasibility not "
