@@ -21,6 +21,20 @@ CLUSTER = planner.load_cluster("h100", gpus=8)
 JOB = planner.TrainingJob(seq_len=32768, global_batch=16)
 
 
+def plan_of(model: planner.ModelSpec, job: planner.TrainingJob, lay: planner.Layout) -> Plan:
+    """A plan of a stated layout, as the exporters take it."""
+    estimate = planner.evaluate(model, CLUSTER, job, lay)
+    return Plan(
+        status="feasible",
+        layout=lay,
+        estimate=estimate,
+        solve_time_s=0.0,
+        model=model,
+        cluster=CLUSTER,
+        job=job,
+    )
+
+
 def layout(n: int, rest: str = "none", dp: int = 8, **kw: object) -> planner.Layout:
     choice = {f"layer.{i}": "offload" if i < n else rest for i in range(MODEL.num_layers)}
     return planner.Layout.uniform(MODEL, dp=dp, zero=3, recompute=choice, **kw)  # type: ignore[arg-type]
@@ -93,16 +107,7 @@ def test_the_search_offloads_the_fewest_layers_that_fit() -> None:
 
 
 def test_megatron_states_it_and_the_others_say_they_cannot() -> None:
-    lay = layout(3)
-    plan = Plan(
-        status="feasible",
-        layout=lay,
-        estimate=planner.evaluate(MODEL, CLUSTER, JOB, lay),
-        solve_time_s=0.0,
-        model=MODEL,
-        cluster=CLUSTER,
-        job=JOB,
-    )
+    plan = plan_of(MODEL, JOB, layout(3))
     args = planner.export.megatron(plan).args
     assert args[args.index("--cpu-offloading-num-layers") + 1] == "3"
     assert "--recompute-granularity" not in args
@@ -146,15 +151,7 @@ def test_the_host_holds_what_the_schedule_keeps_in_flight() -> None:
 
 def test_megatron_states_the_modules_and_the_others_run_without() -> None:
     lay = moe_layout("moe_act+offload:expert_fc1")
-    plan = Plan(
-        status="feasible",
-        layout=lay,
-        estimate=planner.evaluate(MIXTRAL, CLUSTER, MOE_JOB, lay),
-        solve_time_s=0.0,
-        model=MIXTRAL,
-        cluster=CLUSTER,
-        job=MOE_JOB,
-    )
+    plan = plan_of(MIXTRAL, MOE_JOB, lay)
     args = planner.export.megatron(plan).args
     at = args.index("--offload-modules")
     assert "--fine-grained-activation-offloading" in args and args[at + 1] == "expert_fc1"
