@@ -711,10 +711,8 @@ def _print_runners_up(result: Plan) -> None:
     for col in ("layout", "step s", "vs plan", "peak GiB"):
         table.add_column(col, justify="left" if col == "layout" else "right")
     for alt in result.alternatives:
-        lay = alt.layout
         table.add_row(
-            f"{lay.degrees()} ZeRO-{lay.zero} mb{lay.micro_batch} {lay.schedule}"
-            + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else ""),
+            alt.layout.shape(),
             f"{alt.step_time_s:.3f}",
             f"{alt.step_time_s / base - 1:+.1%}",
             f"{alt.peak_bytes / GiB:.2f}",
@@ -912,11 +910,14 @@ def _print_memory(name: str, layout: Layout, est: Estimate, margin: float) -> No
     )
     host = max(s.host_bytes for s in est.memory)
     if host:
-        offloaded = sum(b.recompute == "offload" for s in layout.stages for b in s.blocks)
-        held = [f"{layout.optimizer_offload:.0%} of the optimizer state"] * bool(
-            layout.optimizer_offload
-        ) + ["the EMA"] * (layout.ema == "host")
-        held += [f"the saved activations of {offloaded} layers"] * bool(offloaded)
+        held = []
+        if layout.optimizer_offload:
+            held.append(f"{layout.optimizer_offload:.0%} of the optimizer state")
+        if layout.ema == "host":
+            held.append("the EMA")
+        offloaded = sum("offload" in b.recompute for s in layout.stages for b in s.blocks)
+        if offloaded:  # whole layers (offload) or module inputs (offload:<module>)
+            held.append(f"activations offloaded from {offloaded} layers")
         console.print(
             f"Host RAM: up to {host / GiB:.2f} GiB per rank for {' and '.join(held)} (not in "
             "HBM; checked against the node's RAM with every GPU of the node at that figure)."

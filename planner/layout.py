@@ -210,6 +210,12 @@ class Layout(Spec):
             f"{name}{sep}{value}" for name, value in parts if value > 1 or name not in ("cp", "etp")
         )
 
+    def shape(self, sep: str = "=") -> str:
+        """The degrees, ZeRO stage, micro-batch and schedule as text:
+        ``tp=8 pp=16 dp=64 ep=1 ZeRO-1 mb1 interleaved v2`` (``sep`` as ``degrees``)."""
+        v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return f"{self.degrees(sep)} ZeRO-{self.zero} mb{self.micro_batch} {self.schedule}{v}"
+
     @property
     def plane(self) -> int:
         """Ranks of one pipeline position: tp * cp * dp (what the experts fold onto, as

@@ -181,10 +181,7 @@ def run_case(case: Case, hints: Sequence[dict[str, Any]] = ()) -> dict[str, Any]
         "tflops_per_gpu": est.tflops_per_gpu,
         "peak_gib": max(m.peak_bytes for m in est.memory) / GiB,
         "gap": result.gap,
-        "layout": (
-            f"{lay.degrees('')} ZeRO-{lay.zero} mb{lay.micro_batch} {lay.schedule}"
-            + (f" v{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
-        ),
+        "layout": lay.shape(""),
     }
 
 

@@ -75,7 +75,10 @@ def test_the_copies_cost_what_one_layer_of_compute_does_not_hide() -> None:
 @pytest.mark.parametrize(
     ("make", "words"),
     [
-        (lambda: layout(2, pp=2, dp=4), "without pipeline parallelism only (pp=2)"),
+        (
+            lambda: layout(2, pp=2, dp=4),
+            "without pipeline parallelism only (pp=2, virtual_stages=1)",
+        ),
         (lambda: layout(2, rest="full"), "with no activation recompute, not with ['full']"),
         (lambda: layout(8), "8 of 8 layers offloaded"),
     ],

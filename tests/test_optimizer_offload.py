@@ -43,12 +43,15 @@ def test_the_host_holds_and_the_links_carry_what_the_framework_keeps(
     whole, moved = memory(0.0, framework), memory(1.0, framework)
     n = whole.params  # dp = 1: the rank steps every parameter it holds
     assert moved.host_bytes == pytest.approx(host_b * n, rel=1e-9)
-    assert moved.step_bytes["d2h"] == pytest.approx(4 * n, rel=1e-9)
-    assert moved.step_bytes["h2d"] == pytest.approx(h2d_b * n, rel=1e-9)
+    assert moved.step_bytes["step_d2h"] == pytest.approx(4 * n, rel=1e-9)
+    assert moved.step_bytes["step_h2d"] == pytest.approx(h2d_b * n, rel=1e-9)
+    # host memory per element: the gradient read, FP32 master and moments read and written
+    # (2 x 12 B), DeepSpeed's 16-bit weight copy written (2 B), the two copies' own bytes
+    assert moved.step_bytes["step_host"] == pytest.approx((4 + 24 + host_b - 16 + 4 + h2d_b) * n)
     assert moved.buckets["optimizer"] == 0 and whole.buckets["optimizer"] == 12 * n
     for bucket in ("weights", "grads", "activations"):  # the GPU keeps its working copies
         assert moved.buckets[bucket] == whole.buckets[bucket]
-    assert whole.host_bytes == 0 and whole.step_bytes["host"] == 0
+    assert whole.host_bytes == 0 and whole.step_bytes["step_host"] == 0
 
 
 def test_a_fraction_moves_that_share_of_the_state() -> None:
@@ -69,9 +72,9 @@ def test_the_host_step_is_the_slowest_of_its_pipeline() -> None:
     pcie = 64e9 * 0.86
     assert 36 * n / host_rate > 4 * n / pcie  # the host binds, not PCIe
     rates = StepRates.of(CLUSTER)
-    gpu_before = whole.step_bytes["hbm"] / rates.hbm
+    gpu_before = whole.step_bytes["step_hbm"] / rates.hbm
     # the GPU no longer steps the state: only its gradient reads and weight writes go too
-    gpu_after = moved.step_bytes["hbm"] / rates.hbm
+    gpu_after = moved.step_bytes["step_hbm"] / rates.hbm
     assert gpu_after == pytest.approx(0.0, abs=1e-12)
     assert optimizer_time(moved, CLUSTER) == pytest.approx(36 * n / host_rate, rel=1e-6)
     assert optimizer_time(whole, CLUSTER) == pytest.approx(gpu_before, rel=1e-12)

@@ -147,9 +147,9 @@ class StageMemory(BaseModel):
     )
     step_bytes: dict[str, int] = Field(
         default_factory=dict,
-        description="Bytes the rank's optimizer step moves, by path: 'hbm' (the GPU's part), "
-        "'d2h' and 'h2d' (gradients to and weights from an offloaded part, over PCIe), 'host' "
-        "(the host CPU's part, through host memory).",
+        description="Bytes the rank's optimizer step moves, by path: 'step_hbm' (the GPU's "
+        "part), 'step_d2h' and 'step_h2d' (gradients to and weights from an offloaded part, "
+        "over PCIe), 'step_host' (the host CPU's part, through host memory).",
     )
 
     @property
@@ -307,6 +307,9 @@ def shards(p: Param, layout: Layout) -> int:
 OFFLOAD_HOST_BYTES = {"megatron": 16, "deepspeed": 18}
 OFFLOAD_D2H_BYTES = {"megatron": 4, "deepspeed": 4}
 OFFLOAD_H2D_BYTES = {"megatron": 4, "deepspeed": 2}
+OFFLOAD_STATE_BYTES = 12  # of those on the host: the FP32 master and the two FP32 moments
+# What the optimizer step moves, by path (state_bytes' keys, StageMemory.step_bytes').
+STEP_KEYS = ("step_hbm", "step_d2h", "step_h2d", "step_host")
 
 
 def optimizer_offload_rule(job: TrainingJob, fraction: float, zero: int | None = None) -> str:
@@ -321,7 +324,10 @@ def optimizer_offload_rule(job: TrainingJob, fraction: float, zero: int | None =
             "deepspeed"
         )
     if job.optimizer != "adamw" or job.master_dtype != "fp32":
-        return "offload runs the host's AdamW on FP32 master weights; the job has another optimizer"
+        return (
+            "offload runs the host's AdamW on FP32 master weights; the job has "
+            f"optimizer={job.optimizer!r}, master_dtype={job.master_dtype!r}"
+        )
     if job.framework == "deepspeed" and fraction != 1:
         return f"DeepSpeed offloads all of the optimizer state or none, not {fraction:g}"
     if job.framework == "megatron" and zero is not None and zero != 1:
@@ -337,11 +343,10 @@ def state_bytes(
     params: list[Param], *, job: TrainingJob, layout: Layout, ema_on_gpu: bool
 ) -> dict[str, float]:
     """Weights, gradients, optimizer state and EMA of ``params`` on one rank (bytes), what
-    lives on the host (``host``), and what the optimizer step moves (``step``: HBM bytes of
-    the GPU's part; ``d2h``, ``h2d``: PCIe bytes of an offloaded part; ``host_rw``: host
-    memory bytes of the host's part)."""
-    keys = ("weights", "grads", "optimizer", "ema", "host", "step", "d2h", "h2d", "host_rw")
-    out = dict.fromkeys(keys, 0.0)
+    lives on the host (``host``), and what the optimizer step moves (``STEP_KEYS``: HBM bytes
+    of the GPU's part; PCIe bytes each way of an offloaded part; host memory bytes of the
+    host's part)."""
+    out = dict.fromkeys(("weights", "grads", "optimizer", "ema", "host", *STEP_KEYS), 0.0)
     off = layout.optimizer_offload
     fw = job.framework
     moved_rw = 0.0  # gradient reads and weight writes the PCIe copies take off the GPU's step
@@ -376,18 +381,20 @@ def state_bytes(
         if off:
             moved = stepped * off
             out["host"] += moved * OFFLOAD_HOST_BYTES[fw]
-            out["d2h"] += moved * OFFLOAD_D2H_BYTES[fw]
-            out["h2d"] += moved * OFFLOAD_H2D_BYTES[fw]
-            # the step reads the gradient copy, reads and writes master and moments; the
-            # copies write the gradient into and read the weights out of host memory
-            rw = OFFLOAD_D2H_BYTES[fw] + 2 * (OFFLOAD_HOST_BYTES[fw] - OFFLOAD_D2H_BYTES[fw])
-            out["host_rw"] += moved * (rw + OFFLOAD_D2H_BYTES[fw] + OFFLOAD_H2D_BYTES[fw])
+            d2h, h2d = OFFLOAD_D2H_BYTES[fw], OFFLOAD_H2D_BYTES[fw]
+            out["step_d2h"] += moved * d2h
+            out["step_h2d"] += moved * h2d
+            # the step reads the gradient copy, reads and writes master and moments, writes
+            # a weight copy where the framework keeps one (DeepSpeed's 16-bit); the copies
+            # write the gradient into and read the weights out of host memory
+            copy = OFFLOAD_HOST_BYTES[fw] - OFFLOAD_STATE_BYTES - d2h
+            out["step_host"] += moved * (d2h + 2 * OFFLOAD_STATE_BYTES + copy + d2h + h2d)
             moved_rw += moved * (gb + wb)
     # The GPU's part reads and writes its master weights and moments, reads the gradients and
     # writes the weights (less those of the offloaded elements, which the PCIe copies move),
     # reads and writes an HBM EMA.
-    out["step"] = 2 * out["optimizer"] + out["grads"] + out["weights"] + 2 * out["ema"]
-    out["step"] -= min(moved_rw, out["grads"] + out["weights"])
+    gpu = 2 * out["optimizer"] + out["grads"] + out["weights"] + 2 * out["ema"]
+    out["step_hbm"] = gpu - min(moved_rw, out["grads"] + out["weights"])
     return out
 
 
@@ -549,7 +556,8 @@ def activation_offload_rule(model: ModelSpec, job: TrainingJob, layout: Layout) 
         return f"activation offload runs under megatron only, not {job.framework!r}"
     if layout.pp > 1 or layout.virtual_stages > 1:
         return (
-            f"Megatron-LM offloads activations without pipeline parallelism only (pp={layout.pp})"
+            "Megatron-LM offloads activations without pipeline parallelism only "
+            f"(pp={layout.pp}, virtual_stages={layout.virtual_stages})"
         )
     if any(not name.startswith("layer.") for name in offloaded):
         return "only transformer layers offload their activations"
@@ -674,10 +682,5 @@ def _rank_memory(
         params=sum(p.numel // shards(p, layout) for p in plist if p.trainable),
         embedding_head_bytes=round(emb["weights"] + emb["grads"] + emb["optimizer"] + emb["ema"]),
         host_bytes=round(state["host"] + offloaded_activations),
-        step_bytes={
-            "hbm": round(state["step"]),
-            "d2h": round(state["d2h"]),
-            "h2d": round(state["h2d"]),
-            "host": round(state["host_rw"]),
-        },
+        step_bytes={k: round(state[k]) for k in STEP_KEYS},
     )

@@ -351,14 +351,12 @@ class StepRates:
 
 def optimizer_time(memory: StageMemory, cluster: ClusterSpec) -> float:
     """Seconds of one rank's optimizer step (see ``optimizer_seconds``)."""
-    b = memory.step_bytes
-    state = {"step": b["hbm"], "d2h": b["d2h"], "h2d": b["h2d"], "host_rw": b["host"]}
-    return optimizer_seconds(state, StepRates.of(cluster))
+    return optimizer_seconds(memory.step_bytes, StepRates.of(cluster))
 
 
 def optimizer_seconds(state: Mapping[str, float], rates: StepRates) -> float:
-    """Seconds of the optimizer step of state of these sizes (``costs.memory.state_bytes``'s
-    ``step``, ``d2h``, ``h2d``, ``host_rw``).
+    """Seconds of the optimizer step that moves these bytes (``costs.memory.STEP_KEYS`` of
+    ``state_bytes``, or ``StageMemory.step_bytes``).
 
     The GPU's part is memory-bound: master weights and moments read and written, gradients
     read, weights written, an HBM EMA read and written. An offloaded part is a pipeline per
@@ -370,15 +368,15 @@ def optimizer_seconds(state: Mapping[str, float], rates: StepRates) -> float:
     bound above by the smaller part, kept so a rank's step stays a sum over its layers.
     Ignored: the NICs' traffic sharing the PCIe switches, and the host CPU's arithmetic
     beyond its memory traffic."""
-    seconds = state["step"] / rates.hbm
-    if state["d2h"] or state["h2d"] or state["host_rw"]:
+    seconds = state["step_hbm"] / rates.hbm
+    if state["step_d2h"] or state["step_h2d"] or state["step_host"]:
         if rates.host is None:
             raise PlannerError(
                 "ClusterSpec.host_memory_Bps=None: an offloaded optimizer needs the host "
                 "memory bandwidth (state it in the cluster YAML as host_memory_GBps)"
             )
-        links = max(state["d2h"], state["h2d"]) / rates.pcie
-        seconds += max(links, state["host_rw"] / rates.host)
+        links = max(state["step_d2h"], state["step_h2d"]) / rates.pcie
+        seconds += max(links, state["step_host"] / rates.host)
     return seconds
 
 

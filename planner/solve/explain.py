@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from planner.costs.memory import memory_cap, optimizer_offload_rule
+from planner.estimate import Estimate
+from planner.layout import Layout
 from planner.solve.result import Binding, Explanation, Plan
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 
@@ -82,11 +84,11 @@ def explain(
             fixes.append(
                 f"{bigger.num_gpus} GPUs: not settled within {per:.0f} s of solving (it may fit)"
             )
-        elif found.layout is not None and found.estimate is not None:
+        elif fit := _fitting(found):
+            lay, est = fit
             fixes.append(
-                f"{bigger.num_gpus} GPUs: fits (tp={found.layout.tp} cp={found.layout.cp} "
-                f"pp={found.layout.pp} dp={found.layout.dp}, "
-                f"{found.estimate.step_time_s:.2f} s per step)"
+                f"{bigger.num_gpus} GPUs: fits (tp={lay.tp} cp={lay.cp} pp={lay.pp} "
+                f"dp={lay.dp}, {est.step_time_s:.2f} s per step)"
             )
             break
     for field, label in (
@@ -106,9 +108,8 @@ def explain(
         if getattr(space, field) is None:
             continue
         freed = space.model_copy(update={field: None})
-        found = replan(model, cluster, job, freed, per)
-        if found is not None and found.layout is not None and found.estimate is not None:
-            seconds = found.estimate.step_time_s
+        if fit := _fitting(replan(model, cluster, job, freed, per)):
+            seconds = fit[1].step_time_s
             fixes.append(f"{label} (free SearchSpace.{field}): fits, {seconds:.2f} s per step")
     if (
         lightest is not None
@@ -118,9 +119,8 @@ def explain(
         # The optimizer state to the host: memory for a host step and PCIe copies per step.
         zeros = space.zero if space.zero is None or 1 in space.zero else [*space.zero, 1]
         offload = space.model_copy(update={"optimizer_offload": [0.0, 1.0], "zero": zeros})
-        found = replan(model, cluster, job, offload, per)
-        if found is not None and found.layout is not None and found.estimate is not None:
-            seconds = found.estimate.step_time_s
+        if fit := _fitting(replan(model, cluster, job, offload, per)):
+            seconds = fit[1].step_time_s
             fixes.append(
                 "the optimizer state on the host (SearchSpace.optimizer_offload=[0, 1]): fits, "
                 f"{seconds:.2f} s per step"
@@ -134,12 +134,12 @@ def explain(
         offload = space.model_copy(
             update={"recompute": ["none", "offload"], "pp": [1], "virtual_stages": None}
         )
-        found = replan(model, cluster, job, offload, per)
-        if found is not None and found.layout is not None and found.estimate is not None:
-            n = sum(b.recompute == "offload" for s in found.layout.stages for b in s.blocks)
+        if fit := _fitting(replan(model, cluster, job, offload, per)):
+            lay, est = fit
+            n = sum(b.recompute == "offload" for s in lay.stages for b in s.blocks)
             fixes.append(
                 f"the first {n} layers' activations on the host (SearchSpace.recompute=[none, "
-                f"offload], pp=1): fits, {found.estimate.step_time_s:.2f} s per step"
+                f"offload], pp=1): fits, {est.step_time_s:.2f} s per step"
             )
     if not any(": fits" in f for f in fixes):
         unsettled = any("not settled" in f for f in fixes)
@@ -148,3 +148,10 @@ def explain(
             + ("; those not settled may fit with a longer time limit" if unsettled else "")
         )
     return Explanation(summary=summary, binding=binding, fixes=fixes)
+
+
+def _fitting(found: Plan | None) -> tuple[Layout, Estimate] | None:
+    """A replan's layout and its estimate, when it came back with one that fits."""
+    if found is None or found.layout is None or found.estimate is None:
+        return None
+    return found.layout, found.estimate

@@ -212,11 +212,13 @@ def plan(
 
     over_host: list[Layout] = []  # layouts that fit HBM but not the host's RAM
 
-    def keep(step: float, config: Config, layout: Layout) -> None:
+    def keep(step: float, config: Config, layout: Layout, *, host_checked: bool = False) -> None:
         # What the stage model does not hold: the host RAM of offloaded activations, which
         # depends on the options it chose (checked here, on the layouts that offload).
-        if offloads_activations(layout) and not _host_ok(
-            job, cluster, layout, evaluate(model, cluster, job, layout)
+        if (
+            not host_checked
+            and offloads_activations(layout)
+            and not _host_ok(job, cluster, layout, evaluate(model, cluster, job, layout))
         ):
             over_host.append(layout)
             return
@@ -224,7 +226,7 @@ def plan(
         found.sort(key=lambda x: (x[0], _key(x[1])))
 
     for item in _offloaded(model, cluster, job, space, configs, budget):
-        keep(*item)
+        keep(*item, host_checked=True)  # each checked as its bisection ran
     # Activation offload is searched above, on its own: the lanes' stage models know the
     # space's other recompute choices only.
     space = without_offload(space)
