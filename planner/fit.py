@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from planner.errors import PlannerError
+from planner.frameworks import FRAMEWORK_NAMES, FRAMEWORKS
 from planner.layout import Layout
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 
@@ -494,9 +495,10 @@ def layout_from_row(
     if compiled not in ("true", "false"):
         raise PlannerError(f"{where}: compiled_loss={compiled!r} must be true or false")
     framework = text("framework", "megatron").lower()
-    if framework not in ("megatron", "torchtitan", "deepspeed", "torch"):
+    if framework not in FRAMEWORKS:
         raise PlannerError(
-            f"{where}: framework={framework!r} must be megatron, torchtitan, deepspeed or torch"
+            f"{where}: framework={framework!r} must be {', '.join(FRAMEWORK_NAMES[:-1])} or "
+            f"{FRAMEWORK_NAMES[-1]}"
         )
     try:
         job = TrainingJob(
@@ -528,7 +530,7 @@ def layout_from_row(
         layout = Layout.uniform(
             model,
             pp=whole("pp"),
-            schedule=schedule,  # type: ignore[arg-type]
+            schedule=schedule,
             virtual_stages=whole("vp", 0) or None,
             recompute=text("recompute", "none").lower(),
             **fields_,

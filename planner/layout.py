@@ -18,13 +18,14 @@ import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from planner.errors import PlannerError
+from planner.schedules import SCHEDULE_NAMES, schedule_of
 from planner.specs import ModelSpec, Spec
 
-Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "dualpipe", "dualpipev"]
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipe", "dualpipev")
+Schedule = str  # a name in planner.schedules.SCHEDULES
+SCHEDULES: tuple[str, ...] = SCHEDULE_NAMES
 
 # Megatron-LM's --recompute-modules vocabulary (megatron/core/transformer/transformer_config.py).
 # Megatron-LM's --offload-modules vocabulary that the cost model prices (costs.blocks).
@@ -67,11 +68,7 @@ def parse_recompute(choice: str) -> frozenset[str] | Literal["full", "offload"]:
 def chunks_of(schedule: str, pp: int, virtual_stages: int, rank: int) -> list[int]:
     """Stage indices pipeline rank ``rank`` holds under ``schedule`` (see
     ``Layout.chunks_of_rank``)."""
-    if schedule == "dualpipe":
-        return [rank, pp - 1 - rank]
-    if schedule == "dualpipev":
-        return [rank, 2 * pp - 1 - rank]
-    return [rank + k * pp for k in range(virtual_stages)]
+    return schedule_of(schedule).chunks(pp, virtual_stages, rank)
 
 
 class BlockPlacement(Spec):
@@ -131,7 +128,9 @@ class Layout(Spec):
     num_microbatches: int | None = Field(
         default=None, gt=0, description="Micro-batches per step per pipeline (None: from the job)."
     )
-    schedule: Schedule = Field(default="1f1b", description="Pipeline schedule.")
+    schedule: str = Field(
+        default="1f1b", description="Pipeline schedule (a name in planner.schedules.SCHEDULES)."
+    )
     virtual_stages: int = Field(default=1, gt=0, description="Model chunks per pipeline rank.")
     stages: list[Stage] = Field(
         min_length=1, description="pp * virtual_stages stages in model order (a chunk each)."
@@ -164,6 +163,12 @@ class Layout(Spec):
         "compute and framework megatron.",
     )
 
+    @field_validator("schedule")
+    @classmethod
+    def _known_schedule(cls, value: str) -> str:
+        schedule_of(value)  # a one-line error naming the known schedules
+        return value
+
     @model_validator(mode="after")
     def _degrees(self) -> Layout:
         if self.plane % self.ep:
@@ -176,18 +181,19 @@ class Layout(Spec):
                 f"Layout.etp={self.etp}: ep*etp={self.ep * self.etp} must divide "
                 f"dp*cp*tp={self.plane}"
             )
-        expected_v = {"interleaved": None, "dualpipev": 2}.get(self.schedule, 1)
+        entry = schedule_of(self.schedule)
+        expected_v = entry.virtual_stages
         if expected_v is None:
             if self.virtual_stages < 2:
                 raise PlannerError(
-                    f"Layout.virtual_stages={self.virtual_stages}: interleaved needs >= 2"
+                    f"Layout.virtual_stages={self.virtual_stages}: {self.schedule} needs >= 2"
                 )
         elif self.virtual_stages != expected_v:
             raise PlannerError(
                 f"Layout.virtual_stages={self.virtual_stages}: schedule {self.schedule} "
                 f"needs virtual_stages={expected_v}"
             )
-        if self.schedule in ("dualpipe", "dualpipev") and self.pp % 2:
+        if entry.even_pp and self.pp % 2:
             raise PlannerError(f"Layout.pp={self.pp}: {self.schedule} needs an even pp")
         if len(self.stages) != self.pp * self.virtual_stages:
             raise PlannerError(
@@ -252,7 +258,7 @@ class Layout(Spec):
     ) -> Layout:
         """Split the transformer layers as evenly as possible over ``pp * virtual_stages``
         stages (earlier stages take the remainder); embedding first, MTP and head last."""
-        v = virtual_stages or (2 if schedule in ("interleaved", "dualpipev") else 1)
+        v = virtual_stages or schedule_of(schedule).default_virtual_stages
         chunks = pp * v
         if model.num_layers < chunks:
             raise PlannerError(
@@ -293,7 +299,7 @@ class Layout(Spec):
                 f"Layout.counts={list(counts)}: must be >= 0 and sum to num_layers="
                 f"{model.num_layers}"
             )
-        v = virtual_stages or (2 if schedule in ("interleaved", "dualpipev") else 1)
+        v = virtual_stages or schedule_of(schedule).default_virtual_stages
         pp = pp if pp is not None else len(counts) // v
         names = block_names(model)
         layers = [n for n in names if n.startswith("layer.")]

@@ -7,6 +7,10 @@ many micro-batches' activations each rank holds at its peak.
 - :func:`stage_rank` says which rank holds a stage (and, for DualPipe, a direction).
 - :func:`bubble_formula` is the idle time per rank as each schedule's paper states it.
 - :func:`in_flight` feeds the memory model: micro-batches per chunk resident at the peak.
+- ``SCHEDULES`` is the registry: one frozen ``Schedule`` per schedule, with what it holds
+  (chunks per rank, copies of a stage), what it pairs, the micro-batch counts its reference
+  implementation accepts, and the functions above. Every other module asks the entry
+  (``schedule(name)``) instead of comparing names.
 
 Stages are indices into ``Layout.stages`` (model order); data flows from stage s to s + 1 in
 forward. Sources are cited with each schedule.
@@ -14,11 +18,14 @@ forward. Sources are cited with each schedule.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from planner.errors import PlannerError
-from planner.layout import SCHEDULES, Layout
+
+if TYPE_CHECKING:
+    from planner.layout import Layout
 
 OpKind = Literal["F", "B", "W", "BW"]
 
@@ -52,34 +59,44 @@ def layout_order(layout: Layout, rank: int, num_microbatches: int) -> list[Op]:
 
 def stage_rank(schedule: str, pp: int, stage: int, direction: int = 0) -> int:
     """Pipeline rank holding ``stage`` (for DualPipe: the copy serving ``direction``)."""
-    _known(schedule)
-    if schedule == "dualpipe":
-        # Two copies of the model, one per direction; direction 1 enters at the last rank.
-        assert 0 <= stage < pp and direction in (0, 1)
-        return stage if direction == 0 else pp - 1 - stage
-    if schedule == "dualpipev":
-        # V shape: down the ranks for the first pp stages, back up for the last pp.
-        assert 0 <= stage < 2 * pp
-        return stage if stage < pp else 2 * pp - 1 - stage
+    return schedule_of(schedule).holder(pp, stage, direction)
+
+
+def _cyclic_holder(pp: int, stage: int, direction: int) -> int:
     return stage % pp
+
+
+def _mirror_holder(pp: int, stage: int, direction: int) -> int:
+    # Two copies of the model, one per direction; direction 1 enters at the last rank.
+    assert 0 <= stage < pp and direction in (0, 1)
+    return stage if direction == 0 else pp - 1 - stage
+
+
+def _v_holder(pp: int, stage: int, direction: int) -> int:
+    # V shape: down the ranks for the first pp stages, back up for the last pp.
+    assert 0 <= stage < 2 * pp
+    return stage if stage < pp else 2 * pp - 1 - stage
+
+
+def _cyclic_chunks(pp: int, virtual_stages: int, rank: int) -> list[int]:
+    return [rank + k * pp for k in range(virtual_stages)]
+
+
+def _mirror_chunks(pp: int, virtual_stages: int, rank: int) -> list[int]:
+    return [rank, pp - 1 - rank]
+
+
+def _v_chunks(pp: int, virtual_stages: int, rank: int) -> list[int]:
+    return [rank, 2 * pp - 1 - rank]
 
 
 def op_order(
     schedule: str, *, pp: int, num_microbatches: int, rank: int, virtual_stages: int = 1
 ) -> list[Op]:
     """The ops pipeline rank ``rank`` runs in one training step, in order."""
-    p, m, v = pp, num_microbatches, virtual_stages
-    _check(schedule, p, m, v)
-    assert 0 <= rank < p
-    if schedule == "gpipe":
-        return _gpipe(m, rank)
-    if schedule == "1f1b":
-        return _one_f_one_b(p, m, rank, split=False)
-    if schedule == "zb-h1":
-        return _one_f_one_b(p, m, rank, split=True)
-    if schedule == "interleaved":
-        return _interleaved_order(p, v, m, rank)
-    return _dualpipe(schedule, p, m, rank)
+    entry = check(schedule, pp, num_microbatches, virtual_stages)
+    assert 0 <= rank < pp
+    return entry.order(pp, num_microbatches, rank, virtual_stages)
 
 
 def bubble_formula(
@@ -100,27 +117,43 @@ def bubble_formula(
 
     The sources write B for the full backward of a chunk, here b + w.
     """
-    p, v = pp, virtual_stages
-    _check(schedule, p, num_microbatches, v)
+    entry = check(schedule, pp, num_microbatches, virtual_stages)
     full_b = b + w
-    if schedule in ("gpipe", "1f1b"):
-        # (p-1)(F+B): Huang et al. 2019 (GPipe), Narayanan et al. SC'21 section 2.2.1.
-        return (p - 1) * (f + full_b)
-    if schedule == "interleaved":
-        # (p-1)(F+B)/v with F, B a rank's whole share of layers (v chunks): Narayanan et al.
-        # SC'21 section 2.2.2.
-        return (p - 1) * (v * f + v * full_b) / v
-    if schedule == "zb-h1":
-        # (p-1)(F+B-2W), B the full backward, as the deepseek-ai/DualPipe README's ZB1P row
-        # writes Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 2.1 (ZB-H1:
-        # a third of 1F1B's bubble when F, B and W passes take equal time).
-        return (p - 1) * (f + full_b - 2 * w)
     pair = f + full_b if fb is None else fb
+    return entry.bubble(pp, virtual_stages, f, full_b, w, pair)
+
+
+def _flush_bubble(p: int, v: int, f: float, full_b: float, w: float, pair: float) -> float:
+    # (p-1)(F+B): Huang et al. 2019 (GPipe), Narayanan et al. SC'21 section 2.2.1.
+    return (p - 1) * (f + full_b)
+
+
+def _interleaved_bubble(p: int, v: int, f: float, full_b: float, w: float, pair: float) -> float:
+    # (p-1)(F+B)/v with F, B a rank's whole share of layers (v chunks): Narayanan et al.
+    # SC'21 section 2.2.2.
+    return (p - 1) * (v * f + v * full_b) / v
+
+
+def _zero_bubble(p: int, v: int, f: float, full_b: float, w: float, pair: float) -> float:
+    # (p-1)(F+B-2W), B the full backward, as the deepseek-ai/DualPipe README's ZB1P row
+    # writes Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 2.1 (ZB-H1:
+    # a third of 1F1B's bubble when F, B and W passes take equal time).
+    return (p - 1) * (f + full_b - 2 * w)
+
+
+def _dual_bubble(stages: int, f: float, full_b: float, w: float, pair: float) -> float:
     # (PP/2-1)(F&B+B-3W) with PP the number of stages: DeepSeek-V3 technical report
     # (arXiv 2412.19437) Table 2 for DualPipe; the deepseek-ai/DualPipe README states the same
     # for DualPipeV, whose PP stages sit on PP/2 ranks (PP = 2 * pp here).
-    stages = p if schedule == "dualpipe" else 2 * p
     return (stages // 2 - 1) * (pair + full_b - 3 * w)
+
+
+def _dualpipe_bubble(p: int, v: int, f: float, full_b: float, w: float, pair: float) -> float:
+    return _dual_bubble(p, f, full_b, w, pair)
+
+
+def _dualpipev_bubble(p: int, v: int, f: float, full_b: float, w: float, pair: float) -> float:
+    return _dual_bubble(2 * p, f, full_b, w, pair)
 
 
 def order_idle(
@@ -164,9 +197,10 @@ def idle_terms(
             virtual_stages=virtual_stages,
             **unit,
         )
-    if schedule not in ("dualpipe", "dualpipev"):
+    entry = schedule_of(schedule)
+    if not entry.paired:
         return linear, None
-    return linear, (pp if schedule == "dualpipe" else 2 * pp) // 2 - 1
+    return linear, (entry.depth * pp) // 2 - 1
 
 
 def in_flight(layout: Layout, rank: int, num_microbatches: int) -> dict[int, float]:
@@ -177,36 +211,30 @@ def in_flight(layout: Layout, rank: int, num_microbatches: int) -> dict[int, flo
     counts the reference does not run, the same closed forms, capped at m). Equal totals at
     other moments may split differently between an interleaved rank's chunks.
     """
-    p, m, v = layout.pp, num_microbatches, layout.virtual_stages
+    entry = schedule_of(layout.schedule)
     chunks = layout.chunks_of_rank(rank)
-    schedule = layout.schedule
-    if schedule == "gpipe":
-        # All forwards before any backward (Huang et al. 2019).
-        return {c: float(m) for c in chunks}
-    if schedule == "1f1b":
-        # 1F1B (Narayanan et al. SC'21, section 2.2.1): rank r runs p - r forwards before its
-        # first backward.
-        return {chunks[0]: float(min(p - rank, m))}
-    if schedule == "zb-h1":
-        # ZB-H1 (Qi et al. ICLR'24, section 2.1) runs 1F1B's p - r forwards, then delays each
-        # rank's W passes by r, so every rank, not just the first, holds p micro-batches whose
-        # W is not done (W needs most of the saved activations: their Table 1, M_W vs M_B).
-        return {chunks[0]: float(min(p, m))}
-    if schedule == "interleaved":
-        return _interleaved(p, v, m, rank, chunks)
-    # DualPipe / DualPipeV peak at step 4's first F (see ``_dualpipe``): on the leg where the
-    # rank sits early it holds as many as 1F1B would over that leg (pp - r on DualPipe's
-    # direction 0; 2pp - r on the V's 2pp-stage pipeline), on the other leg r + 1. Totals: pp + 1
-    # for DualPipe, 2pp + 1 chunks for DualPipeV, both PP + 1 stages in the deepseek-ai/DualPipe
-    # README's table (PP stages: pp, resp. 2pp). Counts below the reference's minimum of m are
-    # capped at m; DualPipe feeds each direction half of them (an odd one to the first).
-    if schedule == "dualpipe":
-        first, second = (m + 1) // 2, m // 2
-        return {chunks[0]: float(min(p - rank, first)), chunks[1]: float(min(rank + 1, second))}
-    return {chunks[0]: float(min(2 * p - rank, m)), chunks[1]: float(min(rank + 1, m))}
+    return entry.peak(layout.pp, num_microbatches, layout.virtual_stages, rank, chunks)
 
 
-def _interleaved(p: int, v: int, m: int, rank: int, chunks: list[int]) -> dict[int, float]:
+def _gpipe_peak(p: int, m: int, v: int, rank: int, chunks: list[int]) -> dict[int, float]:
+    # All forwards before any backward (Huang et al. 2019).
+    return {c: float(m) for c in chunks}
+
+
+def _one_f_one_b_peak(p: int, m: int, v: int, rank: int, chunks: list[int]) -> dict[int, float]:
+    # 1F1B (Narayanan et al. SC'21, section 2.2.1): rank r runs p - r forwards before its
+    # first backward.
+    return {chunks[0]: float(min(p - rank, m))}
+
+
+def _zero_bubble_peak(p: int, m: int, v: int, rank: int, chunks: list[int]) -> dict[int, float]:
+    # ZB-H1 (Qi et al. ICLR'24, section 2.1) runs 1F1B's p - r forwards, then delays each
+    # rank's W passes by r, so every rank, not just the first, holds p micro-batches whose
+    # W is not done (W needs most of the saved activations: their Table 1, M_W vs M_B).
+    return {chunks[0]: float(min(p, m))}
+
+
+def _interleaved_peak(p: int, m: int, v: int, rank: int, chunks: list[int]) -> dict[int, float]:
     """Count the chunks of the forwards Megatron-LM's interleaved schedule runs before the
     rank's first backward (see ``_interleaved_order``)."""
     counts = dict.fromkeys(chunks, 0.0)
@@ -215,35 +243,38 @@ def _interleaved(p: int, v: int, m: int, rank: int, chunks: list[int]) -> dict[i
     return counts
 
 
-def _known(schedule: str) -> None:
-    if schedule not in SCHEDULES:
-        raise PlannerError(f"Layout.schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
+# DualPipe / DualPipeV peak at step 4's first F (see ``_dualpipe``): on the leg where the
+# rank sits early it holds as many as 1F1B would over that leg (pp - r on DualPipe's
+# direction 0; 2pp - r on the V's 2pp-stage pipeline), on the other leg r + 1. Totals: pp + 1
+# for DualPipe, 2pp + 1 chunks for DualPipeV, both PP + 1 stages in the deepseek-ai/DualPipe
+# README's table (PP stages: pp, resp. 2pp). Counts below the reference's minimum of m are
+# capped at m; DualPipe feeds each direction half of them (an odd one to the first).
+def _dualpipe_peak(p: int, m: int, v: int, rank: int, chunks: list[int]) -> dict[int, float]:
+    first, second = (m + 1) // 2, m // 2
+    return {chunks[0]: float(min(p - rank, first)), chunks[1]: float(min(rank + 1, second))}
 
 
-def _check(schedule: str, p: int, m: int, v: int) -> None:
-    """The reference implementations' limits on the micro-batch count (and Layout's on v)."""
-    _known(schedule)
+def _dualpipev_peak(p: int, m: int, v: int, rank: int, chunks: list[int]) -> dict[int, float]:
+    return {chunks[0]: float(min(2 * p - rank, m)), chunks[1]: float(min(rank + 1, m))}
+
+
+def check(schedule: str, p: int, m: int, v: int) -> Schedule:
+    """The schedule's entry, once the reference implementation's limits on the micro-batch
+    count (and Layout's on v) hold."""
+    entry = schedule_of(schedule)
     assert p > 0
-    expected_v = {"interleaved": None, "dualpipev": 2}.get(schedule, 1)
+    expected_v = entry.virtual_stages
     if (v < 2) if expected_v is None else (v != expected_v):
         rule = ">= 2" if expected_v is None else f"= {expected_v}"
         raise PlannerError(f"Layout.virtual_stages={v}: {schedule} needs virtual_stages {rule}")
     if m < 1:
         raise PlannerError(f"Layout.num_microbatches={m}: must be >= 1")
-    if schedule == "interleaved" and m % p:
-        # Megatron-LM's interleaved schedule asserts this (schedules.py, "number of
-        # microbatches is not divisible by pipeline-model-parallel-size").
-        raise PlannerError(f"Layout.num_microbatches={m}: interleaved needs a multiple of pp={p}")
-    if schedule in ("dualpipe", "dualpipev"):
-        if p % 2:
-            raise PlannerError(f"Layout.pp={p}: {schedule} needs an even pp")
-        # deepseek-ai/DualPipe asserts num_chunks >= 2 * num_ranks (both), and an even count
-        # for DualPipe, which splits it between its two directions.
-        if m < 2 * p or (schedule == "dualpipe" and m % 2):
-            even = "an even number " if schedule == "dualpipe" else ""
-            raise PlannerError(
-                f"Layout.num_microbatches={m}: {schedule} needs {even}>= 2*pp={2 * p}"
-            )
+    if entry.even_pp and p % 2:
+        raise PlannerError(f"Layout.pp={p}: {schedule} needs an even pp")
+    rule = entry.microbatch_rule(p, m)
+    if rule:
+        raise PlannerError(f"Layout.num_microbatches={m}: {schedule} needs {rule}")
+    return entry
 
 
 def _gpipe(m: int, r: int) -> list[Op]:
@@ -310,7 +341,17 @@ def _interleaved_order(p: int, v: int, m: int, r: int) -> list[Op]:
     return order + [op("BW", j) for j in range(total - warmup, total)]
 
 
-def _dualpipe(schedule: str, p: int, m: int, r: int) -> list[Op]:
+def _dualpipe(p: int, m: int, r: int, v: int) -> list[Op]:
+    """DualPipe's order (``_dual``): two copies of the model, one per direction."""
+    return _dual(p, m, r, mirrored=True)
+
+
+def _dualpipev(p: int, m: int, r: int, v: int) -> list[Op]:
+    """DualPipeV's order (``_dual``): one model folded into a V over the ranks."""
+    return _dual(p, m, r, mirrored=False)
+
+
+def _dual(p: int, m: int, r: int, *, mirrored: bool) -> list[Op]:
     """DualPipe (DeepSeek-V3 report section 3.2.1) and DualPipeV, following the eight steps of
     ``DualPipe.step`` / ``DualPipeV.step`` in deepseek-ai/DualPipe.
 
@@ -321,7 +362,7 @@ def _dualpipe(schedule: str, p: int, m: int, r: int) -> list[Op]:
     Backwards are full (BW) unless the reference enables its zero-bubble split for them
     (``enable_zb``): then a B, and its W later in first-in first-out order.
     """
-    if schedule == "dualpipe":
+    if mirrored:
         n, h, per_leg = p // 2, min(r, p - 1 - r), m // 2
         # Phase 0 is direction 0 on the first half of the ranks, direction 1 on the second.
         dirs = (0, 1) if r < n else (1, 0)
@@ -387,3 +428,182 @@ def _dualpipe(schedule: str, p: int, m: int, r: int) -> list[Op]:
         weight()
     assert not pending_w
     return order
+
+
+def _gpipe_order(p: int, m: int, r: int, v: int) -> list[Op]:
+    return _gpipe(m, r)
+
+
+def _one_f_one_b_order(p: int, m: int, r: int, v: int) -> list[Op]:
+    return _one_f_one_b(p, m, r, split=False)
+
+
+def _zero_bubble_order(p: int, m: int, r: int, v: int) -> list[Op]:
+    return _one_f_one_b(p, m, r, split=True)
+
+
+def _interleaved_ops(p: int, m: int, r: int, v: int) -> list[Op]:
+    return _interleaved_order(p, v, m, r)
+
+
+# -- the registry -------------------------------------------------------------------------
+
+Order = Callable[[int, int, int, int], list[Op]]  # (pp, m, rank, virtual_stages) -> ops
+Chunks = Callable[[int, int, int], list[int]]  # (pp, virtual_stages, rank) -> stages held
+Holder = Callable[[int, int, int], int]  # (pp, stage, direction) -> rank
+Peak = Callable[[int, int, int, int, list[int]], dict[int, float]]  # see ``in_flight``
+Bubble = Callable[[int, int, float, float, float, float], float]  # see ``bubble_formula``
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One pipeline schedule: what each rank holds and runs, and the limits its reference
+    implementation puts on the micro-batch count."""
+
+    name: str
+    order: Order
+    chunks: Chunks
+    holder: Holder
+    peak: Peak
+    bubble: Bubble
+    virtual_stages: int | None = 1  # chunks per rank it runs (None: any >= 2)
+    copies: int = 1  # ranks that hold each stage (DualPipe: one per direction)
+    paired: bool = False  # a forward runs beside another micro-batch's backward
+    depth: int = 1  # stages of one pipeline per rank, for a paired schedule's bubble
+    separate_weight_grad: bool = False  # every backward's weight half is its own op
+    min_pp: int = 1  # the search's least pipeline degree for it
+    even_pp: bool = False
+    multiple_of_pp: bool = False  # micro-batches a multiple of pp
+    min_microbatches_per_rank: int = 0  # micro-batches at least this times pp
+    even_microbatches: bool = False
+    searched: bool = True  # in the search's default list
+    leanness: int = 0  # rank by micro-batches held at the peak (the first layouts' order)
+    # torch.distributed.pipelining's class for it (planner.run), and whether that class is a
+    # _PipelineScheduleRuntime (which takes every stage of the rank, and waits on its sends
+    # only when the step ends) rather than a single-stage schedule.
+    torch_class: str | None = None
+    torch_holds_sends: bool = False
+
+    @property
+    def default_virtual_stages(self) -> int:
+        """Chunks per rank a layout of it takes when none are given."""
+        return self.virtual_stages if self.virtual_stages is not None else 2
+
+    def microbatch_rule(self, pp: int, m: int) -> str:
+        """What the reference implementation needs of ``m`` micro-batches at ``pp`` ranks
+        that ``m`` breaks, or ""."""
+        # Megatron-LM's interleaved schedule asserts a multiple of pp (schedules.py, "number
+        # of microbatches is not divisible by pipeline-model-parallel-size"); deepseek-ai/
+        # DualPipe asserts num_chunks >= 2 * num_ranks (both), and an even count for
+        # DualPipe, which splits it between its two directions.
+        if self.multiple_of_pp and m % pp:
+            return f"a multiple of pp={pp}"
+        least = self.min_microbatches_per_rank * pp
+        if m < least or (self.even_microbatches and m % 2):
+            even = "an even number " if self.even_microbatches else ""
+            return f"{even}>= 2*pp={least}"
+        return ""
+
+    def runs(self, pp: int, m: int, v: int) -> bool:
+        """Whether the search may run it at ``pp`` ranks, ``m`` micro-batches and ``v``
+        chunks per rank."""
+        if pp < self.min_pp or (self.even_pp and pp % 2):
+            return False
+        return not self.microbatch_rule(pp, m)
+
+
+SCHEDULES: dict[str, Schedule] = {
+    s.name: s
+    for s in (
+        Schedule(
+            "gpipe",
+            _gpipe_order,
+            _cyclic_chunks,
+            _cyclic_holder,
+            _gpipe_peak,
+            _flush_bubble,
+            searched=False,
+            leanness=5,
+            torch_class="ScheduleGPipe",
+        ),
+        Schedule(
+            "1f1b",
+            _one_f_one_b_order,
+            _cyclic_chunks,
+            _cyclic_holder,
+            _one_f_one_b_peak,
+            _flush_bubble,
+            leanness=0,
+            torch_class="Schedule1F1B",
+        ),
+        Schedule(
+            "interleaved",
+            _interleaved_ops,
+            _cyclic_chunks,
+            _cyclic_holder,
+            _interleaved_peak,
+            _interleaved_bubble,
+            virtual_stages=None,
+            min_pp=2,
+            multiple_of_pp=True,
+            leanness=1,
+            torch_class="ScheduleInterleaved1F1B",
+            torch_holds_sends=True,
+        ),
+        Schedule(
+            "zb-h1",
+            _zero_bubble_order,
+            _cyclic_chunks,
+            _cyclic_holder,
+            _zero_bubble_peak,
+            _zero_bubble,
+            separate_weight_grad=True,
+            leanness=2,
+            torch_class="ScheduleInterleavedZeroBubble",
+            torch_holds_sends=True,
+        ),
+        Schedule(
+            "dualpipe",
+            _dualpipe,
+            _mirror_chunks,
+            _mirror_holder,
+            _dualpipe_peak,
+            _dualpipe_bubble,
+            copies=2,
+            paired=True,
+            even_pp=True,
+            min_microbatches_per_rank=2,
+            even_microbatches=True,
+            leanness=4,
+        ),
+        Schedule(
+            "dualpipev",
+            _dualpipev,
+            _v_chunks,
+            _v_holder,
+            _dualpipev_peak,
+            _dualpipev_bubble,
+            virtual_stages=2,
+            paired=True,
+            depth=2,
+            even_pp=True,
+            min_microbatches_per_rank=2,
+            leanness=3,
+            torch_class="ScheduleDualPipeV",
+            torch_holds_sends=True,
+        ),
+    )
+}
+SCHEDULE_NAMES: tuple[str, ...] = tuple(SCHEDULES)
+# What a layout that names no schedule runs: one copy of each stage, one chunk per rank.
+DEFAULT_SCHEDULE = "1f1b"
+
+
+def schedule_of(name: str) -> Schedule:
+    """The registry entry of ``name`` (a one-line error naming the known ones otherwise)."""
+    try:
+        return SCHEDULES[name]
+    except KeyError:
+        raise PlannerError(
+            f"Layout.schedule={name!r}: use one of {', '.join(SCHEDULE_NAMES)}"
+        ) from None

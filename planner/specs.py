@@ -10,9 +10,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from planner.errors import PlannerError, one_line
+from planner.frameworks import (
+    DEFAULT_FRAMEWORK,
+    FRAMEWORK_NAMES,
+    FRAMEWORKS,
+    LAUNCHERS,
+    framework,
+)
 
 DType = Literal["fp32", "bf16", "fp16", "fp8"]
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -340,23 +347,15 @@ class ClusterSpec(Spec):
 
 
 # What each framework keeps its state in when the user does not say (TrainingJob fields left
-# out take these; the others the field defaults):
-# - megatron: BF16 working weights, FP32 master weights and AdamW moments, and gradients
-#   accumulated and reduced in an FP32 main-grad buffer: Megatron-LM's arguments.py turns on
-#   accumulate_allreduce_grads_in_fp32 for --bf16 ("bfloat16 requires gradient accumulation
-#   and all-reduce to be done in fp32") unless --grad-reduce-in-bf16 is given.
-# - torchtitan (FSDP2) and the eager torch runtime: FP32 parameters, which are the master
-#   copy (no separate one), cast to BF16 for compute and for FSDP2's all-gather
-#   (MixedPrecisionPolicy param_dtype=bfloat16, torchtitan's mixed_precision_param); gradients
-#   reduced and kept in FP32 (reduce_dtype=float32, torchtitan's mixed_precision_reduce); FP32
-#   AdamW moments.
-# - deepspeed: BF16 weights and gradients, FP32 master weights and moments (the ZeRO
-#   optimizer's FP32 partition).
+# out take these; the others the field defaults): the registry's entries, with their sources
+# (``planner.frameworks``).
 FRAMEWORK_DTYPES: dict[str, dict[str, str | None]] = {
-    "megatron": {"weight_dtype": "bf16", "grad_dtype": "fp32", "master_dtype": "fp32"},
-    "torchtitan": {"weight_dtype": "fp32", "grad_dtype": "fp32", "master_dtype": None},
-    "torch": {"weight_dtype": "fp32", "grad_dtype": "fp32", "master_dtype": None},
-    "deepspeed": {"weight_dtype": "bf16", "grad_dtype": "bf16", "master_dtype": "fp32"},
+    name: {
+        "weight_dtype": f.weight_dtype,
+        "grad_dtype": f.grad_dtype,
+        "master_dtype": f.master_dtype,
+    }
+    for name, f in FRAMEWORKS.items()
 }
 
 
@@ -386,21 +385,30 @@ class TrainingJob(Spec):
 
     @model_validator(mode="after")
     def _compiled_loss_framework(self) -> TrainingJob:
-        if self.compiled_loss and self.framework not in ("torchtitan", "torch"):
+        if self.compiled_loss and not framework(self.framework).compiles_loss:
             raise PlannerError(
                 f"TrainingJob.compiled_loss=True: framework={self.framework!r} runs its own "
                 "cross-entropy; only torchtitan and torch compile the loss"
             )
         return self
 
-    def with_framework(self, framework: str) -> TrainingJob:
-        """This job run by ``framework``: the dtypes it was given stay, the others become
+    def with_framework(self, name: str) -> TrainingJob:
+        """This job run by framework ``name``: the dtypes it was given stay, the others become
         that framework's defaults; a compiled loss stays only where the framework compiles
         its loss (torchtitan, torch), the others run their own cross-entropy."""
         given = self.model_dump(include=self.model_fields_set - {"framework"})
-        if framework not in ("torchtitan", "torch"):
+        if not framework(name).compiles_loss:
             given.pop("compiled_loss", None)
-        return TrainingJob(**given, framework=framework)
+        return TrainingJob(**given, framework=name)
+
+    @field_validator("framework")
+    @classmethod
+    def _known_framework(cls, value: str) -> str:
+        if value not in FRAMEWORKS:
+            raise PlannerError(
+                f"TrainingJob.framework={value!r}: use one of {', '.join(FRAMEWORK_NAMES)}"
+            )
+        return value
 
     seq_len: int = Field(gt=0, description="Tokens per sequence.")
     global_batch: int = Field(gt=0, description="Sequences per optimizer step.")
@@ -430,11 +438,11 @@ class TrainingJob(Spec):
     flash_attention: bool = Field(
         default=True, description="Fused attention: no s^2 tensors are saved."
     )
-    framework: Literal["megatron", "torchtitan", "deepspeed", "torch"] = Field(
-        default="megatron",
+    framework: str = Field(
+        default=DEFAULT_FRAMEWORK,
         description="The training software: what it overlaps with compute (tensor-parallel "
-        "communication, ZeRO gathers and reduce-scatters, the gradient reduction); see "
-        "planner.costs.timing.OVERLAPS. An export's target implies it.",
+        "communication, ZeRO gathers and reduce-scatters, the gradient reduction) and what it "
+        "holds; one of planner.frameworks.FRAMEWORKS. An export's target implies it.",
     )
     # torchtitan compiles its loss with torch.compile when compile is on (compile.components
     # holds "loss" by default) since commit bbb1b616e (2025-04-02, PR #1033, "result in
@@ -550,9 +558,20 @@ class SearchSpace(Spec):
         "never loses: the same bytes moved, fewer kept, and Megatron-LM's tensor-parallel "
         "overlap needs it; [False, True] searches both).",
     )
-    target: Literal["any", "megatron", "torchtitan", "deepspeed"] = Field(
-        default="any", description="Only plans this launcher can state exactly."
+    target: str = Field(
+        default="any",
+        description="Only plans this launcher can state exactly: any, or a framework with a "
+        "launcher (planner.frameworks.LAUNCHERS).",
     )
+
+    @field_validator("target")
+    @classmethod
+    def _known_target(cls, value: str) -> str:
+        if value != "any" and value not in LAUNCHERS:
+            raise PlannerError(
+                f"SearchSpace.target={value!r}: use one of any, {', '.join(LAUNCHERS)}"
+            )
+        return value
 
     @model_validator(mode="after")
     def _positive(self) -> SearchSpace:

@@ -38,12 +38,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from planner import frameworks
 from planner.costs.comm import NO_TRANSFER
 from planner.costs.overlap import (
     LINKS,
     NCCL_SM_SHARE,
-    OVERLAPS,
-    Overlap,
     Parts,
     Prim,
     TaskKey,
@@ -53,6 +52,7 @@ from planner.costs.overlap import (
     values,
 )
 from planner.costs.timing import StageTime
+from planner.frameworks import Overlap
 from planner.schedules import Op, op_order
 
 FormKey = tuple[Any, ...]  # ("task", TaskKey) | ("prim", Prim) | ("opt", rank)
@@ -134,7 +134,7 @@ def run(
         values(times),
         optimizer,
         num_microbatches=num_microbatches,
-        overlap=OVERLAPS[framework],
+        overlap=frameworks.framework(framework).overlap,
         times=times,
     )
 
@@ -198,7 +198,7 @@ def shape_forms(schedule: str, pp: int, m: int, v: int) -> tuple[Form, ...]:
             values(times),
             [0.0] * pp,
             num_microbatches=m,
-            overlap=OVERLAPS["megatron"],
+            overlap=frameworks.framework(frameworks.DEFAULT_FRAMEWORK).overlap,
             detail=False,
         )
         forms += [f for f in run.forms if f not in forms]

@@ -37,7 +37,7 @@ host side of an EMA kept on the host and of an offloaded optimizer (reported as
 
 Optimizer offload (``Layout.optimizer_offload``, a fraction ``f``): the rank keeps ``1 - f``
 of its optimizer state in HBM; the rest lives on the host with what the framework keeps
-there per offloaded element (``OFFLOAD_HOST_BYTES``). Working weights and gradient buffers
+there per offloaded element (``Framework.optimizer_offload``). Working weights and gradient buffers
 stay in HBM as before (the framework copies from and into them). What the step moves is in
 ``StageMemory.step_bytes`` (see ``planner.costs.timing.optimizer_seconds``).
 """
@@ -46,15 +46,16 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.costs.blocks import OFFLOAD, OFFLOAD_TAG, BlockCost, Param, Shard, block_cost
 from planner.errors import PlannerError
+from planner.frameworks import FRAMEWORKS, Framework, framework
 from planner.layout import Layout, parse_recompute
-from planner.schedules import op_order
+from planner.schedules import op_order, schedule_of
 from planner.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, TrainingJob
 
 BUCKETS = (
@@ -69,14 +70,14 @@ BUCKETS = (
 )
 Runtime = Literal["megatron", "torch"]
 EMBEDDING_HEAD_KEYS = frozenset({"word_embeddings", "output", "position_embeddings"})
-# Frameworks whose FP8 linears keep the FP8 copy of their input for the weight gradient:
-# Megatron-LM and DeepSpeed run Transformer Engine's linears, which quantise the input once
-# and keep that copy. torchtitan's float8 linears (torchao) keep the BF16 input and quantise
-# it again in backward: torchtitan's own table shows it, Llama 3.1 8B on 8 H100 reserving
-# 77.0 GiB with torch.compile and 76.8 GiB with Float8 added
-# (benchmarks/llama3_h100_202412_torchtitan.md, Table 1).
-FP8_LINEARS_KEEP_FP8 = frozenset({"megatron", "deepspeed"})
-# DeepSpeed's ZeRO buffers (deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig defaults;
+# Whether FP8 linears keep the FP8 copy of their input for the weight gradient
+# (Framework.fp8_keeps_fp8_inputs): Megatron-LM and DeepSpeed run Transformer Engine's
+# linears, which quantise the input once and keep that copy. torchtitan's float8 linears
+# (torchao) keep the BF16 input and quantise it again in backward: torchtitan's own table
+# shows it, Llama 3.1 8B on 8 H100 reserving 77.0 GiB with torch.compile and 76.8 GiB with
+# Float8 added (benchmarks/llama3_h100_202412_torchtitan.md, Table 1).
+# DeepSpeed's ZeRO buffers (Framework.fixed_reduce_buckets, Framework.max_live_parameters;
+# deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig defaults;
 # planner.export.deepspeed writes both values into ds_config.json):
 # - reduce_bucket_size = 5e8 elements. With contiguous_gradients (default on), stages 1-2
 #   allocate a gradient bucket ("ipg_buffer") of that many elements in the 16-bit dtype before
@@ -88,10 +89,6 @@ FP8_LINEARS_KEEP_FP8 = frozenset({"megatron", "deepspeed"})
 #   parameters resident before it releases any (and, with max_reuse_distance = 1e9, does not
 #   release those it will reuse soon, as at the turn from forward to backward).
 DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000
-# Schedules planner.run runs with torch.distributed.pipelining's _PipelineScheduleRuntime
-# (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleDualPipeV).
-RUNTIME_SCHEDULES = frozenset({"interleaved", "zb-h1", "dualpipev"})
-DEEPSPEED_MAX_LIVE_PARAMETERS = 1_000_000_000
 
 
 def usable_hbm(cluster: ClusterSpec) -> int:
@@ -292,21 +289,13 @@ def shards(p: Param, layout: Layout) -> int:
     return (layout.tp if p.tp_split else 1) * (layout.ep * layout.etp if p.expert else 1)
 
 
-# Optimizer offload, per element of the offloaded optimizer state, as each framework does it:
-# - megatron (HybridDeviceOptimizer, megatron/core/optimizer/cpu_offloading/
-#   hybrid_optimizer.py at NVIDIA/Megatron-LM d98e8a64): the host holds an FP32 master copy,
-#   a pinned FP32 copy of the gradient and torch.optim.AdamW's two FP32 moments (16 B); the
-#   gradient crosses PCIe as FP32 (copied into the FP32 host buffer) and the updated FP32
-#   master crosses back (a non_blocking copy converts on the GPU: PyTorch
-#   aten/src/ATen/native/cuda/Copy.cu), 4 B each way;
-# - deepspeed (ZeRO-Offload, deepspeed/runtime/zero/stage_1_and_2.py at deepspeedai/DeepSpeed
-#   edaa7221): FP32 master and moments (12 B), the FP32 gradient partition (4 B) and a 16-bit
-#   pinned copy of the updated weights (2 B); gradients cross as FP32, weights back as 16-bit.
-# Host memory each element's step reads and writes: the gradient read, master and moments
-# read and written, plus the two PCIe copies landing in and leaving host memory.
-OFFLOAD_HOST_BYTES = {"megatron": 16, "deepspeed": 18}
-OFFLOAD_D2H_BYTES = {"megatron": 4, "deepspeed": 4}
-OFFLOAD_H2D_BYTES = {"megatron": 4, "deepspeed": 2}
+# Optimizer offload, per element of the offloaded optimizer state, as each framework does it
+# (Framework.optimizer_offload, with its sources): the bytes the host holds, and those that
+# cross PCIe each way. Megatron-LM's updated FP32 master crosses back as FP32 (a non_blocking
+# copy converts on the GPU: PyTorch aten/src/ATen/native/cuda/Copy.cu); DeepSpeed's 16-bit
+# weights copy crosses as 16-bit. Host memory each element's step reads and writes: the
+# gradient read, master and moments read and written, plus the two PCIe copies landing in
+# and leaving host memory.
 OFFLOAD_STATE_BYTES = 12  # of those on the host: the FP32 master and the two FP32 moments
 # What the optimizer step moves, by path (state_bytes' keys, StageMemory.step_bytes').
 STEP_KEYS = ("step_hbm", "step_d2h", "step_h2d", "step_host")
@@ -317,25 +306,23 @@ def optimizer_offload_rule(job: TrainingJob, fraction: float, zero: int | None =
     stage), or "" when it can."""
     if fraction == 0:
         return ""
-    if job.framework not in OFFLOAD_HOST_BYTES:
+    fw = framework(job.framework)
+    rule = fw.optimizer_offload
+    if rule is None:
+        able = " or ".join(n for n, f in FRAMEWORKS.items() if f.optimizer_offload)
         return (
             f"framework {job.framework!r} has no optimizer-only offload (torchtitan's "
-            "enable_cpu_offload moves weights and gradients too); offload needs megatron or "
-            "deepspeed"
+            f"enable_cpu_offload moves weights and gradients too); offload needs {able}"
         )
     if job.optimizer != "adamw" or job.master_dtype != "fp32":
         return (
             "offload runs the host's AdamW on FP32 master weights; the job has "
             f"optimizer={job.optimizer!r}, master_dtype={job.master_dtype!r}"
         )
-    if job.framework == "deepspeed" and fraction != 1:
-        return f"DeepSpeed offloads all of the optimizer state or none, not {fraction:g}"
-    if job.framework == "megatron" and zero is not None and zero != 1:
-        return (
-            f"Megatron-LM offloads through its distributed optimizer (ZeRO-1), not ZeRO-{zero} "
-            "(--optimizer-cpu-offload needs --use-precision-aware-optimizer, which needs "
-            "--use-distributed-optimizer; Megatron FSDP is not supported)"
-        )
+    if rule.whole_only and fraction != 1:
+        return f"{fw.label} offloads all of the optimizer state or none, not {fraction:g}"
+    if rule.zero is not None and zero is not None and zero != rule.zero:
+        return rule.zero_rule.format(zero=zero)
     return ""
 
 
@@ -348,7 +335,7 @@ def state_bytes(
     host's part)."""
     out = dict.fromkeys(("weights", "grads", "optimizer", "ema", "host", *STEP_KEYS), 0.0)
     off = layout.optimizer_offload
-    fw = job.framework
+    fw = framework(job.framework)
     moved_rw = 0.0  # gradient reads and weight writes the PCIe copies take off the GPU's step
     wb, gb = DTYPE_BYTES[job.weight_dtype], DTYPE_BYTES[job.grad_dtype]
     moments = 2 if job.optimizer == "adamw" else 1
@@ -362,7 +349,7 @@ def state_bytes(
     working = DTYPE_BYTES[job.working_weight_dtype]
     # FSDP2 shards the parameters' storage whenever it shards anything: torchtitan's "ZeRO-2"
     # is reshard_after_forward off, which keeps the gathered working copy (held_unsharded).
-    sharded_weights = 2 if job.framework == "torchtitan" else 3
+    sharded_weights = fw.zero_shards_weights_from
     for p in params:
         local = p.numel / shards(p, layout)
         group = edp if p.expert else layout.grad_group
@@ -379,15 +366,17 @@ def state_bytes(
         ema = stepped * ema_b
         out["ema" if ema_on_gpu else "host"] += ema
         if off:
+            assert fw.optimizer_offload is not None  # optimizer_offload_rule refuses it
             moved = stepped * off
-            out["host"] += moved * OFFLOAD_HOST_BYTES[fw]
-            d2h, h2d = OFFLOAD_D2H_BYTES[fw], OFFLOAD_H2D_BYTES[fw]
+            host = fw.optimizer_offload.host_bytes
+            out["host"] += moved * host
+            d2h, h2d = fw.optimizer_offload.d2h_bytes, fw.optimizer_offload.h2d_bytes
             out["step_d2h"] += moved * d2h
             out["step_h2d"] += moved * h2d
             # the step reads the gradient copy, reads and writes master and moments, writes
             # a weight copy where the framework keeps one (DeepSpeed's 16-bit); the copies
             # write the gradient into and read the weights out of host memory
-            copy = OFFLOAD_HOST_BYTES[fw] - OFFLOAD_STATE_BYTES - d2h
+            copy = host - OFFLOAD_STATE_BYTES - d2h
             out["step_host"] += moved * (d2h + 2 * OFFLOAD_STATE_BYTES + copy + d2h + h2d)
             moved_rw += moved * (gb + wb)
     # The GPU's part reads and writes its master weights and moments, reads the gradients and
@@ -406,18 +395,19 @@ def held_unsharded(job: TrainingJob, layout: Layout) -> bool:
     but the last, so FSDP2 accumulates unsharded gradients in its reduce dtype until then
     (torch.distributed.pipelining's stage backward; FSDP2's to_accumulated_grad_if_needed):
     such a rank holds those too (``state_bytes``)."""
-    return job.framework == "torchtitan" and (
+    return framework(job.framework).holds_unsharded and (
         layout.zero == 2 or (layout.zero >= 3 and layout.pp > 1)
     )
 
 
 def shard_of(job: TrainingJob, layout: Layout) -> Shard:
     """The per-rank shapes a layout gives every block of a job."""
-    if layout.fp8_cache and (job.compute_dtype != "fp8" or job.framework != "megatron"):
+    fw = framework(job.framework)
+    if layout.fp8_cache and (job.compute_dtype != "fp8" or not fw.fp8_cache):
         raise PlannerError(
-            f"Layout.fp8_cache=True: needs compute_dtype='fp8' and framework='megatron' (the "
-            f"one with a switch for it, TransformerConfig.activation_func_fp8_input_store); "
-            f"the job has "
+            f"Layout.fp8_cache=True: needs compute_dtype='fp8' and framework="
+            f"{_with(lambda f: f.fp8_cache, quote=True)} (the one with a switch for it, "
+            f"TransformerConfig.activation_func_fp8_input_store); the job has "
             f"compute_dtype={job.compute_dtype!r}, framework={job.framework!r}"
         )
     reason = optimizer_offload_rule(job, layout.optimizer_offload, layout.zero)
@@ -437,12 +427,12 @@ def shard_of(job: TrainingJob, layout: Layout) -> Shard:
         # routing imbalance moves work between experts, not between ranks.
         moe_load_imbalance=job.moe_load_imbalance if layout.ep > 1 else 1.0,
         fp8=job.compute_dtype == "fp8",
-        fp8_saves_inputs=job.framework in FP8_LINEARS_KEEP_FP8,
+        fp8_saves_inputs=fw.fp8_keeps_fp8_inputs,
         fp8_cache=layout.fp8_cache,
-        probs_in_expert=job.framework == "megatron",
-        loss_copies_logits=job.framework == "torchtitan",
+        probs_in_expert=fw.probs_in_expert,
+        loss_copies_logits=fw.loss_copies_logits,
         loss_compiled=job.compiled_loss,
-        op_sac=job.framework == "torchtitan",
+        op_sac=fw.op_sac,
     )
 
 
@@ -450,7 +440,7 @@ def reduce_bucket_bytes(model: ModelSpec, job: TrainingJob, layout: Layout) -> f
     """ZeRO-2 and -3 shard the gradients, but a block's gradients exist whole on the rank
     until they are reduce-scattered: one reduce bucket, here the largest block's gradients
     (the same on every rank; measured with ZeRO-2 and FSDP2 in ``planner.run``)."""
-    if job.framework == "deepspeed":
+    if framework(job.framework).fixed_reduce_buckets:
         if layout.zero == 0:
             return 0.0
         # stages 1-2 double their bucket for overlap_comm (as exported) unless pipelined
@@ -459,14 +449,15 @@ def reduce_bucket_bytes(model: ModelSpec, job: TrainingJob, layout: Layout) -> f
         return float(buckets * bucket)
     if layout.zero < 2:
         return 0.0
-    biggest = _largest_block_grads(model, shard_of(job, layout), layout.tp, layout.ep)
+    biggest = _largest_block_grads(model, shard_of(job, layout), layout.tp, layout.ep * layout.etp)
     return biggest * DTYPE_BYTES[job.grad_dtype]
 
 
 @functools.lru_cache(maxsize=4096)
 def _largest_block_grads(model: ModelSpec, shard: Shard, tp: int, ep: int) -> float:
     """Trainable elements of the block with the most of them on one rank (the search asks
-    for every configuration it bounds)."""
+    for every configuration it bounds): dense tensors split over ``tp``, routed experts over
+    ``ep`` (the expert-parallel times the expert tensor-parallel degree, as ``shards``)."""
     names = ["embedding", "head"]
     names += list({model.is_moe_layer(i): f"layer.{i}" for i in range(model.num_layers)}.values())
     names += [f"mtp.{j}" for j in range(min(model.num_mtp_layers, 1))]
@@ -543,8 +534,10 @@ def activation_offload_rule(model: ModelSpec, job: TrainingJob, layout: Layout) 
     activation recompute anywhere."""
     fine = any(OFFLOAD_TAG in b.recompute for s in layout.stages for b in s.blocks)
     offloaded = offloaded_blocks(layout)
-    if fine and job.framework != "megatron":
-        return f"fine-grained activation offload runs under megatron only, not {job.framework!r}"
+    able = framework(job.framework).activation_offload
+    where = _with(lambda f: f.activation_offload)
+    if fine and not able:
+        return f"fine-grained activation offload runs under {where} only, not {job.framework!r}"
     if fine and offloaded:
         return (
             "Megatron-LM runs fine-grained (offload:<module>) and layer offload (offload) "
@@ -552,8 +545,8 @@ def activation_offload_rule(model: ModelSpec, job: TrainingJob, layout: Layout) 
         )
     if not offloaded:
         return ""
-    if job.framework != "megatron":
-        return f"activation offload runs under megatron only, not {job.framework!r}"
+    if not able:
+        return f"activation offload runs under {where} only, not {job.framework!r}"
     if layout.pp > 1 or layout.virtual_stages > 1:
         return (
             "Megatron-LM offloads activations without pipeline parallelism only "
@@ -593,7 +586,7 @@ def _rank_memory(
     # their sends only when the step ends ("send ops should be waited on before step()
     # exits"): every stage output sent forward and every input gradient sent back stays
     # referenced until then.
-    held_sends = torch_pp and layout.schedule in RUNTIME_SCHEDULES
+    held_sends = torch_pp and schedule_of(layout.schedule).torch_holds_sends
     after_forward: dict[int, float] = {}
     after_backward: dict[int, float] = {}
     last = len(layout.stages) - 1
@@ -642,9 +635,10 @@ def _rank_memory(
     if layout.zero >= 3:  # the gathered working copy of the largest block, and the prefetched
         biggest = max(sum(p.numel / shards(p, layout) for p in costs[n].params) for n in names)
         gathered = 2 * biggest
-        if job.framework == "deepspeed":  # resident up to stage3_max_live_parameters
+        live = framework(job.framework).max_live_parameters
+        if live is not None:  # resident up to stage3_max_live_parameters
             resident = sum(p.numel / shards(p, layout) for p in plist)
-            gathered = max(gathered, min(DEEPSPEED_MAX_LIVE_PARAMETERS, resident))
+            gathered = max(gathered, min(live, resident))
         buffers += gathered * DTYPE_BYTES[job.working_weight_dtype]
     # offloaded activations on the host: each chunk's per micro-batch, as many micro-batches
     # as the op order holds at once (the same walk as the HBM activations')
@@ -684,3 +678,8 @@ def _rank_memory(
         host_bytes=round(state["host"] + offloaded_activations),
         step_bytes={k: round(state[k]) for k in STEP_KEYS},
     )
+
+
+def _with(has: Callable[[Framework], object], quote: bool = False) -> str:
+    """The frameworks that ``has`` a feature, for an error that names them."""
+    return " or ".join(repr(n) if quote else n for n, f in FRAMEWORKS.items() if has(f))

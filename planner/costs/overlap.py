@@ -21,7 +21,8 @@ largest of a few *terms*, each a sum of per-stage quantities (``Prim``) with coe
   own compute and communication in series: one chunk's all-to-alls and sends hide behind
   the other chunk's compute, never behind its own.
 
-When the framework does not overlap ZeRO communication (``OVERLAPS``) it joins the series.
+When the framework does not overlap ZeRO communication (``Framework.overlap``) it joins the
+series.
 The terms are data (``Term``): ``planner.timeline`` evaluates them on a layout's numbers and
 ``planner.solve.model`` states them over its variables, so both price a task alike.
 """
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.costs.timing import StageTime
+from planner.frameworks import FRAMEWORKS, Overlap
 
 # DeepSeek-V3 report section 3.2.2: 20 of the H800's 132 SMs run the all-to-all (and
 # pipeline sends) while DualPipe's paired chunks compute; those SMs are lost to compute.
@@ -46,24 +48,9 @@ Prim = tuple[str, int]  # (quantity, stage), e.g. ("fwd", 3) or ("a2af.ib", 3)
 LINKS = ("ib", "nvl")
 
 
-@dataclass(frozen=True)
-class Overlap:
-    """What a framework runs beside compute (``TrainingJob.framework``)."""
-
-    zero: bool  # ZeRO-3 gathers / ZeRO-2/3 reduce-scatters prefetched and overlapped
-    grad_sync: bool  # the data-parallel reduction starts with the stage's last backward
-
-
-# Megatron-LM: --overlap-grad-reduce and --overlap-param-gather (distributed optimizer);
-# torchtitan: FSDP2's prefetching all-gathers and reduce-scatters in backward; DeepSpeed:
-# ZeRO's overlap_comm; the eager torch runtime of ``planner validate`` (gloo on CPU) runs
-# each collective in turn with the compute.
-OVERLAPS = {
-    "megatron": Overlap(zero=True, grad_sync=True),
-    "torchtitan": Overlap(zero=True, grad_sync=True),
-    "deepspeed": Overlap(zero=True, grad_sync=True),
-    "torch": Overlap(zero=False, grad_sync=False),
-}
+# What each framework runs beside compute: its registry entry's ``Framework.overlap``
+# (``planner.frameworks``, with the sources), by name.
+OVERLAPS: dict[str, Overlap] = {name: f.overlap for name, f in FRAMEWORKS.items()}
 
 
 @dataclass(frozen=True)

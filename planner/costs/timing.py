@@ -46,8 +46,9 @@ from planner.costs.comm import NO_TRANSFER, Network, Transfer, group, moe_dispat
 from planner.costs.compute import BlockTime, Rates, block_time, work_time
 from planner.costs.memory import StageMemory, block_costs, shard_of, shards
 from planner.errors import PlannerError
+from planner.frameworks import framework
 from planner.layout import Layout, parse_recompute
-from planner.schedules import stage_rank
+from planner.schedules import schedule_of, stage_rank
 from planner.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, TrainingJob
 
 # Tensor-parallel overlap as each framework does it (``TrainingJob.framework``):
@@ -224,11 +225,10 @@ def cp_exposed(cost: BlockCost, rates: Rates, tp: TpComm) -> tuple[float, float]
 def tp_overlap_mode(job: TrainingJob, layout: Layout) -> str:
     """What the framework overlaps of tensor-parallel communication (Megatron-LM needs
     sequence parallelism for it)."""
-    if job.framework == "megatron" and layout.sequence_parallel:
-        return "userbuffers"
-    if job.framework == "torchtitan":
-        return "async"
-    return "none"
+    fw = framework(job.framework)
+    if fw.tp_overlap_needs_sp and not layout.sequence_parallel:
+        return "none"
+    return fw.tp_overlap
 
 
 def tp_exposed(comm: float, compute: float, tp: TpComm) -> tuple[float, float]:
@@ -417,7 +417,7 @@ def dp_groups(layout: Layout, rank: int) -> tuple[list[int], list[int]]:
     """Gradient-reduction groups of a rank's dense and expert parameters. DualPipe keeps each
     stage on two ranks (both directions), so their gradients are reduced together."""
     dense, expert = group(layout, "dp", rank), group(layout, "edp", rank)
-    if layout.schedule == "dualpipe":
+    if schedule_of(layout.schedule).copies == 2:
         pp_rank = rank // layout.plane
         mirror = rank + (layout.pp - 1 - 2 * pp_rank) * layout.plane
         if mirror != rank:

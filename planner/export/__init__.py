@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from planner.errors import PlannerError
 from planner.estimate import Estimate, evaluate
 from planner.layout import Layout
+from planner.schedules import DEFAULT_SCHEDULE
 from planner.solve.result import Plan
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 
@@ -198,7 +199,7 @@ def uniform_1f1b(model: ModelSpec, layout: Layout) -> Layout:
         etp=layout.etp,
         zero=layout.zero,
         micro_batch=layout.micro_batch,
-        schedule="1f1b",
+        schedule=DEFAULT_SCHEDULE,
         recompute=heaviest_choice(layout),
         ema=layout.ema,
         fp8_cache=layout.fp8_cache,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 
-from planner.costs.memory import DEEPSPEED_MAX_LIVE_PARAMETERS, DEEPSPEED_REDUCE_BUCKET_ELEMENTS
+from planner.costs.memory import DEEPSPEED_REDUCE_BUCKET_ELEMENTS
 from planner.errors import PlannerError
 from planner.export import (
     Export,
@@ -38,6 +38,7 @@ from planner.export import (
     with_recompute,
     without_host_offload,
 )
+from planner.frameworks import framework, target
 from planner.layout import Layout
 from planner.solve.result import Plan
 
@@ -63,7 +64,7 @@ def deepspeed(plan: Plan) -> Export:
     if runs.fp8_cache:
         differences.append("FP8 caching of activation inputs: DeepSpeed has none; costed without")
         runs = runs.model_copy(update={"fp8_cache": False})
-    if runs.pp > 1 and (runs.schedule != "1f1b" or not _even(runs)):
+    if runs.pp > 1 and (runs.schedule not in target("deepspeed").schedules or not _even(runs)):
         counts = _layer_counts(runs)
         differences.append(
             f"pipeline {runs.schedule} with layers per stage {counts}: DeepSpeed runs 1F1B on "
@@ -102,7 +103,7 @@ def deepspeed(plan: Plan) -> Export:
             # the buffers planner.costs.memory prices (DeepSpeed's defaults, stated)
             "reduce_bucket_size": DEEPSPEED_REDUCE_BUCKET_ELEMENTS,
             **(
-                {"stage3_max_live_parameters": DEEPSPEED_MAX_LIVE_PARAMETERS}
+                {"stage3_max_live_parameters": framework("deepspeed").max_live_parameters}
                 if runs.zero == 3
                 else {}
             ),

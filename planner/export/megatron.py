@@ -48,14 +48,13 @@ from planner.export import (
     with_recompute,
 )
 from planner.export.megatron_model import model_args
+from planner.frameworks import target
 from planner.layout import Layout
+from planner.schedules import schedule_of
 from planner.solve.result import Plan
 from planner.specs import TrainingJob
 
 COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
-
-# Megatron-LM's schedules: the nearest of ours it runs instead of each of the others.
-NEAREST = {"gpipe": "1f1b", "zb-h1": "1f1b", "dualpipe": "1f1b", "dualpipev": "interleaved"}
 
 
 def megatron(plan: Plan) -> Export:
@@ -139,13 +138,13 @@ def _stage_letters(blocks: list[str]) -> str:
 
 
 def _schedule(layout: Layout, differences: list[str]) -> Layout:
-    if layout.schedule in ("1f1b", "interleaved"):
+    nearest = target("megatron").runs_instead(layout.schedule)
+    if nearest == layout.schedule:
         return layout
-    nearest = NEAREST[layout.schedule]
+    chunked = schedule_of(nearest).virtual_stages != 1
     differences.append(
         f"schedule {layout.schedule}: Megatron-LM has no such schedule; runs {nearest} on the "
-        "same stages"
-        + (" (chunk c on rank c mod pp instead of the V shape)" if nearest == "interleaved" else "")
+        "same stages" + (" (chunk c on rank c mod pp instead of the V shape)" if chunked else "")
     )
     return layout.model_copy(update={"schedule": nearest})
 

@@ -42,18 +42,15 @@ from planner.export import (
 )
 from planner.export import with_recompute as _with_recompute
 from planner.export.flavors import flavors, mismatches
+from planner.frameworks import target
 from planner.layout import Layout
 from planner.solve.result import Plan
 from planner.specs import ModelSpec
 
 COMMIT = "73a0e6979dd10b6b1904098eb3c8f62c18ab87ce"
 
-SCHEDULES = {
-    "1f1b": "1F1B",
-    "interleaved": "Interleaved1F1B",
-    "gpipe": "GPipe",
-    "dualpipev": "DualPipeV",
-}
+LAUNCHER = target("torchtitan")
+SCHEDULES = dict(LAUNCHER.schedule_names)  # ours -> job.toml's pipeline_parallel_schedule
 FLAVORS = {  # catalog name -> the torchtitan (model name, flavor) named after it, v0.2.2
     "llama3-8b": ("llama3", "8B"),
     "llama3-70b": ("llama3", "70B"),
@@ -94,7 +91,7 @@ def torchtitan(plan: Plan) -> Export:
             f"schedule {runs.schedule}: torchtitan has no such schedule; runs 1F1B on the same "
             "stages"
         )
-        runs = runs.model_copy(update={"schedule": "1f1b"})
+        runs = runs.model_copy(update={"schedule": LAUNCHER.runs_instead(runs.schedule)})
     if runs.zero == 1:
         differences.append("ZeRO-1: torchtitan's FSDP2 shards gradients too; runs ZeRO-2")
         runs = runs.model_copy(update={"zero": 2})

@@ -43,15 +43,11 @@ from planner.run.device import Device
 from planner.run.model import DenseLayer, Embedding, Head, MoE, loss_fn
 from planner.run.state import _free_port
 from planner.run.track import Tracker
+from planner.schedules import SCHEDULES as REGISTRY
 from planner.specs import ModelSpec, TrainingJob
 
-SCHEDULES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved": "ScheduleInterleaved1F1B",
-    "zb-h1": "ScheduleInterleavedZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
-}
+# Schedules the real runs cover: those torch.distributed.pipelining has a class for.
+SCHEDULES = {name: s.torch_class for name, s in REGISTRY.items() if s.torch_class}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -360,8 +356,9 @@ class _Rank:
             for c, chunk in self.chunks
         ]
         self.stages = stages
-        cls = getattr(pipelining, SCHEDULES[self.layout.schedule])
-        single = self.layout.schedule in ("gpipe", "1f1b")
+        entry = REGISTRY[self.layout.schedule]
+        cls = getattr(pipelining, str(entry.torch_class))
+        single = not entry.torch_holds_sends
         return cls(stages[0] if single else stages, self.m, loss_fn=loss_fn)
 
     # -- the step -----------------------------------------------------------------------

@@ -21,6 +21,7 @@ from planner.costs.comm import Network
 from planner.costs.memory import memory_cap
 from planner.costs.timing import optimizer_seconds
 from planner.errors import PlannerError
+from planner.schedules import DEFAULT_SCHEDULE
 from planner.solve.tables import Config, Option, Tables, build, prototype
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 
@@ -58,7 +59,7 @@ def lower_bound(
     if forced is None:
         return None  # even recomputing everything leaves too many activations
     moe, fpair, comb, p2p, back = _communication(t)
-    dual = config.schedule in ("dualpipe", "dualpipev")
+    dual = config.pipeline.paired
     sends_f = 0.0 if dual else moe * fpair + p2p
     sends_b = 0.0 if dual else moe * 2 * comb + back
     fwd = total(lambda os: min(o.row.fwd for o in os))
@@ -73,7 +74,7 @@ def lower_bound(
     w_lo = max(bw, r_lo)
     bw_lo = max(bin_lo + bw + sends_b, g_lo + r_lo)
     tail = _optimizer_floor(t, config)
-    if config.schedule == "zb-h1":
+    if config.pipeline.separate_weight_grad:
         mean = m * (f_lo + b_lo + w_lo) / p + tail
         return max(mean, busiest_rank(t, config))
     busy = m * (f_lo + bw_lo) / p
@@ -107,8 +108,8 @@ def _rank_groups(
     if len(held) != len(set(held)):
         return None
     # Every stage runs every micro-batch once; DualPipe's two copies of a stage half each.
-    count = m // 2 if config.schedule == "dualpipe" else m
-    dual = config.schedule in ("dualpipe", "dualpipev")
+    count = m // config.copies
+    dual = config.pipeline.paired
     fpair = min(x.seconds for x in t.forward_pair)
     comb = min(x.seconds for x in t.combine)
 
@@ -355,7 +356,8 @@ def _chains(schedule: str, pp: int, m: int, v: int) -> tuple[np.ndarray, np.ndar
     """The shape's chains as weights: [chain, quantity, stage] on ``_ALL_PRIMS`` (each
     task at its first term), [chain, rank] on the ranks' optimizer steps, and which stages
     each rank holds [rank, stage] (cached: they depend on the shape alone)."""
-    from planner.costs.overlap import OVERLAPS, task_terms
+    from planner.costs.overlap import task_terms
+    from planner.frameworks import DEFAULT_FRAMEWORK, framework
     from planner.layout import chunks_of
     from planner.timeline import shape_forms
 
@@ -364,7 +366,8 @@ def _chains(schedule: str, pp: int, m: int, v: int) -> tuple[np.ndarray, np.ndar
     index = {name: i for i, name in enumerate(_ALL_PRIMS)}
     weights = np.zeros((len(forms), len(_ALL_PRIMS), S))
     optimizer = np.zeros((len(forms), pp))
-    first = OVERLAPS["megatron"]  # the first term's compute and series part: any framework's
+    # the first term's compute and series part: any framework's
+    first = framework(DEFAULT_FRAMEWORK).overlap
     for f, form in enumerate(forms):
         for key, c in form.items():
             if key[0] == "opt":
@@ -440,7 +443,7 @@ def degrees_bound(
         return None
     # The leanest of the configurations: one copy of the model (no DualPipe), the EMA off the
     # GPU. If even its state is over the cap, none of them fits.
-    lean = dataclasses.replace(config, schedule="1f1b", virtual_stages=1, ema="host")
+    lean = dataclasses.replace(config, schedule=DEFAULT_SCHEDULE, virtual_stages=1, ema="host")
     lean_tables = bound_tables(model, cluster, job, lean)
     if lean_tables is not None and not state_fits(lean_tables, cluster, job, lean):
         return None
@@ -451,7 +454,7 @@ def degrees_bound(
         + n * opts[b][0].row.bwd_weight
         for b, n in count.items()
     )
-    floor = dataclasses.replace(config, schedule="1f1b", virtual_stages=1)
+    floor = dataclasses.replace(config, schedule=DEFAULT_SCHEDULE, virtual_stages=1)
     return config.num_microbatches * work / config.pp + _optimizer_floor(t, floor)
 
 
@@ -496,7 +499,7 @@ def _forced_recompute(
     from planner.schedules import in_flight
 
     usable = memory_cap(cluster, job)
-    copies = 2 if config.schedule == "dualpipe" else 1
+    copies = config.copies
     state = copies * sum(gpu_state(t.kinds[k].state) for k in t.layer_kinds)
     state += sum(gpu_state(s) for s in t.fixed_state) + config.pp * t.buffers
     proto = prototype(model, config)
@@ -552,7 +555,7 @@ def _hull(options: list[Option]) -> list[tuple[float, float]]:
 
 def _optimizer_floor(t: Tables, config: Config) -> float:
     """The mean rank's optimizer step: the tail is at least the largest rank's."""
-    copies = 2 if config.schedule == "dualpipe" else 1
+    copies = config.copies
     total = copies * sum(optimizer_seconds(t.kinds[k].state, t.step) for k in t.layer_kinds)
     total += sum(optimizer_seconds(s, t.step) for s in t.fixed_state)
     return total / config.pp
@@ -589,7 +592,7 @@ def state_fits(tables: Tables, cluster: ClusterSpec, job: TrainingJob, config: C
     the usable HBM, no partition fits."""
     usable = memory_cap(cluster, job)
     # Pigeonhole: some rank holds at least ceil(layer copies / pp) layers.
-    copies = 2 if config.schedule == "dualpipe" else 1
+    copies = config.copies
     most = -(-copies * len(tables.layer_kinds) // config.pp)
     lightest = min(gpu_state(tables.kinds[k].state) for k in set(tables.layer_kinds))
     heaviest_rank = most * lightest + tables.buffers
@@ -606,7 +609,7 @@ def host_fits(
     of a node, within the node's RAM
     (``layers``: each transformer layer's state; ``fixed``: each rank's fixed blocks', as
     ``tables.states`` gives them)."""
-    copies = 2 if config.schedule == "dualpipe" else 1
+    copies = config.copies
     host = copies * sum(s["host"] for s in layers) + sum(s["host"] for s in fixed)
     per_node = min(cluster.gpus_per_node, cluster.num_gpus)
     return host / config.pp * per_node <= cluster.host_ram_bytes
@@ -615,7 +618,7 @@ def host_fits(
 def memory_floor(tables: Tables, config: Config) -> float:
     """The average rank's model state and buffers (bytes): some rank needs at least this."""
     state = sum(gpu_state(tables.kinds[k].state) for k in tables.layer_kinds)
-    copies = 2 if config.schedule == "dualpipe" else 1  # DualPipe keeps two copies
+    copies = config.copies
     fixed = sum(gpu_state(s) for s in tables.fixed_state)
     return (copies * state + fixed) / config.pp + tables.buffers
 

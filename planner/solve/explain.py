@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from planner.costs.memory import memory_cap, optimizer_offload_rule
 from planner.estimate import Estimate
+from planner.frameworks import framework
 from planner.layout import Layout
 from planner.solve.result import Binding, Explanation, Plan
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
@@ -127,7 +128,7 @@ def explain(
             )
     if (
         lightest is not None
-        and job.framework == "megatron"
+        and framework(job.framework).activation_offload
         and "offload" not in (space.recompute or [])
     ):
         # Activation offload, as Megatron-LM runs it: pp 1, the other layers not recomputed.

@@ -27,8 +27,9 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from planner.costs.memory import memory_cap
-from planner.costs.overlap import OVERLAPS, Prim, task_terms
+from planner.costs.overlap import Prim, task_terms
 from planner.costs.timing import optimizer_seconds
+from planner.frameworks import framework
 from planner.solve.bounds import bound_tables, gpu_state
 from planner.solve.tables import Config, Tables, even_counts, rank_orders
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
@@ -111,7 +112,7 @@ class _Lp:
 
     def __init__(self, t: Tables, orders: list[Any], cluster: ClusterSpec, job: TrainingJob):
         self.t, self.orders = t, orders
-        self.overlap = OVERLAPS[job.framework]
+        self.overlap = framework(job.framework).overlap
         self.s = pywraplp.Solver.CreateSolver("GLOP")
         assert self.s is not None
         self.vars: list[Any] = []

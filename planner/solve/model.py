@@ -37,9 +37,10 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from planner.costs.memory import DEEPSPEED_MAX_LIVE_PARAMETERS, memory_cap
-from planner.costs.overlap import OVERLAPS, Prim, TaskKey, Term, task_terms
+from planner.costs.memory import memory_cap
+from planner.costs.overlap import Prim, TaskKey, Term, task_terms
 from planner.costs.timing import optimizer_seconds
+from planner.frameworks import framework
 from planner.solve.tables import Affine, Tables
 from planner.specs import DTYPE_BYTES, ClusterSpec, TrainingJob
 from planner.timeline import Form
@@ -241,7 +242,7 @@ class StageModel:
         """Task lengths are created on first use (``task``); an hour bounds them."""
         self._tasks: dict[TaskKey, Any] = {}
         self.hi = q(3600.0)
-        self.overlap = OVERLAPS[self.job.framework]
+        self.overlap = framework(self.job.framework).overlap
 
     def task(self, key: TaskKey) -> Any:
         """The length of one task kind: at least each of its terms."""
@@ -310,7 +311,8 @@ class StageModel:
                     for name in self._fixed_of(c):
                         m.add(biggest >= _ceil(t.kinds[name].shard_weight))
                 extra = 2 * biggest
-                if job.framework == "deepspeed":  # resident up to stage3_max_live_parameters
+                max_live = framework(job.framework).max_live_parameters
+                if max_live is not None:  # resident up to stage3_max_live_parameters
                     resident = sum(
                         [self._layers(c, lambda k: _ceil(k.shard_weight)) for c in chunks],
                         sum(
@@ -321,7 +323,7 @@ class StageModel:
                     )
                     wb = DTYPE_BYTES[job.working_weight_dtype]
                     live = m.new_int_var(0, 2**40, f"live[{r}]")
-                    m.add_min_equality(live, [resident, DEEPSPEED_MAX_LIVE_PARAMETERS * wb // KIB])
+                    m.add_min_equality(live, [resident, max_live * wb // KIB])
                     gathered = m.new_int_var(0, 2**40, f"gathered[{r}]")
                     m.add(gathered >= 2 * biggest)
                     m.add(gathered >= live)

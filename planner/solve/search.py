@@ -64,6 +64,7 @@ from planner.costs.comm import Network
 from planner.costs.memory import memory_cap, offloads_activations, stage_memory, usable_peak_bytes
 from planner.errors import PlannerError
 from planner.estimate import Estimate, evaluate, step_run
+from planner.frameworks import FRAMEWORKS, framework
 from planner.layout import Layout, parse_recompute
 from planner.solve import lanes
 from planner.solve.bounds import (
@@ -82,7 +83,7 @@ from planner.solve.lanes import LANES, default_processes
 from planner.solve.lpbound import lp_bound, lp_counts
 from planner.solve.model import StageModel
 from planner.solve.result import Alternative, Plan
-from planner.solve.space import TARGETS, enumerate_configs, for_target
+from planner.solve.space import enumerate_configs, for_target, target_rules
 from planner.solve.tables import (
     Config,
     Option,
@@ -194,7 +195,7 @@ def plan(
         crowded: dict[tuple[object, ...], bool] = {}
 
         def holds(c: Config) -> tuple[object, ...]:
-            return (c.tp, c.cp, c.pp, c.dp, c.ep, c.etp, c.zero, c.schedule == "dualpipe")
+            return (c.tp, c.cp, c.pp, c.dp, c.ep, c.etp, c.zero, c.copies)
 
         for c in configs:
             if holds(c) not in crowded:
@@ -370,10 +371,9 @@ def _feasible(
     (each costing is charged all the same)."""
     allowed = space.recompute or ["full"]
     lean = "full" if "full" in allowed else allowed[-1]
-    flight = {"1f1b": 0, "interleaved": 1, "zb-h1": 2, "dualpipev": 3, "dualpipe": 4, "gpipe": 5}
 
     def order(c: Config) -> tuple[object, ...]:
-        return (-c.zero, c.micro_batch, flight.get(c.schedule, 9), c.tp * c.cp * c.pp, _key(c))
+        return (-c.zero, c.micro_batch, c.pipeline.leanness, c.tp * c.cp * c.pp, _key(c))
 
     seen: set[tuple[object, ...]] = set()
     programs: set[tuple[str, int, int, int]] = set()
@@ -428,10 +428,11 @@ def _offloaded(
     bisection over n, for each configuration until its share of the budget is spent."""
     if not space.recompute or "offload" not in space.recompute:
         return []
-    if job.framework != "megatron":
+    if not framework(job.framework).activation_offload:
+        able = " or ".join(n for n, f in FRAMEWORKS.items() if f.activation_offload)
         raise PlannerError(
             f"SearchSpace.recompute={space.recompute}: activation offload runs under "
-            f"megatron only, not {job.framework!r}"
+            f"{able} only, not {job.framework!r}"
         )
     stop = budget.spent + OFFLOAD_SHARE * max(0.0, budget.limit - budget.spent)
     out = []
@@ -569,7 +570,8 @@ def _quick(
     # head's own work counted (``warm.balanced``), unless the target launcher runs even
     # layer counts only.
     partitions = [even_counts(model, config)]
-    if not TARGETS.get(space.target, {}).get("even_stages"):
+    rules = target_rules(space)
+    if rules is None or not rules.even_stages:
         partitions.append(balanced(t, lambda o: o.time))
     cap = usable_peak_bytes(cluster, job)
     blocks = model.num_layers + model.num_mtp_layers + 2
@@ -798,7 +800,7 @@ def _relaxation_charge(config: Config) -> float:
 
 def _order_size(c: Config) -> int:
     """Ops in all the ranks' orders of one step (a forward and a backward per chunk)."""
-    return 3 * c.num_microbatches * c.stages * (2 if c.schedule == "dualpipe" else 1)
+    return 3 * c.num_microbatches * c.stages * c.copies
 
 
 def _replan(workers: int, seed: int) -> Replan:
@@ -1198,16 +1200,16 @@ def solve_config(
     if any(not k.options for k in tables.kinds.values()):
         return Outcome("infeasible")
     small = _order_size(config) <= RELAXATION_OPS
-    rules = TARGETS.get(space.target)
+    rules = target_rules(space)
     even = lp_counts(model, cluster, job, config) if choices is None and small else None
-    if rules is not None and rules.get("even_stages"):
+    if rules is not None and rules.even_stages:
         even = even_counts(model, config)
     values, work = warm_start(tables, cluster, job, time_limit_s, even)
     work *= CPSAT_SECONDS  # warm_start's work is CP-SAT's (completions of pinned models)
     sm = StageModel(tables, cluster, job)
     if rules is not None:  # what the target launcher can state
         sm.one_recompute_choice()
-        if rules.get("even_stages"):
+        if rules.even_stages:
             sm.fix(even_counts(model, config))
     sm.add_forms(
         list(

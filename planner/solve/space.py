@@ -15,53 +15,35 @@ from collections.abc import Iterator
 from planner.costs.blocks import Shard, block_cost
 from planner.costs.memory import optimizer_offload_rule
 from planner.errors import PlannerError
-from planner.layout import SCHEDULES, parse_recompute
+from planner.frameworks import FRAMEWORKS, Launcher, framework, launcher
+from planner.layout import parse_recompute
+from planner.schedules import SCHEDULES
 from planner.solve.tables import Config, choice_name
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 
-DEFAULT_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "dualpipe", "dualpipev")
+DEFAULT_SCHEDULES = tuple(name for name, s in SCHEDULES.items() if s.searched)
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
 DEFAULT_VIRTUAL = (2, 4)
 
 
-# What each launcher can state (``SearchSpace.target``; see ``planner.export``): schedules,
-# ZeRO stages, recompute choices (one for every layer; ``uniform_recompute``), whether the
-# stages must be even, and whether ZeRO-2/3 may go with pipeline parallelism.
-TARGETS: dict[str, dict[str, object]] = {
-    "megatron": {"schedules": ("1f1b", "interleaved")},
-    "torchtitan": {
-        "schedules": ("1f1b", "interleaved", "gpipe", "dualpipev"),
-        "zero": (0, 2, 3),
-        "recompute": ("none", "full"),
-        "sequence_parallel": (True,),  # its tensor parallelism shards the norms by sequence
-    },
-    "deepspeed": {
-        "schedules": ("1f1b",),
-        "recompute": ("none", "full"),
-        "even_stages": True,
-        "pipeline_zero": (0, 1),
-        "cp": (1,),  # DeepSpeed's sequence parallelism is Ulysses (heads by all-to-all)
-        "sequence_parallel": (False,),  # AutoTP all-reduces whole activations
-    },
-}
-
-
 def for_target(space: SearchSpace) -> SearchSpace:
-    """``space`` narrowed to what its target launcher can state (see ``TARGETS``)."""
-    rules = TARGETS.get(space.target)
+    """``space`` narrowed to what its target launcher can state (``Framework.launcher``):
+    schedules, ZeRO stages, recompute choices (one for every layer), context parallelism
+    and sequence parallelism."""
+    rules = launcher(space.target)
     if rules is None:
         return space
     update: dict[str, object] = {}
-    pairs = (
-        ("schedules", "schedules"),
-        ("zero", "zero"),
-        ("recompute", "recompute"),
-        ("cp", "cp"),
-        ("sequence_parallel", "sequence_parallel"),
+    pairs: tuple[tuple[str, tuple[object, ...] | None], ...] = (
+        ("schedules", rules.schedules),
+        ("zero", rules.zero),
+        ("recompute", rules.recompute),
+        ("cp", rules.cp),
+        ("sequence_parallel", rules.sequence_parallel),
     )
-    for key, field in pairs:
-        if key in rules:
-            allowed = list(rules[key])  # type: ignore[call-overload]
+    for field, values in pairs:
+        if values is not None:
+            allowed = list(values)
             mine = getattr(space, field)
             update[field] = [v for v in (mine or allowed) if v in allowed]
             if not update[field]:
@@ -72,10 +54,16 @@ def for_target(space: SearchSpace) -> SearchSpace:
     return space.model_copy(update=update)
 
 
+def target_rules(space: SearchSpace) -> Launcher | None:
+    """What the space's target launcher can state (None: any layout, ``target="any"``)."""
+    return launcher(space.target)
+
+
 def enumerate_configs(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, space: SearchSpace):  # type: ignore[no-untyped-def]
     n = cluster.num_gpus
     space = for_target(space)
-    pipeline_zero = TARGETS.get(space.target, {}).get("pipeline_zero")
+    rules = target_rules(space)
+    pipeline_zero = rules.pipeline_zero if rules is not None else None
     tps = space.tp or [t for t in _divisors(cluster.gpus_per_node) if n % t == 0]
     cps = space.cp or context_parallel_degrees(job.seq_len, n)
     for tp, cp in itertools.product(tps, cps):
@@ -100,7 +88,7 @@ def enumerate_configs(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, 
                 if plane % (ep * etp) or (model.num_experts and model.num_experts % ep):
                     continue
                 for config in _per_degrees(model, cluster, job, space, tp, pp, dp, ep, cp, etp):
-                    if pp > 1 and pipeline_zero and config.zero not in pipeline_zero:  # type: ignore[operator]
+                    if pp > 1 and pipeline_zero and config.zero not in pipeline_zero:
                         continue
                     yield config
 
@@ -160,16 +148,17 @@ def _per_degrees(
     if tp == 1:  # no effect: one value
         sps = sps[:1]
     for zero, mb, schedule, ema in itertools.product(zeros, mbs, schedules, emas):
-        if schedule not in SCHEDULES:
+        entry = SCHEDULES.get(schedule)
+        if entry is None:
             raise PlannerError(f"SearchSpace.schedules: unknown schedule {schedule!r}")
         if job.global_batch % (dp * mb):
             continue
         m = job.global_batch // (dp * mb)
-        for v in _virtuals(space, schedule):
+        for v in _virtuals(space, entry.virtual_stages):
             stages = pp * v
             if stages > model.num_layers + 2:
                 continue
-            if not _schedule_ok(schedule, pp, m, v):
+            if not entry.runs(pp, m, v):
                 continue
             for cache, sp, off in itertools.product(caches, sps, offloads):
                 if optimizer_offload_rule(job, off, zero):
@@ -185,11 +174,12 @@ def fp8_cache_choices(job: TrainingJob, space: SearchSpace) -> list[bool]:
     dequantise per MLP for memory. It is not searched unless asked: both values double the
     configurations one time budget has to cover, and on DeepSeek-V3 at 2,048 H800 the
     10-second search then ended 38.3 s (gap 73%) instead of 23.1 s (gap 56%)."""
-    allowed = job.compute_dtype == "fp8" and job.framework == "megatron"
+    allowed = job.compute_dtype == "fp8" and framework(job.framework).fp8_cache
     asked = space.fp8_cache or [False]
     if True in asked and not allowed:
+        able = " or ".join(repr(n) for n, f in FRAMEWORKS.items() if f.fp8_cache)
         raise PlannerError(
-            f"SearchSpace.fp8_cache={asked}: needs compute_dtype='fp8' and framework='megatron'; "
+            f"SearchSpace.fp8_cache={asked}: needs compute_dtype='fp8' and framework={able}; "
             f"the job has compute_dtype={job.compute_dtype!r}, framework={job.framework!r}"
         )
     return list(dict.fromkeys(asked))
@@ -216,20 +206,12 @@ def optimizer_offload_choices(job: TrainingJob, space: SearchSpace) -> list[floa
     return asked
 
 
-def _virtuals(space: SearchSpace, schedule: str) -> list[int]:
-    if schedule == "interleaved":
+def _virtuals(space: SearchSpace, fixed: int | None) -> list[int]:
+    """Chunks per rank to search for a schedule that runs ``fixed`` of them (None: any from
+    2, ``Schedule.virtual_stages``)."""
+    if fixed is None:
         return [v for v in (space.virtual_stages or DEFAULT_VIRTUAL) if v >= 2]
-    if schedule == "dualpipev":
-        return [2] if not space.virtual_stages or 2 in space.virtual_stages else []
-    return [1] if not space.virtual_stages or 1 in space.virtual_stages else []
-
-
-def _schedule_ok(schedule: str, pp: int, m: int, v: int) -> bool:
-    if schedule == "interleaved":
-        return pp > 1 and m % pp == 0
-    if schedule in ("dualpipe", "dualpipev"):
-        return pp % 2 == 0 and m >= 2 * pp and (schedule == "dualpipev" or m % 2 == 0)
-    return True
+    return [fixed] if not space.virtual_stages or fixed in space.virtual_stages else []
 
 
 def _tp_fits(model: ModelSpec, tp: int) -> bool:

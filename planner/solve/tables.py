@@ -46,7 +46,7 @@ from planner.costs.timing import (
     stage_send,
 )
 from planner.layout import Layout, parse_recompute
-from planner.schedules import Op, op_order
+from planner.schedules import Op, Schedule, op_order, schedule_of
 from planner.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, TrainingJob
 
 GiB = float(2**30)
@@ -78,6 +78,16 @@ class Config:
     @property
     def stages(self) -> int:
         return self.pp * self.virtual_stages
+
+    @property
+    def pipeline(self) -> Schedule:
+        """The schedule's registry entry."""
+        return schedule_of(self.schedule)
+
+    @property
+    def copies(self) -> int:
+        """Ranks that hold each stage (DualPipe keeps two copies of the model)."""
+        return self.pipeline.copies
 
     @classmethod
     def of(cls, layout: Layout, num_microbatches: int) -> Config:
@@ -112,7 +122,7 @@ class Config:
             etp=self.etp,
             zero=self.zero,
             micro_batch=self.micro_batch,
-            schedule=self.schedule,  # type: ignore[arg-type]
+            schedule=self.schedule,
             virtual_stages=self.virtual_stages,
             recompute=recompute,
             ema=self.ema,
@@ -297,7 +307,7 @@ def build(
                 config.zero,
                 config.micro_batch,
                 config.sequence_parallel,
-                config.schedule == "dualpipe",
+                config.copies,
                 rank,
             ),
             functools.partial(_stage_comm, model, job, network, proto, shard, rank),
@@ -501,7 +511,7 @@ def _stage_comm(
             proto.dp,
             proto.ep,
             proto.etp,
-            proto.schedule == "dualpipe",
+            schedule_of(proto.schedule).copies,
             rank,
         ),
         lambda: _groups(proto, network, rank),

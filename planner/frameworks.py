@@ -1,0 +1,260 @@
+"""The training frameworks a job can run under, as data: one frozen entry per framework.
+
+An entry says what the framework keeps its state in when the job does not say, what it
+overlaps with compute, what it holds in memory beyond the model's own tensors, what it can
+offload, and what its launcher can state (``Launcher``: the schedules, ZeRO stages and
+recompute choices an export can write, and the rules between them). Every other module asks
+the entry (``framework(job.framework)``) instead of comparing names, so a new framework is one
+entry here plus its export target.
+
+Sources are cited next to each entry's fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from planner.errors import PlannerError
+from planner.schedules import DEFAULT_SCHEDULE
+
+TpOverlap = Literal["userbuffers", "async", "none"]
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """What a framework runs beside compute."""
+
+    zero: bool  # ZeRO-3 gathers / ZeRO-2/3 reduce-scatters prefetched and overlapped
+    grad_sync: bool  # the data-parallel reduction starts with the stage's last backward
+
+
+@dataclass(frozen=True)
+class OptimizerOffload:
+    """Optimizer-state offload to the host as the framework runs it, per offloaded element:
+    the bytes the host holds, the bytes that cross PCIe each way per step, and its rules."""
+
+    host_bytes: int
+    d2h_bytes: int
+    h2d_bytes: int
+    whole_only: bool  # all of the state or none
+    zero: int | None  # the one ZeRO stage it offloads through (None: any)
+    zero_rule: str = ""  # why, in the framework's own terms
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """What the framework's launcher can state (``SearchSpace.target``; ``planner.export``):
+    each tuple lists the values it accepts (None: any the planner searches)."""
+
+    # The schedules it runs, each with its own name for it, and for the others the one it
+    # runs on the same stages instead (DEFAULT_SCHEDULE where none is named).
+    schedule_names: tuple[tuple[str, str], ...]
+    nearest: tuple[tuple[str, str], ...] = ()
+    zero: tuple[int, ...] | None = None
+    recompute: tuple[str, ...] | None = None  # one choice for every layer
+    cp: tuple[int, ...] | None = None
+    sequence_parallel: tuple[bool, ...] | None = None
+    even_stages: bool = False
+    pipeline_zero: tuple[int, ...] | None = None  # ZeRO stages allowed with pp > 1
+
+    @property
+    def schedules(self) -> tuple[str, ...]:
+        """The schedules it runs (the planner's names)."""
+        return tuple(ours for ours, _ in self.schedule_names)
+
+    def own_name(self, schedule: str) -> str:
+        """Its name for ``schedule`` (one it runs)."""
+        return dict(self.schedule_names)[schedule]
+
+    def runs_instead(self, schedule: str) -> str:
+        """The schedule it runs on the same stages in place of ``schedule``."""
+        if schedule in self.schedules:
+            return schedule
+        return dict(self.nearest).get(schedule, DEFAULT_SCHEDULE)
+
+
+@dataclass(frozen=True)
+class Framework:
+    """One training framework (``TrainingJob.framework``)."""
+
+    name: str
+    label: str  # how its users call it
+    # The state dtypes a job that leaves them out takes (``TrainingJob``).
+    weight_dtype: str
+    grad_dtype: str
+    master_dtype: str | None
+    # Time: what it overlaps (``costs.overlap``), and its tensor-parallel overlap
+    # (``costs.timing.tp_exposed``), which may need sequence parallelism.
+    overlap: Overlap
+    tp_overlap: TpOverlap
+    tp_overlap_needs_sp: bool = False
+    # Memory: how its kernels and runtime hold tensors (``costs.memory``, ``costs.blocks``).
+    compiles_loss: bool = False  # its loss may run under torch.compile (compiled_loss)
+    fp8_keeps_fp8_inputs: bool = False  # FP8 linears keep the FP8 copy of their input
+    fp8_cache: bool = False  # a switch to keep the FP8 activation input (Layout.fp8_cache)
+    probs_in_expert: bool = False  # routing probabilities applied inside the expert
+    loss_copies_logits: bool = False  # the eager loss keeps an FP32 copy of the logits
+    op_sac: bool = False  # per-op selective checkpointing ("op" recompute)
+    zero_shards_weights_from: int = 3  # the ZeRO stage from which weights are sharded
+    holds_unsharded: bool = False  # FSDP2 keeps gathered working weights (held_unsharded)
+    fixed_reduce_buckets: bool = False  # reduce buckets of a fixed size, not the largest block
+    max_live_parameters: int | None = None  # ZeRO-3 gathered parameters kept resident
+    optimizer_offload: OptimizerOffload | None = None
+    activation_offload: bool = False  # layer and fine-grained activation offload
+    launcher: Launcher | None = None  # None: no launch config is written for it
+
+
+FRAMEWORKS: dict[str, Framework] = {
+    # Megatron-LM. State: BF16 working weights, FP32 master weights and AdamW moments, and
+    # gradients accumulated and reduced in an FP32 main-grad buffer (arguments.py turns on
+    # accumulate_allreduce_grads_in_fp32 for --bf16 unless --grad-reduce-in-bf16).
+    # Overlap: --overlap-grad-reduce and --overlap-param-gather (distributed optimizer);
+    # --tp-comm-overlap (Transformer Engine userbuffers), which needs sequence parallelism.
+    # Memory: Transformer Engine's FP8 linears quantise their input once and keep that copy;
+    # TransformerConfig.activation_func_fp8_input_store caches the FP8 activation input; the
+    # MoE layer applies the routing probabilities inside the expert. Offload: the
+    # HybridDeviceOptimizer (megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py at
+    # d98e8a64): FP32 master, pinned FP32 gradient copy and two FP32 moments on the host
+    # (16 B), FP32 each way over PCIe; --cpu-offloading-num-layers and
+    # --fine-grained-activation-offloading for activations.
+    "megatron": Framework(
+        name="megatron",
+        label="Megatron-LM",
+        weight_dtype="bf16",
+        grad_dtype="fp32",
+        master_dtype="fp32",
+        overlap=Overlap(zero=True, grad_sync=True),
+        tp_overlap="userbuffers",
+        tp_overlap_needs_sp=True,
+        fp8_keeps_fp8_inputs=True,
+        fp8_cache=True,
+        probs_in_expert=True,
+        optimizer_offload=OptimizerOffload(
+            host_bytes=16,
+            d2h_bytes=4,
+            h2d_bytes=4,
+            whole_only=False,
+            zero=1,
+            zero_rule="Megatron-LM offloads through its distributed optimizer (ZeRO-1), "
+            "not ZeRO-{zero} (--optimizer-cpu-offload needs --use-precision-aware-optimizer, "
+            "which needs --use-distributed-optimizer; Megatron FSDP is not supported)",
+        ),
+        activation_offload=True,
+        # --num-layers-per-virtual-pipeline-stage turns 1F1B into the interleaved schedule.
+        launcher=Launcher(
+            schedule_names=(("1f1b", "1F1B"), ("interleaved", "interleaved 1F1B")),
+            nearest=(("dualpipev", "interleaved"),),
+        ),
+    ),
+    # torchtitan (FSDP2). State: FP32 parameters, which are the master copy, cast to BF16
+    # for compute and for FSDP2's all-gather (MixedPrecisionPolicy param_dtype=bfloat16);
+    # gradients reduced and kept in FP32 (reduce_dtype=float32); FP32 AdamW moments.
+    # Overlap: FSDP2 prefetches its all-gathers and reduce-scatters in backward; async
+    # tensor parallelism decomposes the collectives behind the partial matmuls on copy
+    # engines. Memory: torchao's float8 linears keep the BF16 input and quantise it again
+    # in backward; FSDP2 shards the parameters' storage whenever it shards anything, and
+    # keeps the gathered copy with reshard_after_forward off; the eager loss keeps an FP32
+    # copy of the logits; per-op selective activation checkpointing.
+    "torchtitan": Framework(
+        name="torchtitan",
+        label="torchtitan",
+        weight_dtype="fp32",
+        grad_dtype="fp32",
+        master_dtype=None,
+        overlap=Overlap(zero=True, grad_sync=True),
+        tp_overlap="async",
+        compiles_loss=True,
+        loss_copies_logits=True,
+        op_sac=True,
+        zero_shards_weights_from=2,
+        holds_unsharded=True,
+        # job.toml's parallelism.pipeline_parallel_schedule values (torchtitan 73a0e69).
+        launcher=Launcher(
+            schedule_names=(
+                ("1f1b", "1F1B"),
+                ("interleaved", "Interleaved1F1B"),
+                ("gpipe", "GPipe"),
+                ("dualpipev", "DualPipeV"),
+            ),
+            zero=(0, 2, 3),
+            recompute=("none", "full"),
+            sequence_parallel=(True,),  # its tensor parallelism shards the norms by sequence
+        ),
+    ),
+    # DeepSpeed. State: BF16 weights and gradients, FP32 master weights and moments (the
+    # ZeRO optimizer's FP32 partition). Overlap: ZeRO's overlap_comm; no tensor-parallel
+    # overlap (AutoTP all-reduces whole activations). Memory: Transformer Engine's FP8
+    # linears; reduce buckets of reduce_bucket_size elements; ZeRO-3 keeps up to
+    # stage3_max_live_parameters gathered (deepspeed/runtime/zero/config.py defaults).
+    # Offload: ZeRO-Offload (stage_1_and_2.py at edaa7221): FP32 master and moments, the
+    # FP32 gradient partition and a 16-bit copy of the updated weights (18 B); gradients
+    # cross as FP32, weights back as 16-bit; all of the state or none.
+    "deepspeed": Framework(
+        name="deepspeed",
+        label="DeepSpeed",
+        weight_dtype="bf16",
+        grad_dtype="bf16",
+        master_dtype="fp32",
+        overlap=Overlap(zero=True, grad_sync=True),
+        tp_overlap="none",
+        fp8_keeps_fp8_inputs=True,
+        fixed_reduce_buckets=True,
+        max_live_parameters=1_000_000_000,
+        optimizer_offload=OptimizerOffload(
+            host_bytes=18, d2h_bytes=4, h2d_bytes=2, whole_only=True, zero=None
+        ),
+        launcher=Launcher(
+            schedule_names=(("1f1b", "1F1B"),),
+            recompute=("none", "full"),
+            even_stages=True,
+            pipeline_zero=(0, 1),
+            cp=(1,),  # DeepSpeed's sequence parallelism is Ulysses (heads by all-to-all)
+            sequence_parallel=(False,),  # AutoTP all-reduces whole activations
+        ),
+    ),
+    # The eager PyTorch runtime of ``planner validate`` (gloo on CPU, NCCL on a GPU): FP32
+    # parameters as the master copy, FP32 gradients and moments; each collective runs in
+    # turn with the compute.
+    "torch": Framework(
+        name="torch",
+        label="eager PyTorch",
+        weight_dtype="fp32",
+        grad_dtype="fp32",
+        master_dtype=None,
+        overlap=Overlap(zero=False, grad_sync=False),
+        tp_overlap="none",
+        compiles_loss=True,
+    ),
+}
+
+FRAMEWORK_NAMES: tuple[str, ...] = tuple(FRAMEWORKS)
+DEFAULT_FRAMEWORK = "megatron"  # a job that names none runs under it
+LAUNCHERS: tuple[str, ...] = tuple(n for n, f in FRAMEWORKS.items() if f.launcher is not None)
+
+
+def framework(name: str) -> Framework:
+    """The registry entry of ``name`` (a one-line error naming the known ones otherwise)."""
+    try:
+        return FRAMEWORKS[name]
+    except KeyError:
+        raise PlannerError(
+            f"framework={name!r}: unknown framework; use one of {', '.join(FRAMEWORK_NAMES)}"
+        ) from None
+
+
+def target(name: str) -> Launcher:
+    """The launcher of framework ``name``, an export target."""
+    entry = framework(name).launcher
+    if entry is None:
+        raise PlannerError(
+            f"target={name!r}: {name} has no launcher to export to; use one of "
+            f"{', '.join(LAUNCHERS)}"
+        )
+    return entry
+
+
+def launcher(name: str) -> Launcher | None:
+    """What ``name``'s launcher can state (None for ``"any"`` or a framework without one)."""
+    entry = FRAMEWORKS.get(name)
+    return entry.launcher if entry is not None else None
