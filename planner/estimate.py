@@ -138,6 +138,7 @@ def step_run(
     """The per-rank memory, the per-stage times and the step run task by task
     (``planner.timeline``) of a layout: what ``evaluate``, ``simulate`` and the search's
     final choice all read."""
+    from planner.costs.overlap import overlap_of
     from planner.timeline import run
 
     m = check_layout(model, cluster, job, layout)
@@ -148,7 +149,7 @@ def step_run(
         times,
         [optimizer_time(s, cluster) for s in memory],
         num_microbatches=m,
-        framework=job.framework,
+        overlap=overlap_of(job, cluster),
     )
     return memory, times, step
 

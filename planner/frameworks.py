@@ -19,14 +19,21 @@ from planner.errors import PlannerError
 from planner.schedules import DEFAULT_SCHEDULE
 
 TpOverlap = Literal["userbuffers", "async", "none"]
+# The SMs of a GPU whose cluster does not state them (ClusterSpec.sm_count None): an H100's,
+# H800's or H200's 132.
+UNSTATED_SM_COUNT = 132
 
 
 @dataclass(frozen=True)
 class Overlap:
-    """What a framework runs beside compute."""
+    """What a framework runs beside compute, on a GPU of ``sm_count`` SMs (communication
+    kernels take whole SMs from the compute beside them: ``costs.overlap``)."""
 
     zero: bool  # ZeRO-3 gathers / ZeRO-2/3 reduce-scatters prefetched and overlapped
     grad_sync: bool  # the data-parallel reduction starts with the stage's last backward
+    # The GPU's SMs: the cluster's (``costs.overlap.overlap_of``); an entry's are
+    # ``UNSTATED_SM_COUNT``, as are those of a cluster that does not state its own.
+    sm_count: int = UNSTATED_SM_COUNT
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ with the stage's last gradient-producing task (when the framework overlaps it: b
 reduction overlaps the last backward; otherwise after the rank's last task) and queues behind
 the one before; the optimizer step follows the later of the two streams. While a reduction
 overlaps the rank's compute it shares the links with the tasks' own transfers and holds
-``NCCL_SM_SHARE`` of the SMs, so from the start of the task it begins with, the rank's end is
-also at least:
+``costs.overlap.nccl_share`` of the SMs, so from the start of the task it begins with, the
+rank's end is also at least:
 
 - for each link, the time that link needs for everything still to cross it (the tasks'
   transfers, then the reductions') plus the optimizer step;
@@ -41,21 +41,22 @@ from typing import Any
 from planner import frameworks
 from planner.costs.comm import NO_TRANSFER
 from planner.costs.overlap import (
-    LINKS,
-    NCCL_SM_SHARE,
     Parts,
-    Prim,
     TaskKey,
     link_use,
+    nccl_share,
     task_parts,
     task_time,
     values,
 )
+from planner.costs.quantities import LINKS, Part, Prim, Quantity, name
 from planner.costs.timing import StageTime
 from planner.frameworks import Overlap
 from planner.schedules import Op, op_order
 
 FormKey = tuple[Any, ...]  # ("task", TaskKey) | ("prim", Prim) | ("opt", rank)
+SYNC = name(Quantity.GRAD_SYNC)
+SYNC_ON = {link: name(Quantity.GRAD_SYNC, link) for link in LINKS}
 Form = dict[FormKey, float]
 
 
@@ -126,15 +127,16 @@ def run(
     optimizer: list[float],
     *,
     num_microbatches: int,
-    framework: str,
+    overlap: Overlap,
 ) -> Timeline:
-    """Run one step of ``layout`` over its per-stage ``times`` (see the module docstring)."""
+    """Run one step of ``layout`` over its per-stage ``times`` (see the module docstring)
+    with what runs beside compute (``costs.overlap.overlap_of``)."""
     return run_values(
         layout,
         values(times),
         optimizer,
         num_microbatches=num_microbatches,
-        overlap=frameworks.framework(framework).overlap,
+        overlap=overlap,
         times=times,
     )
 
@@ -359,7 +361,7 @@ class _Run:
         syncs: list[Sync] = []
         queue: list[tuple[int, Any]] = []  # per reduction: its stage and what it followed
         for stage, g in prog.last_grad[r]:
-            seconds = self.val[("sync", stage)]
+            seconds = self.val[(SYNC, stage)]
             if seconds <= 0:
                 continue
             begin, how = (
@@ -397,8 +399,8 @@ class _Run:
         prog, start, dur, val = self.prog, self.start, self.dur, self.val
         tasks = prog.by_rank[r]
         index = {g: i for i, g in enumerate(tasks)}
-        firsts = [g for stage, g in prog.last_grad[r] if val[("sync", stage)] > 0]
-        suffix = {name: [0.0] * (len(tasks) + 1) for name in (*LINKS, "time")}
+        firsts = [g for stage, g in prog.last_grad[r] if val[(SYNC, stage)] > 0]
+        suffix = {key: [0.0] * (len(tasks) + 1) for key in (*LINKS, "time")}
         use: dict[tuple[TaskKey, str], float] = {}
         for i in range(len(tasks) - 1, -1, -1):
             key = prog.key[tasks[i]]
@@ -412,18 +414,18 @@ class _Run:
             i = index[g]
             queued = syncs if j == 0 else syncs[j - 1 :]
             stages = [s.stage for s in queued]
-            budgets = {
-                link: suffix[link][i] + sum(val[(f"sync.{link}", s)] for s in stages)
+            budgets: dict[str, float] = {
+                link: suffix[link][i] + sum(val[(SYNC_ON[link], s)] for s in stages)
                 for link in LINKS
             }
             if j:
-                budgets["time"] = suffix["time"][i] + NCCL_SM_SHARE * sum(
+                budgets["time"] = suffix["time"][i] + nccl_share(self.overlap) * sum(
                     s.duration for s in queued
                 )
-            for name, seconds in budgets.items():
+            for budget, seconds in budgets.items():
                 total = start[g] + seconds + optimizer
                 if total > best[0]:
-                    best = (total, ("window", g, i, name, stages))
+                    best = (total, ("window", g, i, budget, stages))
         return best
 
     def _form(self, how: Any, r: int, queue: list[tuple[int, Any]]) -> Form:
@@ -431,23 +433,23 @@ class _Run:
         form: Form = defaultdict(float)
         form[("opt", r)] += 1.0
         if how[0] == "window":
-            _, g, i, name, stages = how
+            _, g, i, budget, stages = how
             for t in self.prog.by_rank[r][i:]:
                 key = self.prog.key[t]
-                if name == "time":
+                if budget == "time":
                     form[("task", key)] += 1.0
                 else:
-                    for p, c in link_use(key, name).items():
+                    for p, c in link_use(key, budget).items():
                         form[("prim", p)] += c
             for s in stages:
-                if name == "time":
-                    form[("prim", ("sync", s))] += NCCL_SM_SHARE
+                if budget == "time":
+                    form[("prim", (SYNC, s))] += nccl_share(self.overlap)
                 else:
-                    form[("prim", (f"sync.{name}", s))] += 1.0
+                    form[("prim", (SYNC_ON[Part(budget)], s))] += 1.0
             how = ("start", g)
         while how[0] == "sync":
             stage, before = queue[how[1]]
-            form[("prim", ("sync", stage))] += 1.0
+            form[("prim", (SYNC, stage))] += 1.0
             how = before
         kind, g = how
         if kind == "start":

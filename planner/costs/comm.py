@@ -118,6 +118,11 @@ class Transfer:
             self.seconds + other.seconds, self.ib + other.ib, self.nvlink + other.nvlink
         )
 
+    def __sub__(self, other: Transfer) -> Transfer:
+        return Transfer(
+            self.seconds - other.seconds, self.ib - other.ib, self.nvlink - other.nvlink
+        )
+
     def __mul__(self, k: float) -> Transfer:
         return Transfer(self.seconds * k, self.ib * k, self.nvlink * k)
 

@@ -9,15 +9,15 @@ largest of a few *terms*, each a sum of per-stage quantities (``Prim``) with coe
 - compute and the communication the task waits for, in series: forward/backward work plus
   the expert all-to-alls and pipeline sends of the same chunk (dispatch, experts and combine
   run one after another inside a chunk), plus the SMs that overlapped collectives take from
-  the compute (``NCCL_SM_SHARE`` of their duration: NCCL's CTAs do not share an SM with
+  the compute (``nccl_share`` of their duration: NCCL's CTAs do not share an SM with
   compute, and on a DGX-class node with 8 NICs it runs 16 of them, NVIDIA/nccl#689);
 - each overlapped collective (ZeRO-3 gathers, ZeRO-2/3 reduce-scatters, prefetched as
   Megatron-LM, FSDP2 and DeepSpeed do) on its own;
 - each link's budget: every transfer the task has in flight on the GPU's InfiniBand share
   (or its NVLink ports) adds up, overlapped or not;
 - for a DualPipe pair (DeepSeek-V3 report section 3.2.1, Figure 4): the two chunks' compute
-  together, slowed while the communication kernels hold 20 of the 132 SMs
-  (``OVERLAP_SM_SHARE``, section 3.2.2) for the communication's duration, and each chunk's
+  together, slowed while the communication kernels hold 20 of the GPU's SMs
+  (``paired_share``, section 3.2.2) for the communication's duration, and each chunk's
   own compute and communication in series: one chunk's all-to-alls and sends hide behind
   the other chunk's compute, never behind its own.
 
@@ -29,28 +29,50 @@ The terms are data (``Term``): ``planner.timeline`` evaluates them on a layout's
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
 
+from planner.costs.quantities import LINKS, Part, Prim, Quantity, name
 from planner.costs.timing import StageTime
-from planner.frameworks import FRAMEWORKS, Overlap
+from planner.frameworks import FRAMEWORKS, Overlap, framework
+from planner.specs import ClusterSpec, TrainingJob
 
 # DeepSeek-V3 report section 3.2.2: 20 of the H800's 132 SMs run the all-to-all (and
 # pipeline sends) while DualPipe's paired chunks compute; those SMs are lost to compute.
-OVERLAP_SM_SHARE = 20 / 132
+PAIRED_COMM_SMS = 20
 # NCCL occupies whole SMs with its CTAs, 16 on a DGX-class node with 8 NICs (NVIDIA/nccl#689,
-# maintainer's answer); H100, H800 and H200 have 132 SMs.
-NCCL_SM_SHARE = 16 / 132
+# maintainer's answer).
+NCCL_SMS = 16
+# Their shares of a 132-SM GPU (H100, H800, H200); other GPUs' come from their SM count
+# (``overlap_of``: A100 108, B200 148).
+OVERLAP_SM_SHARE = PAIRED_COMM_SMS / 132
+NCCL_SM_SHARE = NCCL_SMS / 132
 
 TaskKey = tuple[Any, ...]  # ("F"|"B"|"W"|"BW", stage) or ("pair", f, b, "B"|"BW")
-Prim = tuple[str, int]  # (quantity, stage), e.g. ("fwd", 3) or ("a2af.ib", 3)
-LINKS = ("ib", "nvl")
+Q = Quantity
 
 
 # What each framework runs beside compute: its registry entry's ``Framework.overlap``
-# (``planner.frameworks``, with the sources), by name.
+# (``planner.frameworks``, with the sources), by name, on a 132-SM GPU.
 OVERLAPS: dict[str, Overlap] = {name: f.overlap for name, f in FRAMEWORKS.items()}
+
+
+def overlap_of(job: TrainingJob, cluster: ClusterSpec) -> Overlap:
+    """What ``job``'s framework runs beside compute on ``cluster``'s GPUs."""
+    base = framework(job.framework).overlap
+    return dataclasses.replace(base, sm_count=cluster.sm_count or base.sm_count)
+
+
+def nccl_share(overlap: Overlap) -> float:
+    """The share of the compute NCCL's CTAs take while a collective overlaps it."""
+    return NCCL_SMS / overlap.sm_count
+
+
+def paired_share(overlap: Overlap) -> float:
+    """The share of the compute a DualPipe pair's communication kernels take."""
+    return PAIRED_COMM_SMS / overlap.sm_count
 
 
 @dataclass(frozen=True)
@@ -61,24 +83,20 @@ class Term:
 
 
 def prims(st: StageTime) -> dict[str, float]:
-    """A stage's quantities by name (seconds per micro-batch; ``sync`` per step)."""
-    out = {
-        "fwd": st.fwd,
-        "bin": st.bwd_input,
-        "bw": st.bwd_weight,
-    }
-    for name, t in (
-        ("a2af", st.a2a_fwd),
-        ("a2ab", st.a2a_bwd),
-        ("p2p", st.p2p),
-        ("p2pb", st.p2p_back),
-        ("ag", st.zero_gather),
-        ("rs", st.zero_reduce),
-        ("sync", st.grad_sync),
+    """A stage's quantities by ``costs.quantities.name`` (seconds per micro-batch;
+    ``grad_sync`` per step)."""
+    out = {name(Q.FWD): st.fwd, name(Q.BWD_INPUT): st.bwd_input, name(Q.BWD_WEIGHT): st.bwd_weight}
+    for quantity, t in (
+        (Q.A2A_FWD, st.a2a_fwd),
+        (Q.A2A_BWD, st.a2a_bwd),
+        (Q.P2P, st.p2p),
+        (Q.P2P_BACK, st.p2p_back),
+        (Q.ZERO_GATHER, st.zero_gather),
+        (Q.ZERO_REDUCE, st.zero_reduce),
+        (Q.GRAD_SYNC, st.grad_sync),
     ):
-        out[name] = t.seconds
-        out[name + ".ib"] = t.ib
-        out[name + ".nvl"] = t.nvlink
+        for part in Part:
+            out[name(quantity, part)] = part.of(t)
     return out
 
 
@@ -87,19 +105,20 @@ def values(times: list[StageTime]) -> dict[Prim, float]:
     return {(k, st.stage): v for st in times for k, v in prims(st).items()}
 
 
-def _series(kind: str, s: int) -> tuple[dict[str, int], list[str]]:
-    """A single op's compute and the communication it waits for (names of the stage's
-    quantities), and the collectives it overlaps."""
+def _series(kind: str, s: int) -> tuple[dict[Quantity, int], list[Quantity]]:
+    """A single op's compute and the communication it waits for (the stage's quantities),
+    and the collectives it overlaps."""
     if kind == "F":
-        return {"fwd": 1, "a2af": 1, "p2p": 1}, ["ag"]
+        return {Q.FWD: 1, Q.A2A_FWD: 1, Q.P2P: 1}, [Q.ZERO_GATHER]
     if kind == "B":
-        return {"bin": 1, "a2ab": 1, "p2pb": 1}, ["ag"]
+        return {Q.BWD_INPUT: 1, Q.A2A_BWD: 1, Q.P2P_BACK: 1}, [Q.ZERO_GATHER]
     if kind == "W":
-        return {"bw": 1}, ["rs"]
-    return {"bin": 1, "bw": 1, "a2ab": 1, "p2pb": 1}, ["ag", "rs"]
+        return {Q.BWD_WEIGHT: 1}, [Q.ZERO_REDUCE]
+    series = {Q.BWD_INPUT: 1, Q.BWD_WEIGHT: 1, Q.A2A_BWD: 1, Q.P2P_BACK: 1}
+    return series, [Q.ZERO_GATHER, Q.ZERO_REDUCE]
 
 
-_COMM = ("a2af", "a2ab", "p2p", "p2pb")
+_COMM = (Q.A2A_FWD, Q.A2A_BWD, Q.P2P, Q.P2P_BACK)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -110,43 +129,44 @@ def task_terms(key: TaskKey, overlap: Overlap) -> list[Term]:
         return _pair_terms(key[1], key[2], key[3], overlap)
     kind, s = key
     series, over = _series(kind, s)
-    main: dict[Prim, float] = {(n, s): float(c) for n, c in series.items()}
+    main: dict[Prim, float] = {(name(n), s): float(c) for n, c in series.items()}
     terms = []
     if overlap.zero:
         for n in over:
-            main[(n, s)] = NCCL_SM_SHARE
-        terms.append(Term(tuple(((n, s), 1.0) for n in over)))
+            main[(name(n), s)] = nccl_share(overlap)
+        terms.append(Term(tuple(((name(n), s), 1.0) for n in over)))
         for link in LINKS:
             comm = [n for n in series if n in _COMM] + over
-            terms.append(Term(tuple(((f"{n}.{link}", s), 1.0) for n in comm)))
+            terms.append(Term(tuple(((name(n, link), s), 1.0) for n in comm)))
     else:
         for n in over:
-            main[(n, s)] = 1.0
+            main[(name(n), s)] = 1.0
     return [Term(tuple(main.items())), *terms]
 
 
 def _pair_terms(f: int, b: int, kind: str, overlap: Overlap) -> list[Term]:
     fwd, _ = _series("F", f)
     bwd, _ = _series(kind, b)
-    over = [("ag", f), ("ag", b)] + ([("rs", b)] if kind == "BW" else [])
-    comp_f = {("fwd", f): 1.0}
-    comp_b = {(n, b): 1.0 for n in bwd if n not in _COMM}
-    comm_f = {(n, f): 1.0 for n in fwd if n in _COMM}
-    comm_b = {(n, b): 1.0 for n in bwd if n in _COMM}
+    over = [(Q.ZERO_GATHER, f), (Q.ZERO_GATHER, b)] + ([(Q.ZERO_REDUCE, b)] if kind == "BW" else [])
+    sent = [(n, f) for n in fwd if n in _COMM] + [(n, b) for n in bwd if n in _COMM]
+    comp_f = {(name(Q.FWD), f): 1.0}
+    comp_b = {(name(n), b): 1.0 for n in bwd if n not in _COMM}
+    comm_f = {(name(n), f): 1.0 for n in fwd if n in _COMM}
+    comm_b = {(name(n), b): 1.0 for n in bwd if n in _COMM}
     # The two chunks' compute, slowed while their communication holds SMs, and the ZeRO
     # collectives' SMs (or their whole length, when not overlapped).
     compute = comp_f | comp_b
-    compute |= {p: OVERLAP_SM_SHARE for p in comm_f | comm_b}
-    compute |= {p: NCCL_SM_SHARE if overlap.zero else 1.0 for p in over}
+    compute |= {p: paired_share(overlap) for p in comm_f | comm_b}
+    compute |= {(name(n), s): nccl_share(overlap) if overlap.zero else 1.0 for n, s in over}
     terms = [
         Term(tuple(compute.items())),  # the first term: see ``task_terms``
         Term(tuple((comp_f | comm_f).items())),  # each chunk in series with its own
         Term(tuple((comp_b | comm_b).items())),
     ]
     if overlap.zero:
-        terms.append(Term(tuple((p, 1.0) for p in over)))
+        terms.append(Term(tuple(((name(n), s), 1.0) for n, s in over)))
     for link in LINKS:
-        comm = [(f"{n}.{link}", s) for n, s in [*comm_f, *comm_b, *over]]
+        comm = [(name(n, link), s) for n, s in [*sent, *over]]
         terms.append(Term(tuple((p, 1.0) for p in comm)))
     return terms
 
@@ -167,12 +187,13 @@ def link_use(key: TaskKey, link: str) -> dict[Prim, float]:
     (cached: callers must not change it)."""
     if key[0] == "pair":
         f, b, kind = key[1], key[2], key[3]
-        names = [("a2af", f), ("p2p", f), ("a2ab", b), ("p2pb", b), ("ag", f), ("ag", b)]
-        names += [("rs", b)] if kind == "BW" else []
+        names = [(Q.A2A_FWD, f), (Q.P2P, f), (Q.A2A_BWD, b), (Q.P2P_BACK, b)]
+        names += [(Q.ZERO_GATHER, f), (Q.ZERO_GATHER, b)]
+        names += [(Q.ZERO_REDUCE, b)] if kind == "BW" else []
     else:
         series, over = _series(key[0], key[1])
         names = [(n, key[1]) for n in [*series, *over] if n in _COMM or n in over]
-    return {(f"{n}.{link}", s): 1.0 for n, s in names}
+    return {(name(n, Part(link)), s): 1.0 for n, s in names}
 
 
 @dataclass(frozen=True)

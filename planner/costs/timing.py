@@ -40,13 +40,24 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
-from planner.costs.blocks import BlockCost, Param
+from planner.costs.blocks import BlockCost, Param, Shard
 from planner.costs.comm import NO_TRANSFER, Network, Transfer, group, moe_dispatch_bytes
 from planner.costs.compute import BlockTime, Rates, block_time, work_time
 from planner.costs.memory import StageMemory, block_costs, shard_of, shards
+from planner.costs.quantities import (
+    OFF,
+    Bytes,
+    FloatStage,
+    Quantity,
+    Rate,
+    StageComm,
+    stage_quantities,
+    transfer,
+)
 from planner.errors import PlannerError
-from planner.frameworks import framework
+from planner.frameworks import UNSTATED_SM_COUNT, framework
 from planner.layout import Layout, parse_recompute
 from planner.schedules import schedule_of, stage_rank
 from planner.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, TrainingJob
@@ -65,7 +76,7 @@ from planner.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, TrainingJob
 # - deepspeed and the eager torch runtime: no overlap.
 # Either way no more is hidden than the block's own compute in that phase.
 TP_RS_SPLITS = 4
-TP_RS_SM_SHARE = 24 / 132
+TP_RS_SMS = 24
 
 
 @dataclass(frozen=True)
@@ -99,41 +110,43 @@ class StageTime:
 def stage_times(
     model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: Layout, network: Network
 ) -> list[StageTime]:
-    """One ``StageTime`` per entry of ``layout.stages``."""
+    """One ``StageTime`` per entry of ``layout.stages``: each block's row (its compute and
+    the communication inside it) and the stage's quantities as ``costs.quantities`` states
+    them, over the layout's own blocks."""
     rates = Rates.of(cluster, job)
     shard = shard_of(job, layout)
     costs = block_costs(model, layout, shard)
-    act = shard.sp_tokens * model.hidden_size * shard.act_bytes  # a stage boundary's tensor
-    tp = TpComm.of(model, job, layout, network, shard)
+    tp = TpComm.of(model, job, layout, network, shard, sm_count=cluster.sm_count)
+    sends = stage_sends(model, layout, network, shard)
     out = []
     for index, stage in enumerate(layout.stages):
         rank = first_rank(layout, index)
-        dispatch, combine = expert_all_to_alls(model, job, layout, network, shard, rank)
-        forward_pair = dispatch + combine
-        total = BlockRow()
+        comm = stage_comm(position_comm(model, job, layout, network, shard, rank), *sends[index])
+        rows: list[BlockRow] = []
         params: dict[str, Param] = {}
         for placed in stage.blocks:
             cost = costs[placed.block]
-            total += block_row(cost, rates, parse_recompute(placed.recompute), tp)
+            rows.append(block_row(cost, rates, parse_recompute(placed.recompute), tp))
             for p in cost.params:
                 params.setdefault(p.key, p)
-        dense, expert = _grad_bytes(list(params.values()), job, layout)
+        total = sum(rows, BlockRow())
+        values = stage_quantities(FloatStage(rows, stage_bytes(params, job, layout)), comm)
         out.append(
             StageTime(
                 stage=index,
-                fwd=total.fwd,
-                bwd_input=total.bwd_input,
-                bwd_weight=total.bwd_weight,
+                fwd=values[Quantity.FWD],
+                bwd_input=values[Quantity.BWD_INPUT],
+                bwd_weight=values[Quantity.BWD_WEIGHT],
                 recompute=total.recompute,
                 tp_fwd=total.tp_fwd,
                 tp_bwd=total.tp_bwd,
-                a2a_fwd=forward_pair * total.moe_layers,
-                a2a_bwd=combine * (2 * total.moe_layers) + forward_pair * total.moe_rerun,
-                p2p=stage_send(layout, network, index, act),
-                p2p_back=stage_send(layout, network, index - 1, act) if index else NO_TRANSFER,
-                grad_sync=_grad_sync(layout, network, rank, dense, expert),
-                zero_gather=_zero_gather(layout, network, rank, params, job),
-                zero_reduce=_zero_reduce(layout, network, rank, dense, expert),
+                a2a_fwd=transfer(values, Quantity.A2A_FWD),
+                a2a_bwd=transfer(values, Quantity.A2A_BWD),
+                p2p=transfer(values, Quantity.P2P),
+                p2p_back=transfer(values, Quantity.P2P_BACK),
+                grad_sync=transfer(values, Quantity.GRAD_SYNC),
+                zero_gather=transfer(values, Quantity.ZERO_GATHER),
+                zero_reduce=transfer(values, Quantity.ZERO_REDUCE),
                 cp_fwd=total.cp_fwd,
                 cp_bwd=total.cp_bwd,
                 offload_fwd=total.offload_fwd,
@@ -141,6 +154,104 @@ def stage_times(
             )
         )
     return out
+
+
+def stage_bytes(
+    params: Mapping[str, Param], job: TrainingJob, layout: Layout
+) -> dict[Bytes, float]:
+    """A stage's bytes that its collectives move (``costs.quantities.Bytes``): the unsharded
+    gradients of its trainable parameters and its working weights, dense and routed experts
+    apart; shared tensors once."""
+    gb, wb = DTYPE_BYTES[job.grad_dtype], DTYPE_BYTES[job.working_weight_dtype]
+    out = dict.fromkeys(Bytes, 0.0)
+    for p in params.values():
+        local = p.numel / shards(p, layout)
+        if p.trainable:
+            out[Bytes.EXPERT_GRAD if p.expert else Bytes.DENSE_GRAD] += local * gb
+        out[Bytes.EXPERT_WEIGHT if p.expert else Bytes.DENSE_WEIGHT] += local * wb
+    return out
+
+
+@dataclass(frozen=True)
+class PositionComm:
+    """What a stage's transfers cost at a pipeline position, apart from its sends: one MoE
+    layer's forward all-to-alls and its combine, and the rates of its collectives (see
+    ``costs.quantities.StageComm``)."""
+
+    forward_pair: Transfer
+    combine: Transfer
+    grad_sync: tuple[Rate, Rate]
+    zero_gather: tuple[Rate, Rate]
+    zero_reduce: tuple[Rate, Rate]
+
+
+def position_comm(
+    model: ModelSpec, job: TrainingJob, layout: Layout, network: Network, shard: Shard, rank: int
+) -> PositionComm:
+    """The transfers of a stage held at ``rank``'s pipeline position: its all-to-alls, and
+    its gradient reduction (all-reduce under ZeRO-0, reduce-scatter under ZeRO-1; the updated
+    parameters' all-gather is taken as overlapped with the next step's forward, as
+    Megatron-LM's ``--overlap-param-gather``), ZeRO-3's gather and ZeRO-2/3's
+    reduce-scatter, over the dense and the expert groups."""
+    dispatch, combine = expert_all_to_alls(model, job, layout, network, shard, rank)
+    dense, expert = dp_groups(layout, rank)
+    z = layout.zero
+    sync: Collective = "all_reduce" if z == 0 else "reduce_scatter"
+    return PositionComm(
+        forward_pair=dispatch + combine,
+        combine=combine,
+        grad_sync=_rates(network, sync, dense, expert) if z <= 1 else (OFF, OFF),
+        zero_gather=_rates(network, "all_gather", dense, expert) if z >= 3 else (OFF, OFF),
+        zero_reduce=_rates(network, "reduce_scatter", dense, expert) if z >= 2 else (OFF, OFF),
+    )
+
+
+def stage_comm(position: PositionComm, p2p: Transfer, p2p_back: Transfer) -> StageComm:
+    """A stage's transfers: those of its position and its two sends."""
+    return StageComm(
+        forward_pair=position.forward_pair,
+        combine=position.combine,
+        p2p=p2p,
+        p2p_back=p2p_back,
+        grad_sync=position.grad_sync,
+        zero_gather=position.zero_gather,
+        zero_reduce=position.zero_reduce,
+    )
+
+
+def stage_sends(
+    model: ModelSpec, layout: Layout, network: Network, shard: Shard
+) -> list[tuple[Transfer, Transfer]]:
+    """Each stage's pipeline sends: its output forward to the next stage's holder, and its
+    input gradient back to the previous one's (a stage boundary's hidden states)."""
+    act = shard.sp_tokens * model.hidden_size * shard.act_bytes
+    forward = [stage_send(layout, network, s, act) for s in range(len(layout.stages))]
+    return [(forward[s], forward[s - 1] if s else NO_TRANSFER) for s in range(len(forward))]
+
+
+Collective = Literal["all_reduce", "reduce_scatter", "all_gather"]
+_RATES: dict[tuple[object, ...], Rate] = {}
+
+
+def _rates(
+    network: Network, kind: Collective, dense: list[int], expert: list[int]
+) -> tuple[Rate, Rate]:
+    """The rates of collective ``kind`` over the dense and the expert group. A collective's
+    time depends only on how its group spreads over nodes, so rates are kept by that."""
+    out = []
+    for ranks in (dense, expert):
+        key = (kind, network, network._spread(ranks))
+        if key not in _RATES:
+            if len(_RATES) > 20_000:  # bounded across long sweeps
+                _RATES.clear()
+            method = {
+                "all_reduce": network.all_reduce,
+                "reduce_scatter": network.reduce_scatter,
+                "all_gather": network.all_gather,
+            }[kind]
+            _RATES[key] = Rate.fit(method, ranks)
+        out.append(_RATES[key])
+    return out[0], out[1]
 
 
 def expert_all_to_alls(
@@ -179,24 +290,36 @@ class TpComm:
     cp: int = 1
     ring_latency: float = 0.0  # one ring step's latency (its slowest hop) ...
     ring_Bps: float = math.inf  # ... and bandwidth
+    rs_sm_share: float = TP_RS_SMS / UNSTATED_SM_COUNT  # of the GPU's, the reduce-scatter's
 
     @classmethod
     def of(
-        cls, model: ModelSpec, job: TrainingJob, layout: Layout, network: Network, shard: object
+        cls,
+        model: ModelSpec,
+        job: TrainingJob,
+        layout: Layout,
+        network: Network,
+        shard: object,
+        *,
+        sm_count: int | None,
     ) -> TpComm:
+        """The collectives of ``layout`` on GPUs of ``sm_count`` SMs (None: unstated,
+        ``frameworks.UNSTATED_SM_COUNT``)."""
         region = shard.tokens * model.hidden_size * shard.act_bytes  # type: ignore[attr-defined]
         seconds = network.all_reduce_time(region, group(layout, "tp", 0))
+        share = TP_RS_SMS / (sm_count or UNSTATED_SM_COUNT)
         ring = group(layout, "cp", 0)
         hops = list(zip(ring, ring[1:] + ring[:1], strict=True))
         if len(ring) < 2:
-            return cls(seconds, tp_overlap_mode(job, layout), layout.tp)
+            return cls(seconds, tp_overlap_mode(job, layout), layout.tp, rs_sm_share=share)
         # Every rank sends to the next at once: a step lasts as long as its slowest hop, and
         # a ring that leaves its node crosses InfiniBand at each GPU's share of the NICs.
         if any(network.node_of(a) != network.node_of(b) for a, b in hops):
             latency, Bps = network.ib_latency_s, network.ib_bus_Bps
         else:
             latency, Bps = network.nvlink_latency_s, network.nvlink_bus_Bps
-        return cls(seconds, tp_overlap_mode(job, layout), layout.tp, layout.cp, latency, Bps)
+        mode = tp_overlap_mode(job, layout)
+        return cls(seconds, mode, layout.tp, layout.cp, latency, Bps, rs_sm_share=share)
 
     def ring_step(self, nbytes: float) -> float:
         """Seconds of one step of the context-parallel ring carrying ``nbytes``."""
@@ -239,7 +362,7 @@ def tp_exposed(comm: float, compute: float, tp: TpComm) -> tuple[float, float]:
     if tp.mode == "userbuffers":
         floor = comm / 2 / tp.tp + comm / 2 / TP_RS_SPLITS
         exposed = max(floor, comm - compute)
-        return exposed, TP_RS_SM_SHARE * (comm - exposed) / 2
+        return exposed, tp.rs_sm_share * (comm - exposed) / 2
     exposed = max(comm / tp.tp, comm - compute)
     return exposed, 0.0
 
@@ -405,14 +528,6 @@ def stage_send(layout: Layout, network: Network, stage: int, nbytes: float) -> T
     return network.p2p(nbytes, first_rank(layout, stage), first_rank(layout, stage + 1))
 
 
-def _grad_bytes(params: list[Param], job: TrainingJob, layout: Layout) -> tuple[float, float]:
-    """Unsharded gradient bytes on one rank: (dense, routed experts)."""
-    gb = DTYPE_BYTES[job.grad_dtype]
-    dense = sum(p.numel / shards(p, layout) * gb for p in params if p.trainable and not p.expert)
-    expert = sum(p.numel / shards(p, layout) * gb for p in params if p.trainable and p.expert)
-    return dense, expert
-
-
 def dp_groups(layout: Layout, rank: int) -> tuple[list[int], list[int]]:
     """Gradient-reduction groups of a rank's dense and expert parameters. DualPipe keeps each
     stage on two ranks (both directions), so their gradients are reduced together."""
@@ -424,35 +539,3 @@ def dp_groups(layout: Layout, rank: int) -> tuple[list[int], list[int]]:
             dense = dense + group(layout, "dp", mirror)
             expert = expert + group(layout, "edp", mirror)
     return dense, expert
-
-
-def _grad_sync(
-    layout: Layout, network: Network, rank: int, dense: float, expert: float
-) -> Transfer:
-    if layout.zero >= 2:  # reduced per micro-batch instead (``zero_reduce``)
-        return NO_TRANSFER
-    dense_group, expert_group = dp_groups(layout, rank)
-    collective = network.all_reduce if layout.zero == 0 else network.reduce_scatter
-    return collective(dense, dense_group) + collective(expert, expert_group)
-
-
-def _zero_reduce(
-    layout: Layout, network: Network, rank: int, dense: float, expert: float
-) -> Transfer:
-    if layout.zero < 2:
-        return NO_TRANSFER
-    dense_group, expert_group = dp_groups(layout, rank)
-    return network.reduce_scatter(dense, dense_group) + network.reduce_scatter(expert, expert_group)
-
-
-def _zero_gather(
-    layout: Layout, network: Network, rank: int, params: dict[str, Param], job: TrainingJob
-) -> Transfer:
-    if layout.zero < 3:
-        return NO_TRANSFER
-    wb = DTYPE_BYTES[job.working_weight_dtype]
-    ps = list(params.values())
-    dense = sum(p.numel / shards(p, layout) * wb for p in ps if not p.expert)
-    expert = sum(p.numel / shards(p, layout) * wb for p in ps if p.expert)
-    dense_group, expert_group = dp_groups(layout, rank)
-    return network.all_gather(dense, dense_group) + network.all_gather(expert, expert_group)

@@ -19,8 +19,17 @@ import numpy as np
 
 from planner.costs.comm import Network
 from planner.costs.memory import memory_cap
+from planner.costs.quantities import (
+    COLLECTIVE_BYTES,
+    Bytes,
+    Quantity,
+    Row,
+    rates,
+    stage_quantities,
+)
 from planner.costs.timing import optimizer_seconds
 from planner.errors import PlannerError
+from planner.frameworks import Overlap
 from planner.schedules import DEFAULT_SCHEDULE
 from planner.solve.tables import Config, Option, Tables, build, prototype
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
@@ -58,15 +67,15 @@ def lower_bound(
     forced = _forced_recompute(model, t, cluster, job, config)
     if forced is None:
         return None  # even recomputing everything leaves too many activations
-    moe, fpair, comb, p2p, back = _communication(t)
+    moe, a2a_f, a2a_b, p2p, back = _communication(t)
     dual = config.pipeline.paired
-    sends_f = 0.0 if dual else moe * fpair + p2p
-    sends_b = 0.0 if dual else moe * 2 * comb + back
+    sends_f = 0.0 if dual else moe * a2a_f + p2p
+    sends_b = 0.0 if dual else moe * a2a_b + back
     fwd = total(lambda os: min(o.row.fwd for o in os))
     bin_lo = total(lambda os: min(o.row.bwd_input for o in os)) + forced
     bw = total(lambda os: os[0].row.bwd_weight)  # recompute does not change it
-    g_lo = _collective(t, "gather", low=True)
-    r_lo = _collective(t, "reduce", low=True)
+    g_lo = _collective(t, Q.ZERO_GATHER, low=True)
+    r_lo = _collective(t, Q.ZERO_REDUCE, low=True)
     # Sums over stages of each op's time: at least its work (+ the sends in series) and at
     # least its ZeRO collectives.
     f_lo = max(fwd + sends_f, g_lo)
@@ -84,7 +93,7 @@ def lower_bound(
         busy = m * max(fwd + bin_lo + bw, 2 * g_lo + r_lo) / p
         # A DualPipe pair lasts at least each chunk's own communication (in series with its
         # compute), so at least half of the two; an unpaired op all of its own.
-        comm = moe * (fpair + 2 * comb) + p2p + back
+        comm = moe * (a2a_f + a2a_b) + p2p + back
         busy = max(busy, m * comm / (2 * p))
     return max(busy + tail, busiest_rank(t, config))
 
@@ -110,12 +119,11 @@ def _rank_groups(
     # Every stage runs every micro-batch once; DualPipe's two copies of a stage half each.
     count = m // config.copies
     dual = config.pipeline.paired
-    fpair = min(x.seconds for x in t.forward_pair)
-    comb = min(x.seconds for x in t.combine)
+    a2a_f, a2a_b = _a2a_per_layer(t)
 
     def work(option: Option) -> float:
         row = option.row
-        comm = 0.0 if dual else row.moe_layers * (fpair + 2 * comb)
+        comm = 0.0 if dual else row.moe_layers * (a2a_f + a2a_b)
         return row.fwd + row.bwd_input + row.bwd_weight + comm
 
     fixed: list[float] = []
@@ -125,7 +133,7 @@ def _rank_groups(
             names = _fixed_blocks(t, stage, config.stages)
             seconds += count * sum(min(work(o) for o in t.kinds[b].options) for b in names)
             if not dual:
-                seconds += count * (t.p2p[stage].seconds + t.p2p_back[stage].seconds)
+                seconds += count * (t.comm[stage].p2p.seconds + t.comm[stage].p2p_back.seconds)
         fixed.append(seconds)
     return groups, count, fixed, work
 
@@ -300,19 +308,20 @@ def fill_and_drain(t: Tables, config: Config) -> float:
     step. 0.0 when the relaxation says nothing (no layer to split)."""
     S, pp = config.stages, config.pp
     weights, optimizer, held = _chains(
-        config.schedule, pp, config.num_microbatches, config.virtual_stages
+        config.schedule, pp, config.num_microbatches, config.virtual_stages, t.overlap
     )
     lowest: dict[str, np.ndarray] = {}
     fixed: dict[str, np.ndarray] = {}
     kinds = sorted(set(t.layer_kinds))
+    blocks = set(kinds) | {b for s in range(S) for b in _fixed_blocks(t, s, S)}
+    least = {(b, s): _cheapest(t, b, s) for b in blocks for s in range(S)}
     for name in _CHAIN_PRIMS:
-        lowest[name] = np.array([min(_prim(t, k, name, s) for k in kinds) for s in range(S)])
+        lowest[name] = np.array([min(least[k, s][name] for k in kinds) for s in range(S)])
         fixed[name] = np.array(
-            [sum(_prim(t, b, name, s) for b in _fixed_blocks(t, s, S)) for s in range(S)]
+            [sum(least[b, s][name] for b in _fixed_blocks(t, s, S)) for s in range(S)]
         )
-    sends = {"p2p": t.p2p, "p2pb": t.p2p_back}
-    for name, transfers in sends.items():
-        fixed[name] = np.array([x.seconds for x in transfers])
+    fixed[Q.P2P] = np.array([c.p2p.seconds for c in t.comm])
+    fixed[Q.P2P_BACK] = np.array([c.p2p_back.seconds for c in t.comm])
     per_layer = np.stack([lowest.get(n, np.zeros(S)) for n in _ALL_PRIMS])  # [prim, stage]
     per_stage = np.stack([fixed[n] for n in _ALL_PRIMS])
     coef = np.einsum("fps,ps->fs", weights, per_layer)
@@ -328,23 +337,65 @@ def fill_and_drain(t: Tables, config: Config) -> float:
     return _dual_bound(coef, const, lo, free)
 
 
-_CHAIN_PRIMS = ("fwd", "bin", "bw", "a2af", "a2ab")  # per layer, and of the fixed blocks
-_ALL_PRIMS = (*_CHAIN_PRIMS, "p2p", "p2pb")  # the sends are the stage's alone
+Q = Quantity
+# per layer, and of the fixed blocks; the sends are the stage's alone
+_CHAIN_PRIMS: tuple[str, ...] = (Q.FWD, Q.BWD_INPUT, Q.BWD_WEIGHT, Q.A2A_FWD, Q.A2A_BWD)
+_ALL_PRIMS: tuple[str, ...] = (*_CHAIN_PRIMS, Q.P2P, Q.P2P_BACK)
 
 
-def _prim(t: Tables, block: str, name: str, stage: int) -> float:
-    """The least of a block's quantity ``name`` at ``stage`` over its options (seconds per
-    micro-batch): compute, or its all-to-alls at the stage's rates."""
-    rows = [o.row for o in t.kinds[block].options]
-    if name == "fwd":
-        return min(r.fwd for r in rows)
-    if name == "bin":
-        return min(r.bwd_input for r in rows)
-    if name == "bw":
-        return min(r.bwd_weight for r in rows)
-    if name == "a2af":
-        return min(r.moe_layers for r in rows) * t.forward_pair[stage].seconds
-    return min(r.moe_layers for r in rows) * 2 * t.combine[stage].seconds
+class _Least:
+    """The domain of a block's quantities at their least over its options
+    (``costs.quantities.Domain``), each quantity on its own: the compute and the
+    all-to-alls it brings, without the stage's sends and collectives (``const``,
+    ``over_bytes`` and ``if_expert`` are nothing)."""
+
+    def __init__(self, rows: Sequence[Row]) -> None:
+        self.rows = rows
+
+    def blocks(self, seconds: Callable[[Row], float]) -> float:
+        return min(seconds(r) for r in self.rows)
+
+    def count(self, number: Callable[[Row], int]) -> float:
+        return float(min(number(r) for r in self.rows))
+
+    def per(self, count: float, seconds: float) -> float:
+        return count * seconds
+
+    def const(self, seconds: float) -> float:
+        return 0.0
+
+    def over_bytes(self, kind: Bytes, per_byte: float) -> float:
+        return 0.0
+
+    def if_expert(self, seconds: float) -> float:
+        return 0.0
+
+    def add(self, a: float, b: float) -> float:
+        return a + b
+
+
+def _cheapest(t: Tables, block: str, stage: int) -> dict[str, float]:
+    """A block's quantities at ``stage`` at their least over its options (seconds per
+    micro-batch)."""
+    return stage_quantities(_Least([o.row for o in t.kinds[block].options]), t.comm[stage])
+
+
+@dataclass(frozen=True)
+class _MoeLayer:
+    """A row of one MoE layer that recompute does not re-run, and nothing else."""
+
+    fwd: float = 0.0
+    bwd_input: float = 0.0
+    bwd_weight: float = 0.0
+    moe_layers: int = 1
+    moe_rerun: int = 0
+
+
+def _a2a_per_layer(t: Tables) -> tuple[float, float]:
+    """One MoE layer's all-to-alls per micro-batch, forward and backward (without a re-run),
+    each at the stage where it is cheapest."""
+    per_stage = [stage_quantities(_Least([_MoeLayer()]), c) for c in t.comm]
+    return min(q[Q.A2A_FWD] for q in per_stage), min(q[Q.A2A_BWD] for q in per_stage)
 
 
 def _fixed_blocks(t: Tables, stage: int, stages: int) -> list[str]:
@@ -352,12 +403,14 @@ def _fixed_blocks(t: Tables, stage: int, stages: int) -> list[str]:
 
 
 @functools.lru_cache(maxsize=512)
-def _chains(schedule: str, pp: int, m: int, v: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _chains(
+    schedule: str, pp: int, m: int, v: int, first: Overlap
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The shape's chains as weights: [chain, quantity, stage] on ``_ALL_PRIMS`` (each
-    task at its first term), [chain, rank] on the ranks' optimizer steps, and which stages
-    each rank holds [rank, stage] (cached: they depend on the shape alone)."""
+    task at its first term under ``first``), [chain, rank] on the ranks' optimizer steps,
+    and which stages each rank holds [rank, stage] (cached: they depend on the shape and
+    the SMs communication takes alone)."""
     from planner.costs.overlap import task_terms
-    from planner.frameworks import DEFAULT_FRAMEWORK, framework
     from planner.layout import chunks_of
     from planner.timeline import shape_forms
 
@@ -366,8 +419,6 @@ def _chains(schedule: str, pp: int, m: int, v: int) -> tuple[np.ndarray, np.ndar
     index = {name: i for i, name in enumerate(_ALL_PRIMS)}
     weights = np.zeros((len(forms), len(_ALL_PRIMS), S))
     optimizer = np.zeros((len(forms), pp))
-    # the first term's compute and series part: any framework's
-    first = framework(DEFAULT_FRAMEWORK).overlap
     for f, form in enumerate(forms):
         for key, c in form.items():
             if key[0] == "opt":
@@ -469,19 +520,20 @@ def communication_floor(
     t = bound_tables(model, cluster, job, config)
     if t is None:
         return 0.0
-    moe, fpair, comb, p2p, back = _communication(t)
-    return config.num_microbatches * (moe * (fpair + 2 * comb) + p2p + back) / (2 * config.pp)
+    moe, a2a_f, a2a_b, p2p, back = _communication(t)
+    return config.num_microbatches * (moe * (a2a_f + a2a_b) + p2p + back) / (2 * config.pp)
 
 
 def _communication(t: Tables) -> tuple[int, float, float, float, float]:
-    """Per micro-batch, summed over stages: the MoE layers, the cheapest stage's forward
-    dispatch+combine and combine (seconds per layer), and all forward and backward sends."""
+    """Per micro-batch, summed over stages: the MoE layers, one MoE layer's forward and
+    backward all-to-alls at the cheapest stage (``_a2a_per_layer``), and all forward and
+    backward sends."""
     count = Counter(t.layer_kinds + t.first_fixed + t.last_fixed)
     moe = sum(n * t.kinds[b].cost.moe_layers for b, n in count.items())
-    fpair = min(x.seconds for x in t.forward_pair)
-    comb = min(x.seconds for x in t.combine)
-    p2p, back = sum(x.seconds for x in t.p2p), sum(x.seconds for x in t.p2p_back)
-    return moe, fpair, comb, p2p, back
+    a2a_f, a2a_b = _a2a_per_layer(t)
+    p2p = sum(c.p2p.seconds for c in t.comm)
+    back = sum(c.p2p_back.seconds for c in t.comm)
+    return moe, a2a_f, a2a_b, p2p, back
 
 
 def _forced_recompute(
@@ -561,27 +613,22 @@ def _optimizer_floor(t: Tables, config: Config) -> float:
     return total / config.pp
 
 
-def _collective(t: Tables, kind: str, *, low: bool) -> float:
-    """ZeRO reduce-scatters ("reduce") or all-gathers ("gather") summed over stages, at the
-    cheapest (``low``) or costliest stage's rate: all the bytes, plus every stage's latency
-    (an expert latency only counts once at the low end: one stage may hold every expert)."""
-    reduce = kind == "reduce"
-    dense = sum(t.kinds[k].dense_grad if reduce else t.kinds[k].dense_weight for k in t.layer_kinds)
-    expert = sum(
-        t.kinds[k].expert_grad if reduce else t.kinds[k].expert_weight for k in t.layer_kinds
-    )
-    for d, e in t.fixed_grad if reduce else t.fixed_weight:
-        dense, expert = dense + d, expert + e
-    pairs = list(
-        zip(
-            t.reduce_dense if reduce else t.gather_dense,
-            t.reduce_expert if reduce else t.gather_expert,
-            strict=True,
-        )
-    )
+def _collective(t: Tables, quantity: Quantity, *, low: bool) -> float:
+    """ZeRO reduce-scatters (``ZERO_REDUCE``) or all-gathers (``ZERO_GATHER``) summed over
+    stages, at the cheapest (``low``) or costliest stage's rate: all the bytes, plus every
+    stage's latency (an expert latency only counts once at the low end: one stage may hold
+    every expert)."""
+    dense_kind, expert_kind = COLLECTIVE_BYTES[quantity]
+    dense = sum(t.kinds[k].nbytes[dense_kind] for k in t.layer_kinds)
+    expert = sum(t.kinds[k].nbytes[expert_kind] for k in t.layer_kinds)
+    for fixed in t.fixed_bytes:
+        dense, expert = dense + fixed[dense_kind], expert + fixed[expert_kind]
+    pairs = [rates(c, quantity) for c in t.comm]
     pick = min if low else max
-    a_d, a_e = pick(d.a for d, _ in pairs), pick(e.a for _, e in pairs)
-    c_d, c_e = pick(d.c for d, _ in pairs), pick(e.c for _, e in pairs)
+    a_d = pick(d.per_byte.seconds for d, _ in pairs)
+    a_e = pick(e.per_byte.seconds for _, e in pairs)
+    c_d = pick(d.latency.seconds for d, _ in pairs)
+    c_e = pick(e.latency.seconds for _, e in pairs)
     stages = len(pairs)
     expert_latency = (c_e if expert else 0.0) * (1 if low else stages)
     return a_d * dense + a_e * expert + stages * c_d + expert_latency

@@ -13,23 +13,24 @@ for a few layouts of the configuration (the even partition, then the rounded rel
 own, in turn). Each of those relaxes the CP-SAT model (``planner.solve.model``) or drops a
 chain from it, so the optimum is at most the step time of every layout of the configuration.
 
-ZeRO collectives' latencies count only for the dense parameters (the expert ones only where a
-stage holds experts, which is not stated here).
+What it relaxes beyond the counts: whether a stage holds routed experts (their collectives'
+latencies, which the CP-SAT model counts where it does, are left out).
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from ortools.linear_solver import pywraplp
 
 from planner.costs.memory import memory_cap
-from planner.costs.overlap import Prim, task_terms
+from planner.costs.overlap import task_terms
+from planner.costs.quantities import Bytes, Prim, Row, stage_quantities
 from planner.costs.timing import optimizer_seconds
-from planner.frameworks import framework
 from planner.solve.bounds import bound_tables, gpu_state
 from planner.solve.tables import Config, Tables, even_counts, rank_orders
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
@@ -112,7 +113,7 @@ class _Lp:
 
     def __init__(self, t: Tables, orders: list[Any], cluster: ClusterSpec, job: TrainingJob):
         self.t, self.orders = t, orders
-        self.overlap = framework(job.framework).overlap
+        self.overlap = t.overlap
         self.s = pywraplp.Solver.CreateSolver("GLOP")
         assert self.s is not None
         self.vars: list[Any] = []
@@ -175,39 +176,13 @@ class _Lp:
 
     # -- the model ---------------------------------------------------------------------
     def _prims(self) -> dict[Prim, Lin]:
-        t, out = self.t, {}
-        for s in range(t.config.stages):
-            out[("fwd", s)] = self._sum(s, lambda o: o.row.fwd)
-            out[("bin", s)] = self._sum(s, lambda o: o.row.bwd_input)
-            out[("bw", s)] = self._sum(s, lambda o: o.row.bwd_weight)
-            moe = self._sum(s, lambda o: o.row.moe_layers)
-            rerun = self._sum(s, lambda o: o.row.moe_rerun)
-            fp, cb = t.forward_pair[s], t.combine[s]
-            for part, suffix in (("seconds", ""), ("ib", ".ib"), ("nvlink", ".nvl")):
-                f_, c_ = getattr(fp, part), getattr(cb, part)
-                out[("a2af" + suffix, s)] = _scale(moe, f_)
-                out[("a2ab" + suffix, s)] = _plus(_scale(moe, 2 * c_), _scale(rerun, f_))
-                out[("p2p" + suffix, s)] = {-1: getattr(t.p2p[s], part)}
-                out[("p2pb" + suffix, s)] = {-1: getattr(t.p2p_back[s], part)}
-            for link, suffix in (("", ""), ("ib", ".ib"), ("nvl", ".nvl")):
-                out[("sync" + suffix, s)] = self._collective(s, link, "grad", "grad")
-                out[("ag" + suffix, s)] = self._collective(s, link, "gather", "weight")
-                out[("rs" + suffix, s)] = self._collective(s, link, "reduce", "grad")
+        """Every stage's quantities as ``costs.quantities`` states them, over fractional
+        counts (``_StageLin``)."""
+        out: dict[Prim, Lin] = {}
+        for s in range(self.t.config.stages):
+            for key, lin in stage_quantities(_StageLin(self, s), self.t.comm[s]).items():
+                out[(key, s)] = lin
         return out
-
-    def _collective(self, s: int, link: str, table: str, what: str) -> Lin:
-        t = self.t
-        fixed = (t.fixed_grad if what == "grad" else t.fixed_weight)[s]
-        total: Lin = {}
-        for part, fixed_bytes in zip(("dense", "expert"), fixed, strict=True):
-            a, c = getattr(t, f"{table}_{part}")[s].part(link)
-            attr = f"{part}_{what}"
-            lin = _scale(self._layers(s, lambda k, attr=attr: getattr(k, attr)), a)
-            # The dense latency as the CP-SAT model counts it; the expert one only when the
-            # stage surely holds experts, which is not known here.
-            lin[-1] = a * fixed_bytes + (c if part == "dense" else 0.0)
-            total = _plus(total, lin)
-        return total
 
     def _memory(self, cap: float) -> None:
         t = self.t
@@ -359,3 +334,35 @@ def _plus(a: Lin, b: Lin) -> Lin:
     for i, x in b.items():
         out[i] = out.get(i, 0.0) + x
     return out
+
+
+class _StageLin:
+    """The relaxation's domain of one stage's quantities (``costs.quantities.Domain``):
+    sums over fractional counts, in seconds. It relaxes one thing more: whether the stage
+    holds routed experts is not stated, so their collectives' latencies are left out."""
+
+    def __init__(self, lp: _Lp, s: int) -> None:
+        self.lp, self.s = lp, s
+
+    def blocks(self, seconds: Callable[[Row], float]) -> Lin:
+        return self.lp._sum(self.s, lambda o: seconds(o.row))
+
+    def count(self, number: Callable[[Row], int]) -> Lin:
+        return self.lp._sum(self.s, lambda o: number(o.row))
+
+    def per(self, count: Lin, seconds: float) -> Lin:
+        return _scale(count, seconds)
+
+    def const(self, seconds: float) -> Lin:
+        return {-1: seconds}
+
+    def over_bytes(self, kind: Bytes, per_byte: float) -> Lin:
+        lin = _scale(self.lp._layers(self.s, lambda k: k.nbytes[kind]), per_byte)
+        lin[-1] = lin.get(-1, 0.0) + per_byte * self.lp.t.fixed_bytes[self.s][kind]
+        return lin
+
+    def if_expert(self, seconds: float) -> Lin:
+        return {}
+
+    def add(self, a: Lin, b: Lin) -> Lin:
+        return _plus(a, b)

@@ -31,6 +31,7 @@ unit); bytes are exact integers (rounded up).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -38,10 +39,11 @@ from typing import Any
 from ortools.sat.python import cp_model
 
 from planner.costs.memory import memory_cap
-from planner.costs.overlap import Prim, TaskKey, Term, task_terms
+from planner.costs.overlap import TaskKey, Term, task_terms
+from planner.costs.quantities import Bytes, Prim, Row, stage_quantities
 from planner.costs.timing import optimizer_seconds
 from planner.frameworks import framework
-from planner.solve.tables import Affine, Tables
+from planner.solve.tables import Tables
 from planner.specs import DTYPE_BYTES, ClusterSpec, TrainingJob
 from planner.timeline import Form
 
@@ -179,51 +181,15 @@ class StageModel:
 
     # -- stage quantities ------------------------------------------------------------
     def _stage_terms(self) -> None:
-        """Every per-stage quantity the task terms name (``costs.overlap.prims``), as linear
-        expressions in time units."""
+        """Every per-stage quantity the task terms name, as ``costs.quantities`` states
+        them, over this model's variables (``_StageExpr``) in time units."""
         t = self.t
         self.prim: dict[Prim, Expr] = {}
         self.has_expert: list[Any] = []
         for s in range(self.S):
-            self.prim[("fwd", s)] = self._sum(s, lambda o: q(o.row.fwd))
-            self.prim[("bin", s)] = self._sum(s, lambda o: q(o.row.bwd_input))
-            self.prim[("bw", s)] = self._sum(s, lambda o: q(o.row.bwd_weight))
-            moe = self._sum(s, lambda o: o.row.moe_layers)
-            rerun = self._sum(s, lambda o: o.row.moe_rerun)
-            self.has_expert.append(self._has_expert(s, t.fixed_grad[s][1]))
-            fp, cb = t.forward_pair[s], t.combine[s]
-            for part, suffix in (("seconds", ""), ("ib", ".ib"), ("nvlink", ".nvl")):
-                f_, c_ = getattr(fp, part), getattr(cb, part)
-                self.prim[("a2af" + suffix, s)] = moe * q(f_)
-                self.prim[("a2ab" + suffix, s)] = moe * q(2 * c_) + rerun * q(f_)
-                self.prim[("p2p" + suffix, s)] = q(getattr(t.p2p[s], part))
-                self.prim[("p2pb" + suffix, s)] = q(getattr(t.p2p_back[s], part))
-            for link, suffix in (("", ""), ("ib", ".ib"), ("nvl", ".nvl")):
-                self.prim[("sync" + suffix, s)] = self._collective(s, link, "grad", "grad")
-                self.prim[("ag" + suffix, s)] = self._collective(s, link, "gather", "weight")
-                self.prim[("rs" + suffix, s)] = self._collective(s, link, "reduce", "grad")
-
-    def _collective(self, s: int, link: str, table: str, what: str) -> Expr:
-        """A stage's gradient reduction, ZeRO gather or reduce-scatter (seconds, or a link's
-        busy seconds): a x + c over its dense bytes and again over its expert bytes, the
-        expert latency only when the stage has expert parameters."""
-        t = self.t
-        fixed = dict(
-            zip(
-                ("dense", "expert"),
-                (t.fixed_grad if what == "grad" else t.fixed_weight)[s],
-                strict=True,
-            )
-        )
-        total: Expr = 0
-        for part in ("dense", "expert"):
-            rate: Affine = getattr(t, f"{table}_{part}")[s]
-            a, c = rate.part(link)
-            attr = f"{part}_{what}"
-            on = True if part == "dense" else self.has_expert[s]
-            total = total + self._layers(s, lambda k, a=a, attr=attr: q(a * getattr(k, attr)))
-            total = total + q(a * fixed[part]) + q(c) * on
-        return total
+            self.has_expert.append(self._has_expert(s, t.fixed_bytes[s][Bytes.EXPERT_GRAD]))
+            for key, expr in stage_quantities(_StageExpr(self, s), t.comm[s]).items():
+                self.prim[(key, s)] = expr
 
     def _has_expert(self, s: int, fixed_expert: float) -> Any:
         if fixed_expert > 0:
@@ -242,7 +208,7 @@ class StageModel:
         """Task lengths are created on first use (``task``); an hour bounds them."""
         self._tasks: dict[TaskKey, Any] = {}
         self.hi = q(3600.0)
-        self.overlap = framework(self.job.framework).overlap
+        self.overlap = self.t.overlap
 
     def task(self, key: TaskKey) -> Any:
         """The length of one task kind: at least each of its terms."""
@@ -577,3 +543,35 @@ def _int(x: float) -> int:
 
 def _state_gpu(state: dict[str, float]) -> float:
     return state["weights"] + state["grads"] + state["optimizer"] + state["ema"]
+
+
+class _StageExpr:
+    """The CP-SAT domain of one stage's quantities (``costs.quantities.Domain``): sums over
+    the stage's layers per option and its fixed blocks' choices, every coefficient in whole
+    time units (rounded where it is written), the expert latency on when the stage holds
+    routed experts."""
+
+    def __init__(self, model: StageModel, s: int) -> None:
+        self.model, self.s = model, s
+
+    def blocks(self, seconds: Callable[[Row], float]) -> Expr:
+        return self.model._sum(self.s, lambda o: q(seconds(o.row)))
+
+    def count(self, number: Callable[[Row], int]) -> Expr:
+        return self.model._sum(self.s, lambda o: number(o.row))
+
+    def per(self, count: Expr, seconds: float) -> Expr:
+        return count * q(seconds)
+
+    def const(self, seconds: float) -> Expr:
+        return q(seconds)
+
+    def over_bytes(self, kind: Bytes, per_byte: float) -> Expr:
+        layers = self.model._layers(self.s, lambda k: q(per_byte * k.nbytes[kind]))
+        return layers + q(per_byte * self.model.t.fixed_bytes[self.s][kind])
+
+    def if_expert(self, seconds: float) -> Expr:
+        return q(seconds) * self.model.has_expert[self.s]
+
+    def add(self, a: Expr, b: Expr) -> Expr:
+        return a + b

@@ -6,9 +6,10 @@ formulas over these numbers:
 
 - per block kind (dense layer, MoE layer, embedding, each MTP module, head) and recompute
   choice: its ``BlockRow`` of times, saved and rebuilt activation bytes, state bytes;
-- per stage: the pipeline sends, the expert all-to-alls per MoE layer, and the affine costs
-  of its gradient reduction and ZeRO collectives (a collective of x bytes takes a x + c
-  seconds, c only when x > 0), each with the share it keeps each link busy;
+- per stage: its transfers (``costs.quantities.StageComm``): the pipeline sends, the expert
+  all-to-alls per MoE layer, and the rates of its gradient reduction and ZeRO collectives
+  (a collective of x bytes takes a x + c seconds, c only when x > 0), each with the share
+  it keeps each link busy;
 - per rank: how many tasks of each kind its op order runs and the activation levels its
   order passes through.
 
@@ -35,16 +36,21 @@ from planner.costs.memory import (
     shards,
     state_bytes,
 )
+from planner.costs.overlap import overlap_of
+from planner.costs.quantities import Bytes, StageComm
 from planner.costs.timing import (
     BlockRow,
+    PositionComm,
     StepRates,
     TpComm,
     block_row,
-    dp_groups,
-    expert_all_to_alls,
     first_rank,
-    stage_send,
+    position_comm,
+    stage_bytes,
+    stage_comm,
+    stage_sends,
 )
+from planner.frameworks import Overlap
 from planner.layout import Layout, parse_recompute
 from planner.schedules import Op, Schedule, op_order, schedule_of
 from planner.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, TrainingJob
@@ -158,26 +164,8 @@ class Kind:
     cost: BlockCost
     options: list[Option]
     state: dict[str, float]  # weights, grads, optimizer, ema, host bytes of one block
-    dense_grad: float  # unsharded gradient bytes (dense / routed experts) of one block
-    expert_grad: float
-    dense_weight: float  # ZeRO-3 gather bytes (dense / experts)
-    expert_weight: float
+    nbytes: dict[Bytes, float]  # what its collectives move (``costs.timing.stage_bytes``)
     shard_weight: float  # its weights on one rank before ZeRO-3 sharding (the gather buffer)
-
-
-@dataclass(frozen=True)
-class Affine:
-    """a * bytes + c seconds, c only when bytes > 0 (a collective's bandwidth and latency);
-    ``ib`` and ``nvl`` the same form for the seconds it keeps each link busy."""
-
-    a: float
-    c: float
-    ib: tuple[float, float] = (0.0, 0.0)
-    nvl: tuple[float, float] = (0.0, 0.0)
-
-    def part(self, what: str) -> tuple[float, float]:
-        """(a, c) of the seconds ("") or of a link's busy seconds ("ib", "nvl")."""
-        return (self.a, self.c) if not what else getattr(self, what)
 
 
 @dataclass
@@ -196,22 +184,13 @@ class Tables:
     kinds: dict[str, Kind]
     first_fixed: list[str]  # fixed blocks of stage 0 (embedding)
     last_fixed: list[str]  # fixed blocks of the last stage (MTP modules, head)
-    p2p: list[Transfer]
-    p2p_back: list[Transfer]
-    forward_pair: list[Transfer]  # dispatch + combine per MoE layer per micro-batch
-    combine: list[Transfer]
-    grad_dense: list[Affine]
-    grad_expert: list[Affine]
-    gather_dense: list[Affine]
-    gather_expert: list[Affine]
-    reduce_dense: list[Affine]
-    reduce_expert: list[Affine]
+    comm: list[StageComm]  # each stage's transfers
     ranks: list[RankOrder]
     fixed_state: list[dict[str, float]]  # per rank: state bytes of its fixed blocks (deduped)
-    fixed_grad: list[tuple[float, float]]  # per stage: (dense, expert) grad bytes of fixed
-    fixed_weight: list[tuple[float, float]]  # per stage: (dense, expert) gather bytes of fixed
+    fixed_bytes: list[dict[Bytes, float]]  # per stage: what its fixed blocks' collectives move
     buffers: float  # communication buffers and pipeline send/receive tensors per rank
     step: StepRates  # the optimizer step's rates
+    overlap: Overlap  # what runs beside compute (the framework's, on these GPUs)
 
 
 def build(
@@ -268,7 +247,7 @@ def build(
     last_fixed = [n for n in fixed if n != "embedding"]
     act = shard.sp_tokens * model.hidden_size * shard.act_bytes
     stages = config.stages
-    p2p, back = _memo(
+    sends = _memo(
         _SENDS,
         (
             network,
@@ -280,19 +259,16 @@ def build(
             config.virtual_stages,
             act,
         ),
-        lambda: _sends(proto, network, act),
+        lambda: stage_sends(model, proto, network, shard),
     )
     plane = proto.plane  # ranks of one pipeline position
     # Every position's groups sit on nodes the same way when a node holds whole positions or
     # a position whole nodes: then one position's collective costs serve them all.
     same = cluster.gpus_per_node % plane == 0 or plane % cluster.gpus_per_node == 0
-    fpair, comb = [], []
-    grads: list[_Pair] = []
-    gathers: list[_Pair] = []
-    reduces: list[_Pair] = []
+    comm = []
     for s in range(stages):
         rank = 0 if same else first_rank(proto, s)
-        c, f, g, a, r = _memo(
+        position = _memo(
             _STAGE_COMM,
             (
                 model,
@@ -310,19 +286,15 @@ def build(
                 config.copies,
                 rank,
             ),
-            functools.partial(_stage_comm, model, job, network, proto, shard, rank),
+            functools.partial(position_comm, model, job, proto, network, shard, rank),
         )
-        comb.append(c)
-        fpair.append(f)
-        grads.append(g)
-        gathers.append(a)
-        reduces.append(r)
+        comm.append(stage_comm(position, *sends[s]))
     ranks = (
         []
         if light
         else rank_orders(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
     )
-    fixed_state, fixed_grad, fixed_weight = _fixed_tables(model, job, config, proto, shard)
+    fixed_state, fixed_bytes = _fixed_tables(model, job, config, proto, shard)
     buffers = float(job.comm_buffer_bytes) + (2 * act if config.pp > 1 else 0.0)
     buffers += reduce_bucket_bytes(model, job, proto)
     if config.cp > 1:  # the context ring's buffers, as ``costs.memory.stage_memory`` counts
@@ -335,22 +307,13 @@ def build(
         kinds=kinds,
         first_fixed=first_fixed,
         last_fixed=last_fixed,
-        p2p=p2p,
-        p2p_back=back,
-        forward_pair=fpair,
-        combine=comb,
-        grad_dense=[g[0] for g in grads],
-        grad_expert=[g[1] for g in grads],
-        gather_dense=[g[0] for g in gathers],
-        gather_expert=[g[1] for g in gathers],
-        reduce_dense=[g[0] for g in reduces],
-        reduce_expert=[g[1] for g in reduces],
+        comm=comm,
         ranks=ranks,
         fixed_state=fixed_state,
-        fixed_grad=fixed_grad,
-        fixed_weight=fixed_weight,
+        fixed_bytes=fixed_bytes,
         buffers=buffers,
         step=StepRates.of(cluster),
+        overlap=overlap_of(job, cluster),
     )
 
 
@@ -358,14 +321,12 @@ def build(
 
 # Many configurations share a piece (every schedule of the same degrees, say): each piece is
 # kept under the fields it depends on. Bounded across long sweeps.
-_Pair = tuple["Affine", "Affine"]
 _KINDS: dict[tuple[Any, ...], dict[str, Kind]] = {}
-_SENDS: dict[tuple[Any, ...], tuple[list[Transfer], list[Transfer]]] = {}
-_STAGE_COMM: dict[tuple[Any, ...], tuple[Transfer, Transfer, _Pair, _Pair, _Pair]] = {}
-FixedTables = tuple[list[dict[str, float]], list[tuple[float, float]], list[tuple[float, float]]]
+_SENDS: dict[tuple[Any, ...], list[tuple[Transfer, Transfer]]] = {}
+_STAGE_COMM: dict[tuple[Any, ...], PositionComm] = {}
+FixedTables = tuple[list[dict[str, float]], list[dict[Bytes, float]]]
 _FIXED: dict[tuple[Any, ...], FixedTables] = {}
 _PROTO: dict[tuple[Any, ...], Layout] = {}
-_GROUPS: dict[tuple[Any, ...], Any] = {}
 _T = TypeVar("_T")
 
 
@@ -470,7 +431,7 @@ def _kinds(
         representative.setdefault(kind, f"layer.{i}")
     for n in fixed:
         representative[n] = n
-    tp = TpComm.of(model, job, proto, network, shard)
+    tp = TpComm.of(model, job, proto, network, shard, sm_count=cluster.sm_count)
     allowed = set(choices) if choices is not None else None
     return {
         k: _kind(
@@ -486,54 +447,6 @@ def _kinds(
         )
         for k, n in representative.items()
     }
-
-
-def _sends(proto: Layout, network: Network, act: float) -> tuple[list[Transfer], list[Transfer]]:
-    """Each stage's pipeline send forward, and the send of its input gradient back."""
-    stages = len(proto.stages)
-    forward = [stage_send(proto, network, s, act) for s in range(stages)]
-    return forward, [forward[s - 1] if s else Transfer(0.0, 0.0, 0.0) for s in range(stages)]
-
-
-def _stage_comm(
-    model: ModelSpec, job: TrainingJob, network: Network, proto: Layout, shard: Any, rank: int
-) -> tuple[Transfer, Transfer, _Pair, _Pair, _Pair]:
-    """At one pipeline position: the expert combine and forward dispatch + combine per MoE
-    layer, and the affine gradient-sync, ZeRO gather and reduce-scatter costs."""
-    dispatch, combine = expert_all_to_alls(model, job, proto, network, shard, rank)
-    dense, expert = _memo(
-        _GROUPS,
-        (
-            network,
-            proto.tp,
-            proto.cp,
-            proto.pp,
-            proto.dp,
-            proto.ep,
-            proto.etp,
-            schedule_of(proto.schedule).copies,
-            rank,
-        ),
-        lambda: _groups(proto, network, rank),
-    )
-    rs, ag = network.reduce_scatter, network.all_gather
-    sync = network.all_reduce if proto.zero == 0 else rs
-    return (
-        combine,
-        dispatch + combine,
-        _pair(sync, dense, expert, on=proto.zero <= 1),
-        _pair(ag, dense, expert, on=proto.zero >= 3),
-        _pair(rs, dense, expert, on=proto.zero >= 2),
-    )
-
-
-_Group = tuple[list[int], tuple[int, int]]  # a group's ranks and how it spreads over nodes
-
-
-def _groups(proto: Layout, network: Network, rank: int) -> tuple[_Group, _Group]:
-    """A pipeline position's gradient-reduction groups (dense, routed experts)."""
-    dense, expert = dp_groups(proto, rank)
-    return (dense, network._spread(dense)), (expert, network._spread(expert))
 
 
 def layer_kind(model: ModelSpec, index: int) -> str:
@@ -575,16 +488,13 @@ def _kind(
     options = _OPTIONS[key][1]
     params = cost.params
     st = state_bytes(params, job=job, layout=proto, ema_on_gpu=proto.ema == "hbm")
-    gb, wb = DTYPE_BYTES[job.grad_dtype], DTYPE_BYTES[job.working_weight_dtype]
+    wb = DTYPE_BYTES[job.working_weight_dtype]
     return Kind(
         name=name,
         cost=cost,
         options=options,
         state=st,
-        dense_grad=_bytes(params, proto, gb, expert=False, trainable=True),
-        expert_grad=_bytes(params, proto, gb, expert=True, trainable=True),
-        dense_weight=_bytes(params, proto, wb, expert=False, trainable=False),
-        expert_weight=_bytes(params, proto, wb, expert=True, trainable=False),
+        nbytes=stage_bytes({p.key: p for p in params}, job, proto),
         shard_weight=sum(p.numel / shards(p, proto) for p in params) * wb,
     )
 
@@ -631,16 +541,6 @@ def _options(
     return _undominated(options)
 
 
-def _bytes(
-    params: list[Param], layout: Layout, per: int, *, expert: bool, trainable: bool
-) -> float:
-    return sum(
-        p.numel / shards(p, layout) * per
-        for p in params
-        if p.expert == expert and (p.trainable or not trainable)
-    )
-
-
 def _undominated(options: list[Option]) -> list[Option]:
     """Drop a choice another beats or ties on saved bytes, rebuilt bytes, time and all-to-all
     repeats (the first of equals stays)."""
@@ -669,32 +569,6 @@ def _undominated(options: list[Option]) -> list[Option]:
         if not dominated:
             keep.append(o)
     return keep
-
-
-def _pair(collective: Any, dense: _Group, expert: _Group, *, on: bool) -> tuple[Affine, Affine]:
-    """The affine form of a collective over the dense and the expert group (it is affine
-    in the bytes: ring steps times bytes over bandwidth, plus latencies), for its seconds
-    and for each link's busy seconds."""
-    if not on:
-        return Affine(0.0, 0.0), Affine(0.0, 0.0)
-    out = []
-    for g, spread in (dense, expert):
-        network = collective.__self__
-        key = (collective.__name__, network, spread)
-        if key not in _AFFINE:  # a collective's time depends only on how its group spreads
-            one, two = collective(GiB, g), collective(2 * GiB, g)
-
-            def fit(x1: float, x2: float) -> tuple[float, float]:
-                a = (x2 - x1) / GiB
-                return a, x1 - a * GiB
-
-            a, c = fit(one.seconds, two.seconds)
-            _AFFINE[key] = Affine(a, c, fit(one.ib, two.ib), fit(one.nvlink, two.nvlink))
-        out.append(_AFFINE[key])
-    return out[0], out[1]
-
-
-_AFFINE: dict[tuple[Any, ...], Affine] = {}
 
 
 def rank_orders(schedule: str, pp: int, m: int, v: int) -> list[RankOrder]:
@@ -749,18 +623,18 @@ def _fixed(
     first: list[str],
     last: list[str],
     stages: int,
-) -> tuple[list[dict[str, float]], list[tuple[float, float]], list[tuple[float, float]]]:
-    """State bytes of each rank's fixed blocks (shared tensors once per rank), and gradient /
-    gather bytes of each stage's (shared tensors once per stage)."""
+) -> FixedTables:
+    """State bytes of each rank's fixed blocks (shared tensors once per rank), and the bytes
+    each stage's fixed blocks' collectives move (shared tensors once per stage)."""
     params = {n: block_cost(model, n, shard).params for n in first + last}
     ema_on_gpu = proto.ema == "hbm"
 
-    def union(blocks: list[str]) -> list[Param]:
+    def union(blocks: list[str]) -> dict[str, Param]:
         seen: dict[str, Param] = {}
         for b in blocks:
             for p in params[b]:
                 seen.setdefault(p.key, p)
-        return list(seen.values())
+        return seen
 
     per_stage = {0: list(first), stages - 1: list(last)}
     if stages == 1:
@@ -769,21 +643,7 @@ def _fixed(
     for r in range(proto.pp):
         held = dict.fromkeys(proto.chunks_of_rank(r))
         blocks = [b for s in held for b in per_stage.get(s, [])]
-        state.append(state_bytes(union(blocks), job=job, layout=proto, ema_on_gpu=ema_on_gpu))
-    gb, wb = DTYPE_BYTES[job.grad_dtype], DTYPE_BYTES[job.working_weight_dtype]
-    grad, weight = [], []
-    for s in range(stages):
-        ps = union(per_stage.get(s, []))
-        grad.append(
-            (
-                _bytes(ps, proto, gb, expert=False, trainable=True),
-                _bytes(ps, proto, gb, expert=True, trainable=True),
-            )
-        )
-        weight.append(
-            (
-                _bytes(ps, proto, wb, expert=False, trainable=False),
-                _bytes(ps, proto, wb, expert=True, trainable=False),
-            )
-        )
-    return state, grad, weight
+        held_params = list(union(blocks).values())
+        state.append(state_bytes(held_params, job=job, layout=proto, ema_on_gpu=ema_on_gpu))
+    nbytes = [stage_bytes(union(per_stage.get(s, [])), job, proto) for s in range(stages)]
+    return state, nbytes
