@@ -5,9 +5,9 @@ For each job it prints, with units:
 - the plan (``planner.plan``, free search): its simulated step time
   (``planner.simulate(...).step_time_s``), its own estimate (``plan.estimate.step_time_s``) and
   their relative difference, and its memory peak against the cap and HBM;
-- each expert layout (a ``planner.Layout`` stating the published recipe): the same figures,
-  from ``planner.simulate`` and ``planner.evaluate``; a layout whose predicted peak is over the
-  memory cap is marked as not fitting, and it is still simulated;
+- each expert layout (a published recipe's, ``planner.load_recipe``, or one derived from it):
+  the same figures, from ``planner.simulate`` and ``planner.evaluate``; a layout whose
+  predicted peak is over the memory cap is marked as not fitting, and it is still simulated;
 - the planner's best within that expert's own degrees (``planner.plan`` with ``tp``, ``pp``,
   ``dp``, ``ep`` and the schedule pinned in a ``SearchSpace``: "what is the best I can do with
   my degrees");
@@ -18,9 +18,9 @@ For each job it prints, with units:
   and do the plan's estimate and its simulation agree within 1%.
 
 A summary at the end counts the jobs that meet each target. Today's planner is expected to
-miss some: this measures, it does not tune. Every golden figure below is typed from the
-source named next to it (paper and table or section, or a framework's published file and its
-path); none comes from this code's output.
+miss some: this measures, it does not tune. Every golden figure (in the recipes and the jobs
+table) is typed from the source named next to it (paper and table or section, or a
+framework's published file and its path); none comes from this code's output.
 
 Conventions for measured step times. A source that publishes tokens per second gives the step
 directly (tokens per step / (tokens/s/GPU x GPUs)). A source that publishes FLOP/s is converted
@@ -30,15 +30,11 @@ convention (``planner.estimate.model_flops_per_token``), as for Llama 3, whose p
 state its FLOP count. Where a source leaves a setting out (micro-batch size, virtual stages,
 recompute, ZeRO stage), the layout's ``assumed`` note says what was taken.
 
-Jobs (``--only`` takes these names):
-
-- deepseek-v3-2048-h800, deepseek-v3-1024-h800 (a reference layout derived from the former);
-- llama3-405b-16384-h100, llama3-405b-8192-h100;
-- llama3-70b-512-h100 (a reference layout weak-scaled from llama3-70b-64-h100's), and
-  llama3-70b-64-h100;
-- mixtral-8x7b-64-h100;
-- gpt3-175b-1024-a100, gpt3-175b-384-a100, gpt3-175b-1536-a100;
-- deepseek-v3-1024-h100.
+Jobs (``--only`` takes their names) are data: ``benchmarks/plan_quality_jobs.yaml`` names for
+each job the recipes (``models/recipes/<name>.yaml``) it compares with, whose model, cluster
+and ``TrainingJob`` it runs, and the converter of each measured figure. Every published expert
+layout is a recipe; a reference layout (DeepSeek-V3's recipe on 1024 GPUs, NVIDIA's Llama 3
+70B preset weak-scaled to 512) is stated there as a recipe's with the fields it changes.
 
 Run: ``.venv/bin/python benchmarks/plan_quality.py [--time-limit SECONDS] [--only NAME ...]
 [--json]`` (one plan() call per job and one per expert layout, each up to ``--time-limit`` seconds).
@@ -47,13 +43,17 @@ Run: ``.venv/bin/python benchmarks/plan_quality.py [--time-limit SECONDS] [--onl
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 import planner
 from planner.estimate import model_flops_per_token
@@ -173,16 +173,31 @@ def tflops_megatron(tflops: float, padded_vocab: int, text: str) -> Converter:
 
 
 # ---------------------------------------------------------------------------------------------
-# The jobs and their expert layouts.
+# The jobs and their expert layouts: plan_quality_jobs.yaml names, for each job, the published
+# recipes (models/recipes) it compares with and how each one's measured figure converts.
+
+JOBS_FILE = Path(__file__).with_name("plan_quality_jobs.yaml")
+CONVERTERS: dict[str, Callable[..., Converter]] = {
+    f.__name__: f
+    for f in (
+        gpu_hours_per_tokens,
+        tokens_per_s_per_gpu,
+        tflops_planner_convention,
+        tflops_narayanan_eq3,
+        tflops_megatron,
+    )
+}
+JOB_KEYS = ("name", "source", "note", "gpus", "job", "experts")
+EXPERT_KEYS = ("recipe", "name", "source", "assumed", "layout", "measured", "pin_virtual_stages")
 
 
 @dataclass(frozen=True)
 class Expert:
-    """One expert layout: how to state it, where it comes from, what it measured."""
+    """One expert layout: what it is, where it comes from, what it measured."""
 
     name: str
     source: str
-    build: Callable[[planner.ModelSpec], planner.Layout]
+    layout: planner.Layout
     kind: str = "published"  # "published": a run the source reports; "reference": derived
     assumed: str = ""  # settings the source leaves out, and what was taken
     measured: Converter | None = None
@@ -192,406 +207,124 @@ class Expert:
 @dataclass(frozen=True)
 class Job:
     name: str
-    model: str
-    gpu: str
-    gpus: int
+    model: planner.ModelSpec
+    cluster: planner.ClusterSpec
     job: planner.TrainingJob
     source: str
-    experts: list[Expert] = field(default_factory=list)
+    experts: list[Expert]
     note: str = ""
 
 
-DEEPSEEK_REPORT = (
-    "DeepSeek-V3 Technical Report (arXiv 2412.19437): section 3.2 (16-way pipeline "
-    "parallelism with DualPipe, 64-way expert parallelism spanning 8 nodes, ZeRO-1 data "
-    "parallelism, no tensor parallelism), 3.2.3 (recompute of RMSNorm and MLA "
-    "up-projections), 3.3 (FP8 GEMMs; BF16 AdamW moments), 4.2 (sequence 4096, batch 15360)"
-)
-LLAMA3_TABLE4 = (
-    "Llama 3 Herd of Models (arXiv 2407.21783) Table 4 ('Scaling configurations and MFU for "
-    "each stage of Llama 3 405B pre-training') and section 3.3.2"
-)
-LLAMA3_ASSUMED = (
-    "Table 4 gives TP 8, CP 1, PP 16; section 3.3.2: an interleaved schedule with V stages per "
-    "pipeline rank, 'we reduce one Transformer layer each from the first and the last stages' "
-    "so that 'the first model chunk on the first stage has only the embedding, and the last "
-    "model chunk on the last stage has only output projection and loss'; V is not stated: "
-    "126 = 16 x 8 - 2 layers fit one layer per chunk, so V = 8 (an inference); FSDP that "
-    "shards optimizer states and gradients but not the weights = ZeRO-2; 'without activation "
-    "checkpointing' = recompute none; micro-batch size not stated: 1"
-)
-NARAYANAN = (
-    "Narayanan et al., 'Efficient Large-Scale Language Model Training on GPU Clusters Using "
-    "Megatron-LM', SC'21 (arXiv 2104.04473)"
-)
-NARAYANAN_PTDP = (
-    "tensor-parallel size 8 ('t=8 in our experiments', section 4.1); interleaved schedule "
-    "('we use the interleaved pipeline schedule', section 5.1) with virtual stages not stated: "
-    "2 assumed (the planner's best within these degrees may choose others); full activation "
-    "recomputation (equation (3) 'assumes activation recomputation'); no distributed optimizer "
-    "in Megatron-LM of 2021: ZeRO-0"
-)
-MEGATRON_MOE = (
-    "Megatron-LM megatron/core/transformer/moe/README.md at tag core_r0.10.0 (this text since "
-    "commit c230e0d7, 'Update MoE Doc', 2024-11-21): 'Reference Best Parallel Mapping' table, row "
-    "'Mixtral 8x7B(Dropless)': 32K vocab, All-to-All dispatcher, BF16, 64 GPUs, seq 4096, TP 1, "
-    "EP 8, PP 4, VP 8, MBS 1, GBS 256 (8xH100 80GB HBM3 servers); headline: 'This boosts "
-    "Mixtral 8X7B bf16 training to achieve 468 TFLOPS as of MCore v0.9'"
-)
-BRIDGE_ARCHIVE = (
-    "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md, '25.11 NeMo Container', "
-    "Pre-Training, System DGX-H100, row LLAMA3_70B: 64 GPUs, FP8-CS, GBS 128, MBS 1, seq 8192, "
-    "FSDP 0, TP 4, PP 8, CP 1, VP 5, EP 1, GA 64: 1602 tokens/s/GPU, 719 model TFLOP/s/GPU; "
-    "preset LLAMA3_70B_PRETRAIN_CONFIG_H100_FP8_CS in "
-    "scripts/performance/configs/llama/llama3_workload_base_configs.py (commit 6ef21f81; the "
-    "same file's H100 BF16 preset uses CP 2, which the planner cannot state)"
-)
-BRIDGE_DSV3 = (
-    "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md at commit fa0315ae ('update 25.09 "
-    "performance summary', 2025-10-10), '25.09 NeMo Container', System DGX-H100, row "
-    "'DeepSeekV3 (dropless)': 1024 GPUs, GBS 8192, MBS 1, seq 4096, FSDP 0, TP 2, PP 8, CP 1, "
-    "VP 4, EP 64, GA 128: 1297 tokens/s/GPU, 338 (330) model TFLOP/s/GPU; recipe "
-    "scripts/performance/configs/deepseek/deepseek_v3_llm_pretrain.yaml at the same commit "
-    "(h100 num_gpus_1024: etp 1; recompute_granularity 'selective'; "
-    "pipeline_model_parallel_layout 'Et|(tt|)*30mL')"
-)
+def load_jobs(path: Path = JOBS_FILE) -> list[Job]:
+    """The jobs of ``path``; a table that names an unknown key, converter or recipe, or whose
+    recipes for one job disagree on what that job runs, fails here, before any job runs."""
+    data = yaml.safe_load(path.read_text())
+    try:
+        return [_job(entry, f"{path.name}: job {entry.get('name')!r}") for entry in data["jobs"]]
+    except KeyError as exc:
+        raise planner.PlannerError(f"{path.name}: missing key {exc.args[0]!r}") from None
 
 
-def _deepseek_recipe(dp: int) -> Callable[[planner.ModelSpec], planner.Layout]:
-    """models/recipes/deepseek-v3-pretraining.yaml's layout (its recompute, FP8 cache and
-    layer split) at ``dp``."""
-
-    def build(model: planner.ModelSpec) -> planner.Layout:
-        recipe = planner.load_recipe("deepseek-v3-pretraining").layout
-        return recipe.model_copy(update={"dp": dp})
-
-    return build
+def _known(entry: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(entry) - set(keys))
+    if unknown:
+        raise planner.PlannerError(f"{where}: unknown key {unknown[0]!r}; known: {', '.join(keys)}")
 
 
-def _llama405_recipe(dp: int) -> Callable[[planner.ModelSpec], planner.Layout]:
-    def build(model: planner.ModelSpec) -> planner.Layout:
-        # 128 chunks (16 ranks x V 8): the embedding alone, 126 single layers, the head alone.
-        return planner.Layout.from_counts(
-            model,
-            counts=[0] + [1] * 126 + [0],
-            pp=16,
-            tp=8,
-            dp=dp,
-            zero=2,
-            micro_batch=1,
-            schedule="interleaved",
-            virtual_stages=8,
-            recompute="none",
-        )
-
-    return build
-
-
-def _llama70_recipe(dp: int) -> Callable[[planner.ModelSpec], planner.Layout]:
-    def build(model: planner.ModelSpec) -> planner.Layout:
-        return planner.Layout.uniform(
-            model,
-            tp=4,
-            pp=8,
-            dp=dp,
-            zero=1,
-            micro_batch=1,
-            schedule="interleaved",
-            virtual_stages=5,
-            recompute="none",
-        )
-
-    return build
-
-
-def _gpt3_ptdp(pp: int, dp: int) -> Callable[[planner.ModelSpec], planner.Layout]:
-    def build(model: planner.ModelSpec) -> planner.Layout:
-        return planner.Layout.uniform(
-            model,
-            tp=8,
-            pp=pp,
-            dp=dp,
-            zero=0,
-            micro_batch=1,
-            schedule="interleaved",
-            virtual_stages=2,
-            recompute="full",
-        )
-
-    return build
-
-
-def _gpt3_zero3(dp: int, micro_batch: int) -> Callable[[planner.ModelSpec], planner.Layout]:
-    def build(model: planner.ModelSpec) -> planner.Layout:
-        return planner.Layout.uniform(
-            model, tp=1, pp=1, dp=dp, zero=3, micro_batch=micro_batch, recompute="full"
-        )
-
-    return build
-
-
-def _mixtral_8x7b(model: planner.ModelSpec) -> planner.Layout:
-    return planner.Layout.uniform(
-        model,
-        tp=1,
-        pp=4,
-        dp=16,
-        ep=8,
-        zero=1,
-        micro_batch=1,
-        schedule="interleaved",
-        virtual_stages=8,
-        recompute="none",
-    )
-
-
-def _deepseek_h100(model: planner.ModelSpec) -> planner.Layout:
-    # 'Et|(tt|)*30mL': embedding + 1 layer, 30 chunks of 2 layers, then MTP + loss alone.
-    return planner.Layout.from_counts(
-        model,
-        counts=[1] + [2] * 30 + [0],
-        pp=8,
-        tp=2,
-        dp=64,
-        ep=64,
-        zero=1,
-        micro_batch=1,
-        schedule="interleaved",
-        virtual_stages=4,
-        recompute="selective",
-    )
-
-
-def _gpt3_table2(gpus: int, zero3_mb: int, ptdp_tflops: float, zero3_tflops: float) -> Job:
+def _job(entry: dict[str, Any], where: str) -> Job:
+    """One job: the model, cluster and TrainingJob its recipes ran (with the GPU count and job
+    fields a reference job changes), and its expert layouts."""
+    _known(entry, JOB_KEYS, where)
+    recipes = [planner.load_recipe(e["recipe"]) for e in entry["experts"]]
+    first = recipes[0]
+    for other in recipes[1:]:
+        for what, a, b in (
+            ("model", first.model, other.model),
+            ("cluster", first.cluster, other.cluster),
+            ("job", first.job, other.job),
+        ):
+            if a.model_dump() != b.model_dump():
+                raise planner.PlannerError(
+                    f"{where}: recipe {other.name!r} runs another {what} than recipe "
+                    f"{first.name!r}: the experts of one job must share model, cluster and job"
+                )
+    cluster, job = first.cluster, first.job
+    if "gpus" in entry:
+        cluster = planner.load_cluster(cluster.name, gpus=entry["gpus"])
+    if entry.get("job"):
+        job = planner.TrainingJob(**{**job.model_dump(exclude_unset=True), **entry["job"]})
+    derived = "gpus" in entry or bool(entry.get("job"))
+    experts = [
+        _expert(spec, recipe, cluster, derived=derived, where=f"{where}, recipe {recipe.name!r}")
+        for spec, recipe in zip(entry["experts"], recipes, strict=True)
+    ]
     return Job(
-        name=f"gpt3-175b-{gpus}-a100",
-        model="gpt3-175b",
-        gpu="a100",
-        gpus=gpus,
-        job=planner.TrainingJob(seq_len=2048, global_batch=1536),
-        source=f"{NARAYANAN}, Table 2 (PTD-P vs ZeRO-3, 174.6B GPT-3, batch 1536, {gpus} GPUs)",
-        experts=[
-            Expert(
-                name=f"PTD-P, model-parallel size 96 = t8 x p12, dp {gpus // 96}",
-                source=f"{NARAYANAN}, Table 2, PTD Parallelism row for {gpus} GPUs: "
-                f"model-parallel size 96, batch 1536, microbatch 1, {ptdp_tflops:g} TFLOP/s/GPU",
-                build=_gpt3_ptdp(pp=12, dp=gpus // 96),
-                assumed="model-parallel size 96 read as t 8 x p 12 with " + NARAYANAN_PTDP,
-                measured=tflops_narayanan_eq3(
-                    ptdp_tflops, 51200, f"Table 2: {ptdp_tflops:g} TFLOP/s/GPU"
-                ),
-            ),
-            Expert(
-                name=f"ZeRO-3 without model parallelism, dp {gpus}",
-                source=f"{NARAYANAN}, Table 2, 'ZeRO-3 without Model Parallelism' row for "
-                f"{gpus} GPUs: model-parallel size 1, batch 1536, microbatch {zero3_mb}, "
-                f"{zero3_tflops:g} TFLOP/s/GPU (DeepSpeed ZeRO-3 in Megatron-LM, section 5.2)",
-                build=_gpt3_zero3(dp=gpus, micro_batch=zero3_mb),
-                assumed="full activation recomputation (the TFLOP/s column uses equation (3), "
-                "which counts the recompute forward pass)",
-                measured=tflops_narayanan_eq3(
-                    zero3_tflops, 51200, f"Table 2: {zero3_tflops:g} TFLOP/s/GPU"
-                ),
-            ),
-        ],
-        note="The planner's gpt3-175b is Brown et al.'s shape with GPT-2's vocabulary (50257, "
-        "tied); the paper pads to V = 51,200, which only its FLOP count uses here.",
+        name=entry["name"],
+        model=first.model,
+        cluster=cluster,
+        job=job,
+        source=entry.get("source", "{source}").replace("{source}", first.source),
+        experts=experts,
+        note=entry.get("note", ""),
     )
 
 
-JOBS: list[Job] = [
-    Job(
-        name="deepseek-v3-2048-h800",
-        model="deepseek-v3",
-        gpu="h800",
-        gpus=2048,
-        job=planner.TrainingJob(
-            seq_len=4096, global_batch=15360, compute_dtype="fp8", moment_dtype="bf16"
-        ),
-        source=DEEPSEEK_REPORT,
-        experts=[
-            Expert(
-                name="DeepSeek-V3 recipe: DualPipe pp16, ep64 over 8 nodes, ZeRO-1, tp1",
-                source=DEEPSEEK_REPORT + "; section 1: 'each trillion tokens requires only 180K "
-                "H800 GPU hours, i.e., 3.7 days on our cluster with 2048 H800 GPUs'",
-                build=_deepseek_recipe(dp=128),
-                assumed=planner.load_recipe("deepseek-v3-pretraining").assumed,
-                measured=gpu_hours_per_tokens(180e3, 1e12, "180K H800 GPU hours per 1T tokens"),
-            )
-        ],
-    ),
-    Job(
-        name="deepseek-v3-1024-h800",
-        model="deepseek-v3",
-        gpu="h800",
-        gpus=1024,
-        job=planner.TrainingJob(
-            seq_len=4096, global_batch=4096, compute_dtype="fp8", moment_dtype="bf16"
-        ),
-        source="reference job: DeepSeek-V3's recipe on half the GPUs with a smaller batch",
-        experts=[
-            Expert(
-                name="DeepSeek-V3 recipe on 1024 GPUs: DualPipe pp16, ep64, ZeRO-1, dp64",
-                source="derived from " + DEEPSEEK_REPORT + " (the same recipe with dp 64); "
-                "not a published run",
-                build=_deepseek_recipe(dp=64),
-                kind="reference",
-                assumed="micro-batch size 1; no measured figure exists for this job",
-            )
-        ],
-    ),
-    Job(
-        name="llama3-405b-16384-h100",
-        model="llama3-405b",
-        gpu="h100",
-        gpus=16384,
-        job=planner.TrainingJob(seq_len=8192, global_batch=2048),
-        source=LLAMA3_TABLE4 + ", row 16,384 GPUs: TP 8, CP 1, PP 16, DP 128, seq 8,192, "
-        "batch size/DP 16, 16M tokens/batch, 400 TFLOP/s/GPU, BF16 MFU 41%",
-        experts=[
-            Expert(
-                name="Llama 3 405B: tp8 pp16 dp128, interleaved V8, FSDP (ZeRO-2)",
-                source=LLAMA3_TABLE4 + ", row 16,384 GPUs",
-                build=_llama405_recipe(dp=128),
-                assumed=LLAMA3_ASSUMED,
-                measured=tflops_planner_convention(400, "Table 4: 400 TFLOP/s/GPU"),
-            )
-        ],
-    ),
-    Job(
-        name="llama3-70b-512-h100",
-        model="llama3-70b",
-        gpu="h100",
-        gpus=512,
-        job=planner.TrainingJob(seq_len=8192, global_batch=1024, compute_dtype="fp8"),
-        source="reference job: NVIDIA's published Llama 3 70B H100 recipe (64 GPUs, "
-        "llama3-70b-64-h100) weak-scaled to 512 GPUs: the same per-replica work (64 "
-        "micro-batches of 1 sequence per data-parallel replica), dp 16, global batch 1024",
-        experts=[
-            Expert(
-                name="Megatron-Bridge H100 FP8 preset weak-scaled: tp4 pp8 vp5 cp1, dp16",
-                source="derived from " + BRIDGE_ARCHIVE,
-                build=_llama70_recipe(dp=16),
-                kind="reference",
-                assumed="published at 64 GPUs only (that measurement is job llama3-70b-64-h100 "
-                "and is not applied here); distributed optimizer (ZeRO-1, the recipe default "
-                "use_distributed_optimizer=True); recompute none (the preset sets none); layers "
-                "split evenly, 2 per chunk",
-                pin_virtual_stages=True,
-            )
-        ],
-        note="The Llama 3 paper trained its 70B model but publishes no layout for it; NVIDIA's "
-        "tables publish 64-GPU runs. The planner has no context parallelism yet, so the CP 1 "
-        "preset (FP8 current scaling) is the one used.",
-    ),
-    Job(
-        name="mixtral-8x7b-64-h100",
-        model="mixtral-8x7b",
-        gpu="h100",
-        gpus=64,
-        job=planner.TrainingJob(seq_len=4096, global_batch=256),
-        source=MEGATRON_MOE,
-        experts=[
-            Expert(
-                name="Megatron-Core MoE reference mapping: tp1 ep8 pp4 vp8 mb1, dp16",
-                source=MEGATRON_MOE,
-                build=_mixtral_8x7b,
-                assumed="the table is labelled 'reference parallel mappings of MCore v0.8' and "
-                "the 468 TFLOPS headline 'as of MCore v0.9' does not name its mapping: taken "
-                "as this row's; distributed optimizer (ZeRO-1, the README's quick start); "
-                "recompute none (none listed); dropless routing, balanced load assumed",
-                measured=tflops_megatron(468, 32000, "MoE README: 468 TFLOP/s/GPU"),
-                pin_virtual_stages=True,
-            )
-        ],
-    ),
-    Job(
-        name="gpt3-175b-1024-a100",
-        model="gpt3-175b",
-        gpu="a100",
-        gpus=1024,
-        job=planner.TrainingJob(seq_len=2048, global_batch=1536),
-        source=NARAYANAN + ", section 5.1 (Training Time Estimates): 'On n = 1024 A100 GPUs "
-        "using batch size 1536, we achieve X = 140 teraFLOP/s per GPU' for GPT-3 175B (Table 1 "
-        "has no 175B row: its nearest is 145.6B on 1536 GPUs, t 8, p 8)",
-        experts=[
-            Expert(
-                name="Megatron-LM PTD-P: t8 p8 dp16, interleaved, full recompute",
-                source=NARAYANAN + ", section 5.1",
-                build=_gpt3_ptdp(pp=8, dp=16),
-                assumed="section 5.1 does not state this run's (t, p): t 8 (section 4.1) and "
-                "p 8 (dividing 96 layers and 1024 GPUs, as Table 1's 145.6B row on the same "
-                "hidden size) assumed; micro-batch 1 (Table 2's PTD-P rows); " + NARAYANAN_PTDP,
-                measured=tflops_narayanan_eq3(140, 51200, "section 5.1: 140 TFLOP/s/GPU"),
-            )
-        ],
-        note="The planner's gpt3-175b is Brown et al.'s shape with GPT-2's vocabulary (50257, "
-        "tied); the paper pads to V = 51,200, which only its FLOP count uses here.",
-    ),
-    Job(
-        name="llama3-405b-8192-h100",
-        model="llama3-405b",
-        gpu="h100",
-        gpus=8192,
-        job=planner.TrainingJob(seq_len=8192, global_batch=2048),
-        source=LLAMA3_TABLE4 + ", row 8,192 GPUs: TP 8, CP 1, PP 16, DP 64, seq 8,192, "
-        "batch size/DP 32, 16M tokens/batch, 430 TFLOP/s/GPU, BF16 MFU 43%",
-        experts=[
-            Expert(
-                name="Llama 3 405B: tp8 pp16 dp64, interleaved V8, FSDP (ZeRO-2)",
-                source=LLAMA3_TABLE4 + ", row 8,192 GPUs",
-                build=_llama405_recipe(dp=64),
-                assumed=LLAMA3_ASSUMED,
-                measured=tflops_planner_convention(430, "Table 4: 430 TFLOP/s/GPU"),
-            )
-        ],
-    ),
-    Job(
-        name="llama3-70b-64-h100",
-        model="llama3-70b",
-        gpu="h100",
-        gpus=64,
-        job=planner.TrainingJob(seq_len=8192, global_batch=128, compute_dtype="fp8"),
-        source=BRIDGE_ARCHIVE,
-        experts=[
-            Expert(
-                name="Megatron-Bridge H100 FP8-CS preset: tp4 pp8 vp5 cp1 mb1, dp2",
-                source=BRIDGE_ARCHIVE,
-                build=_llama70_recipe(dp=2),
-                assumed="distributed optimizer (ZeRO-1, the recipe default); recompute none; "
-                "layers split evenly, 2 per chunk; FP8 current scaling taken as the planner's "
-                "FP8 GEMMs",
-                measured=tokens_per_s_per_gpu(1602, "25.11 DGX-H100 row: 1602 tokens/s/GPU"),
-                pin_virtual_stages=True,
-            )
-        ],
-    ),
-    Job(
-        name="deepseek-v3-1024-h100",
-        model="deepseek-v3",
-        gpu="h100",
-        gpus=1024,
-        job=planner.TrainingJob(seq_len=4096, global_batch=8192, compute_dtype="fp8"),
-        source=BRIDGE_DSV3,
-        experts=[
-            Expert(
-                name="Megatron-Bridge H100 preset: tp2 pp8 vp4 ep64 etp1 mb1, dp64",
-                source=BRIDGE_DSV3,
-                build=_deepseek_h100,
-                assumed="the 25.09 row states no precision; the page's note ties its "
-                "parenthesised figures to FP8 quantisation granularities, so FP8 is taken; "
-                "distributed optimizer (ZeRO-1); 'selective' recompute = Megatron's default "
-                "core attention; FP32 moments (Megatron's default); the page says it "
-                "force-balances the experts' tokens (balanced load, as modelled)",
-                measured=tokens_per_s_per_gpu(1297, "25.09 DGX-H100 row: 1297 tokens/s/GPU"),
-                pin_virtual_stages=True,
-            )
-        ],
-    ),
-    _gpt3_table2(384, zero3_mb=4, ptdp_tflops=153, zero3_tflops=144),
-    _gpt3_table2(1536, zero3_mb=1, ptdp_tflops=141, zero3_tflops=44),
-]
+def _expert(
+    spec: dict[str, Any],
+    recipe: planner.Recipe,
+    cluster: planner.ClusterSpec,
+    *,
+    derived: bool,
+    where: str,
+) -> Expert:
+    """The recipe's layout (with the fields a reference layout changes) and its measured
+    figure's conversion; a layout derived from the recipe's run has no measured figure."""
+    _known(spec, EXPERT_KEYS, where)
+    layout = recipe.layout
+    if spec.get("layout"):
+        layout = planner.Layout(**{**layout.model_dump(), **spec["layout"]})
+        derived = True
+    if layout.world_size != cluster.num_gpus:
+        raise planner.PlannerError(
+            f"{where}: layout tp*pp*dp={layout.world_size} must equal the job's "
+            f"{cluster.num_gpus} GPUs"
+        )
+    if derived and "measured" in spec:
+        raise planner.PlannerError(
+            f"{where}: measured: a layout or job derived from the recipe's has no measured figure "
+            "(its source measured another run)"
+        )
+    return Expert(
+        name=spec["name"],
+        source=spec.get("source", "{source}").replace("{source}", recipe.source),
+        layout=layout,
+        kind="reference" if derived else "published",
+        assumed=spec.get("assumed", recipe.assumed),
+        measured=_converter(spec["measured"], where) if "measured" in spec else None,
+        pin_virtual_stages=bool(spec.get("pin_virtual_stages", False)),
+    )
 
+
+def _converter(spec: dict[str, Any], where: str) -> Converter:
+    """``spec``'s converter (``convert``: its name) bound to the other keys as its arguments."""
+    args = dict(spec)
+    name = args.pop("convert")
+    if name not in CONVERTERS:
+        raise planner.PlannerError(
+            f"{where}: measured.convert={name!r}: unknown; known: {', '.join(CONVERTERS)}"
+        )
+    make = CONVERTERS[name]
+    try:
+        inspect.signature(make).bind(**args)
+    except TypeError:
+        raise planner.PlannerError(
+            f"{where}: measured: {name} takes {', '.join(inspect.signature(make).parameters)}, "
+            f"not {', '.join(args)}"
+        ) from None
+    return make(**args)
+
+
+JOBS: list[Job] = load_jobs()
 
 # ---------------------------------------------------------------------------------------------
 # Running one job.
@@ -697,13 +430,11 @@ def pinned_space(layout: planner.Layout, expert: Expert) -> planner.SearchSpace:
 
 
 def run_job(spec: Job, time_limit: float) -> dict[str, Any]:
-    model = planner.load_model(spec.model)
-    cluster = planner.load_cluster(spec.gpu, gpus=spec.gpus)
-    job = spec.job
+    model, cluster, job = spec.model, spec.cluster, spec.job
     result: dict[str, Any] = {
         "name": spec.name,
-        "model": spec.model,
-        "cluster": f"{spec.gpus} x {spec.gpu}",
+        "model": model.name,
+        "cluster": f"{cluster.num_gpus} x {cluster.name}",
         "job": {
             "seq_len": job.seq_len,
             "global_batch": job.global_batch,
@@ -723,8 +454,8 @@ def run_job(spec: Job, time_limit: float) -> dict[str, Any]:
             "source": expert.source,
             "assumed": expert.assumed,
         }
+        layout = expert.layout
         try:
-            layout = expert.build(model)
             row.update(cost(model, cluster, job, layout))
         except planner.PlannerError as exc:
             row["error"] = str(exc)
@@ -1001,8 +732,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # a benchmark goes on: report the job and the next one runs
             res = {
                 "name": spec.name,
-                "model": spec.model,
-                "cluster": f"{spec.gpus} x {spec.gpu}",
+                "model": spec.model.name,
+                "cluster": f"{spec.cluster.num_gpus} x {spec.cluster.name}",
                 "source": spec.source,
                 "error": f"{type(exc).__name__}: {exc}",
                 "plan": {"status": "error", "error": f"{type(exc).__name__}: {exc}", "wall_s": 0.0},
