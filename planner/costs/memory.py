@@ -326,6 +326,12 @@ def optimizer_offload_rule(job: TrainingJob, fraction: float, zero: int | None =
     return ""
 
 
+def gpu_state_bytes(state: dict[str, float]) -> float:
+    """The part of ``state_bytes``'s buckets that lives in HBM: weights, gradients,
+    optimizer state and an HBM EMA."""
+    return state["weights"] + state["grads"] + state["optimizer"] + state["ema"]
+
+
 def state_bytes(
     params: list[Param], *, job: TrainingJob, layout: Layout, ema_on_gpu: bool
 ) -> dict[str, float]:

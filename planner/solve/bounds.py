@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.costs.comm import Network
-from planner.costs.memory import memory_cap
+from planner.costs.memory import gpu_state_bytes, memory_cap
 from planner.costs.quantities import (
     COLLECTIVE_BYTES,
     Bytes,
@@ -201,7 +201,7 @@ def crowded_rank(t: Tables, config: Config, cap: float) -> float:
     pp, v, m = config.pp, config.virtual_stages, config.num_microbatches
     crowd = [_in_flight_floor(config.schedule, pp, m, v, r) for r in range(pp)]
     rank_bytes = [
-        max(gpu_state(t.fixed_state[r]) for r in rs) + t.buffers for rs in groups.values()
+        max(gpu_state_bytes(t.fixed_state[r]) for r in rs) + t.buffers for rs in groups.values()
     ]
     rank_crowd = [max(crowd[r] for r in rs) for rs in groups.values()]
     best = 0.0
@@ -209,7 +209,7 @@ def crowded_rank(t: Tables, config: Config, cap: float) -> float:
         k = t.kinds[kind]
         per_layer = _Crowd(
             hull=_hull(k.options),
-            state=gpu_state(k.state),
+            state=gpu_state_bytes(k.state),
             comm=work(k.options[0]) - k.options[0].time,  # the all-to-alls in series, if any
             optimizer=optimizer_seconds(k.state, t.step),
             runs=count,
@@ -552,8 +552,8 @@ def _forced_recompute(
 
     usable = memory_cap(cluster, job)
     copies = config.copies
-    state = copies * sum(gpu_state(t.kinds[k].state) for k in t.layer_kinds)
-    state += sum(gpu_state(s) for s in t.fixed_state) + config.pp * t.buffers
+    state = copies * sum(gpu_state_bytes(t.kinds[k].state) for k in t.layer_kinds)
+    state += sum(gpu_state_bytes(s) for s in t.fixed_state) + config.pp * t.buffers
     proto = prototype(model, config)
     weight = [0.0] * config.stages
     for r in range(config.pp):
@@ -641,7 +641,7 @@ def state_fits(tables: Tables, cluster: ClusterSpec, job: TrainingJob, config: C
     # Pigeonhole: some rank holds at least ceil(layer copies / pp) layers.
     copies = config.copies
     most = -(-copies * len(tables.layer_kinds) // config.pp)
-    lightest = min(gpu_state(tables.kinds[k].state) for k in set(tables.layer_kinds))
+    lightest = min(gpu_state_bytes(tables.kinds[k].state) for k in set(tables.layer_kinds))
     heaviest_rank = most * lightest + tables.buffers
     return max(memory_floor(tables, config), heaviest_rank) <= usable
 
@@ -664,14 +664,10 @@ def host_fits(
 
 def memory_floor(tables: Tables, config: Config) -> float:
     """The average rank's model state and buffers (bytes): some rank needs at least this."""
-    state = sum(gpu_state(tables.kinds[k].state) for k in tables.layer_kinds)
+    state = sum(gpu_state_bytes(tables.kinds[k].state) for k in tables.layer_kinds)
     copies = config.copies
-    fixed = sum(gpu_state(s) for s in tables.fixed_state)
+    fixed = sum(gpu_state_bytes(s) for s in tables.fixed_state)
     return (copies * state + fixed) / config.pp + tables.buffers
-
-
-def gpu_state(s: dict[str, float]) -> float:
-    return s["weights"] + s["grads"] + s["optimizer"] + s["ema"]
 
 
 _TABLES: dict[tuple[object, ...], Tables | None] = {}

@@ -30,9 +30,9 @@ from ortools.linear_solver import pywraplp
 from planner.costs.memory import memory_cap
 from planner.costs.overlap import task_terms
 from planner.costs.quantities import Bytes, Prim, Row, stage_quantities
-from planner.costs.timing import optimizer_seconds
-from planner.solve.bounds import bound_tables, gpu_state
-from planner.solve.tables import Config, Tables, even_counts, rank_orders
+from planner.solve import ranks
+from planner.solve.bounds import bound_tables
+from planner.solve.tables import Config, Kind, Option, Tables, even_counts, rank_orders
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 from planner.timeline import Form, run_values, shape_forms
 
@@ -185,25 +185,17 @@ class _Lp:
         return out
 
     def _memory(self, cap: float) -> None:
-        t = self.t
+        """Each rank's memory at every level its op order passes through, within the cap
+        (rows in GiB). Relaxed: the recompute's rebuilt tensors and ZeRO-3's gathered copy
+        are left out."""
+        d = _RankLin(self)
         for r, order in enumerate(self.orders):
-            static: Lin = {-1: gpu_state(t.fixed_state[r]) + t.buffers}
-            for c in order.chunks:
-                static = _plus(static, self._layers(c, lambda k: gpu_state(k.state)))
-            saved = {c: self._sum(c, lambda o: o.saved) for c in order.chunks}
-            for counts, _ in order.levels:
-                level = dict(static)
-                for n, c in zip(counts, order.chunks, strict=True):
-                    if n:
-                        level = _plus(level, _scale(saved[c], n))
-                self._row(_scale(level, 1 / GiB), -math.inf, cap / GiB)
+            static = ranks.held(d, self.t, r, order)
+            for level, _ in ranks.levels(d, order):
+                self._row(_scale(_plus(static, level), 1 / GiB), -math.inf, cap / GiB)
 
     def _optimizer(self, r: int) -> Lin:
-        t = self.t
-        total: Lin = {-1: optimizer_seconds(t.fixed_state[r], t.step)}
-        for c in self.orders[r].chunks:
-            total = _plus(total, self._layers(c, lambda k: optimizer_seconds(k.state, t.step)))
-        return total
+        return ranks.optimizer(_RankLin(self), self.t, r, self.orders[r])
 
     def _compact(self) -> None:
         """Each stage's quantities as one matrix over the stage's variables, so a chain's
@@ -366,3 +358,26 @@ class _StageLin:
 
     def add(self, a: Lin, b: Lin) -> Lin:
         return _plus(a, b)
+
+
+class _RankLin:
+    """The relaxation's domain of a rank's sums (``planner.solve.ranks.RankDomain``): over
+    fractional counts, in seconds and bytes."""
+
+    def __init__(self, lp: _Lp) -> None:
+        self.lp = lp
+
+    def layers(self, stage: int, value: Callable[[Kind], float], unit: ranks.Unit) -> Lin:
+        return self.lp._layers(stage, value)
+
+    def blocks(self, stage: int, value: Callable[[Option], float], unit: ranks.Unit) -> Lin:
+        return self.lp._sum(stage, value)
+
+    def const(self, value: float, unit: ranks.Unit) -> Lin:
+        return {-1: value}
+
+    def add(self, a: Lin, b: Lin) -> Lin:
+        return _plus(a, b)
+
+    def scale(self, x: Lin, n: int) -> Lin:
+        return _scale(x, n)

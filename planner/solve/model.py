@@ -41,9 +41,9 @@ from ortools.sat.python import cp_model
 from planner.costs.memory import memory_cap
 from planner.costs.overlap import TaskKey, Term, task_terms
 from planner.costs.quantities import Bytes, Prim, Row, stage_quantities
-from planner.costs.timing import optimizer_seconds
 from planner.frameworks import framework
-from planner.solve.tables import Tables
+from planner.solve import ranks
+from planner.solve.tables import Kind, Option, Tables
 from planner.specs import DTYPE_BYTES, ClusterSpec, TrainingJob
 from planner.timeline import Form
 
@@ -233,17 +233,10 @@ class StageModel:
     def _memory(self) -> None:
         t, m, job = self.t, self.m, self.job
         usable = math.floor(memory_cap(self.cluster, job) / KIB)
+        d = _RankExpr(self)
         for r, rank in enumerate(t.ranks):
             chunks = rank.chunks
-            static = sum(
-                [self._layers(c, lambda k: _ceil(_state_gpu(k.state))) for c in chunks],
-                _ceil(_state_gpu(t.fixed_state[r])) + _ceil(t.buffers),
-            )
-            host = sum(
-                [self._layers(c, lambda k: _ceil(k.state["host"])) for c in chunks],
-                _ceil(t.fixed_state[r]["host"]),
-            )
-            saved = {c: self._sum(c, lambda o: _ceil(o.saved)) for c in chunks}
+            static = ranks.held(d, t, r, rank)
             # What a backward rebuilds above the chunk's level: a block's rebuilt bytes less
             # those the blocks after it have freed (costs.memory.rebuild_peak). Only the fixed
             # blocks that close the last stage (MTP, head) are counted as after a layer: exact
@@ -265,8 +258,7 @@ class StageModel:
                             m.add(v >= _ceil(o.rebuilt) * b - self._saved_by(later))
                 rebuild[c] = v
             act = m.new_int_var(0, 2**40, f"activations[{r}]")
-            for counts, rb in rank.levels:
-                level = sum(n * saved[c] for n, c in zip(counts, chunks, strict=True) if n)
+            for level, rb in ranks.levels(d, rank):
                 m.add(act >= level + (rebuild[rb] if rb is not None else 0))
             extra: Expr = 0
             if t.config.zero >= 3:  # the gathered working copy of the largest block, twice
@@ -295,9 +287,9 @@ class StageModel:
                     m.add(gathered >= live)
                     extra = gathered
             m.add(static + act + extra <= usable)
-            if t.config.ema == "host":
+            if t.config.ema == "host" or t.config.optimizer_offload > 0:
                 per_node = min(self.cluster.gpus_per_node, self.cluster.num_gpus)
-                m.add(host * per_node <= self.cluster.host_ram_bytes // KIB)
+                m.add(ranks.host(d, t, r, rank) * per_node <= self.cluster.host_ram_bytes // KIB)
 
     def _saved_by(self, names: list[str]) -> Expr:
         """Saved KiB (rounded down) of fixed blocks, by their chosen options."""
@@ -339,14 +331,7 @@ class StageModel:
         return self._optimizer(key[1])
 
     def _optimizer(self, r: int) -> Expr:
-        t = self.t
-        return sum(
-            [
-                self._layers(c, lambda k: q(optimizer_seconds(k.state, t.step)))
-                for c in t.ranks[r].chunks
-            ],
-            q(optimizer_seconds(t.fixed_state[r], t.step)),
-        )
+        return ranks.optimizer(_RankExpr(self), self.t, r, self.t.ranks[r])
 
     # -- solving -----------------------------------------------------------------------
     def solve(
@@ -541,10 +526,6 @@ def _int(x: float) -> int:
     return r
 
 
-def _state_gpu(state: dict[str, float]) -> float:
-    return state["weights"] + state["grads"] + state["optimizer"] + state["ema"]
-
-
 class _StageExpr:
     """The CP-SAT domain of one stage's quantities (``costs.quantities.Domain``): sums over
     the stage's layers per option and its fixed blocks' choices, every coefficient in whole
@@ -575,3 +556,31 @@ class _StageExpr:
 
     def add(self, a: Expr, b: Expr) -> Expr:
         return a + b
+
+
+class _RankExpr:
+    """The CP-SAT domain of a rank's sums (``planner.solve.ranks.RankDomain``): seconds in
+    whole time units, bytes in whole KiB rounded up, each where it is written."""
+
+    def __init__(self, model: StageModel) -> None:
+        self.model = model
+
+    def layers(self, stage: int, value: Callable[[Kind], float], unit: ranks.Unit) -> Expr:
+        return self.model._layers(stage, lambda k: _whole(value(k), unit))
+
+    def blocks(self, stage: int, value: Callable[[Option], float], unit: ranks.Unit) -> Expr:
+        return self.model._sum(stage, lambda o: _whole(value(o), unit))
+
+    def const(self, value: float, unit: ranks.Unit) -> Expr:
+        return _whole(value, unit)
+
+    def add(self, a: Expr, b: Expr) -> Expr:
+        return a + b
+
+    def scale(self, x: Expr, n: int) -> Expr:
+        return n * x
+
+
+def _whole(value: float, unit: ranks.Unit) -> int:
+    """Seconds as whole time units, bytes as whole KiB (rounded up)."""
+    return q(value) if unit is ranks.Unit.SECONDS else _ceil(value)

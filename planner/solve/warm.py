@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from planner.solve.bounds import gpu_state
+from planner.costs.memory import gpu_state_bytes
 from planner.solve.model import StageModel
 from planner.solve.tables import Option, Tables
 from planner.specs import ClusterSpec, TrainingJob
@@ -79,7 +79,7 @@ def balanced(tables: Tables, cost: Callable[[Option], float], *, state: bool = F
     counted on the first and last stage; every stage but the first and last keeps a layer."""
 
     def block(k: str) -> float:
-        extra = gpu_state(tables.kinds[k].state) if state else 0.0
+        extra = gpu_state_bytes(tables.kinds[k].state) if state else 0.0
         return min(cost(o) for o in tables.kinds[k].options) + extra
 
     per = [block(k) for k in tables.layer_kinds]
