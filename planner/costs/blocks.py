@@ -25,8 +25,10 @@ element.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
+from types import MappingProxyType
 
 from planner.costs.work import ZERO, Gemm, Work, flash_overhead
 from planner.errors import PlannerError
@@ -169,23 +171,24 @@ class Shard:
         return FP8_SAVED_BYTES if self.fp8 and self.fp8_cache else self.act_bytes
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class BlockCost:
-    """Costs of one block on one rank for one micro-batch."""
+    """Costs of one block on one rank for one micro-batch (built by ``BlockBuilder``;
+    frozen: ``block_cost`` results are shared)."""
 
     name: str
-    params: list[Param] = field(default_factory=list)
+    params: tuple[Param, ...] = ()
     fwd: Work = ZERO
     bwd_input: Work = ZERO
     bwd_weight: Work = ZERO
-    saved: list[ActGroup] = field(default_factory=list)
+    saved: tuple[ActGroup, ...] = ()
     # Bytes held above the saved ones for a moment while the block's forward or backward
     # runs (the head: its logits in the activation dtype and the loss's FP32 copy). Counted
     # with what its backward rebuilds (``rebuilt_bytes``): where a chunk's last block is the
     # head, its backward follows its forward with no other forward between (every schedule
     # here), so the level then is the level at the end of that forward.
     transient: int = 0
-    module_work: dict[str, Work] = field(default_factory=dict)  # forward work per module
+    module_work: Mapping[str, Work] = field(default_factory=dict)  # forward work per module
     tp_collectives: int = 0  # tensor-parallel all-reduces (or AG+RS pairs) in forward
     moe_layers: int = 0  # MoE layers in the block: 4 expert all-to-alls each per micro-batch
     tokens_per_expert: float = 0.0  # tokens each local expert's GEMMs see (busiest rank)
@@ -196,8 +199,7 @@ class BlockCost:
     attention_fwd: Work = ZERO  # the fused attention kernels' forward work (the ring hides
     attention_bwd: Work = ZERO  # its sends behind a cp-th of it per step) and backward work
     fp8: bool = False  # linears cast their inputs and output gradients to FP8
-    # saved_bytes / rebuilt_bytes by recompute choice, keyed with the saved groups' count
-    # and the transient so that a block still being built is never answered from it
+    # saved_bytes / rebuilt_bytes by recompute choice (the block's own answers, kept)
     _memo: dict[tuple[object, ...], int] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -218,7 +220,7 @@ class BlockCost:
 
     def saved_bytes(self, dropped: frozenset[str] | str = frozenset()) -> int:
         """Bytes kept for backward under a recompute choice (a module set or ``"full"``)."""
-        key = ("saved", dropped, len(self.saved))
+        key = ("saved", dropped)
         if key not in self._memo:
             self._memo[key] = sum(g.bytes for g in self.saved if _is_kept(g, dropped))
         return self._memo[key]
@@ -230,7 +232,7 @@ class BlockCost:
     def rebuilt_bytes(self, dropped: frozenset[str] | str) -> int:
         """Bytes a backward holds above the saved ones under a recompute choice (one
         micro-batch): what it re-materialises, or the block's ``transient`` if more."""
-        key = ("rebuilt", dropped, len(self.saved), self.transient)
+        key = ("rebuilt", dropped)
         if key not in self._memo:
             if dropped == OFFLOAD:  # what comes back from the host for the backward
                 rebuilt = self.saved_bytes(frozenset())
@@ -309,6 +311,49 @@ class BlockCost:
         if any(not g.keep_always for g in self.saved):
             choices.append("full")
         return choices
+
+
+@dataclass
+class BlockBuilder:
+    """A ``BlockCost`` while its block's parts are added (``build`` freezes it)."""
+
+    name: str
+    params: list[Param] = field(default_factory=list)
+    fwd: Work = ZERO
+    bwd_input: Work = ZERO
+    bwd_weight: Work = ZERO
+    saved: list[ActGroup] = field(default_factory=list)
+    transient: int = 0  # see ``BlockCost.transient``
+    module_work: dict[str, Work] = field(default_factory=dict)
+    tp_collectives: int = 0
+    moe_layers: int = 0
+    tokens_per_expert: float = 0.0
+    tp: int = 1
+    cp_kv_bytes: float = 0.0
+    attention_fwd: Work = ZERO
+    attention_bwd: Work = ZERO
+    fp8: bool = False
+
+    def build(self) -> BlockCost:
+        """The block's costs, frozen."""
+        return BlockCost(
+            name=self.name,
+            params=tuple(self.params),
+            fwd=self.fwd,
+            bwd_input=self.bwd_input,
+            bwd_weight=self.bwd_weight,
+            saved=tuple(self.saved),
+            transient=self.transient,
+            module_work=MappingProxyType(dict(self.module_work)),
+            tp_collectives=self.tp_collectives,
+            moe_layers=self.moe_layers,
+            tokens_per_expert=self.tokens_per_expert,
+            tp=self.tp,
+            cp_kv_bytes=self.cp_kv_bytes,
+            attention_fwd=self.attention_fwd,
+            attention_bwd=self.attention_bwd,
+            fp8=self.fp8,
+        )
 
     # -- builders -------------------------------------------------------------------------
     def add(self, fwd: Work, bwd_input: Work, bwd_weight: Work = ZERO, *modules: str) -> None:
@@ -420,7 +465,7 @@ def block_cost(model: ModelSpec, name: str, shard: Shard) -> BlockCost:
 @functools.lru_cache(maxsize=65536)
 def _block_cost(model: ModelSpec, name: str, shard: Shard) -> BlockCost:
     _check_shard(model, shard)
-    cost = BlockCost(name, tp=shard.tp, fp8=shard.fp8)
+    cost = BlockBuilder(name, tp=shard.tp, fp8=shard.fp8)
     if name == "embedding":
         _embedding(cost, model, shard)
     elif name == "head":
@@ -437,7 +482,7 @@ def _block_cost(model: ModelSpec, name: str, shard: Shard) -> BlockCost:
         _mtp(cost, model, shard, index)
     else:
         raise PlannerError(f"block={name!r}: not a block of {model.name}; see block_names()")
-    return cost
+    return cost.build()
 
 
 def model_param_count(model: ModelSpec, *, active: bool = False, include_mtp: bool = True) -> int:
@@ -518,7 +563,7 @@ def _shared_width(model: ModelSpec) -> int:
 # blocks
 
 
-def _embedding(cost: BlockCost, model: ModelSpec, shard: Shard) -> None:
+def _embedding(cost: BlockBuilder, model: ModelSpec, shard: Shard) -> None:
     h = model.hidden_size
     # Vocab-parallel embedding: each tp rank holds V/tp rows; lookups are gathers (no GEMM).
     cost.params.append(Param("word_embeddings", model.vocab_size * h, tp_split=True))
@@ -533,7 +578,7 @@ def _embedding(cost: BlockCost, model: ModelSpec, shard: Shard) -> None:
         cost.elementwise(shard.sp_tokens * h * (2 * shard.act_bytes + 1))
 
 
-def _head(cost: BlockCost, model: ModelSpec, shard: Shard, *, prefix: str = "") -> None:
+def _head(cost: BlockBuilder, model: ModelSpec, shard: Shard, *, prefix: str = "") -> None:
     """Final norm, output projection over the vocabulary shard, fp32 cross-entropy."""
     h, v = model.hidden_size, model.vocab_size
     if not prefix:
@@ -579,7 +624,7 @@ def _head(cost: BlockCost, model: ModelSpec, shard: Shard, *, prefix: str = "") 
 
 
 def _saved_norm(
-    cost: BlockCost,
+    cost: BlockBuilder,
     model: ModelSpec,
     shard: Shard,
     key: str,
@@ -601,7 +646,7 @@ def _saved_norm(
 
 
 def _layer(
-    cost: BlockCost,
+    cost: BlockBuilder,
     model: ModelSpec,
     shard: Shard,
     prefix: str,
@@ -633,7 +678,7 @@ def _layer(
     cost.tp_collectives += 2  # attention and MLP outputs: one all-reduce (or RS + AG) each
 
 
-def _residual(cost: BlockCost, model: ModelSpec, shard: Shard, mask: str) -> None:
+def _residual(cost: BlockBuilder, model: ModelSpec, shard: Shard, mask: str) -> None:
     """(Dropout and) residual add: read the branch output and the residual, write the sum;
     backward passes the gradient to both (as much traffic)."""
     elements = shard.sp_tokens * model.hidden_size
@@ -645,7 +690,7 @@ def _residual(cost: BlockCost, model: ModelSpec, shard: Shard, mask: str) -> Non
     cost.add(work, work, ZERO, *_op(shard))
 
 
-def _mtp(cost: BlockCost, model: ModelSpec, shard: Shard, index: int) -> None:
+def _mtp(cost: BlockBuilder, model: ModelSpec, shard: Shard, index: int) -> None:
     """DeepSeek-V3 multi-token prediction module: normalise the previous depth's hidden state
     and the embedding of the token ``index+1`` ahead, project the concatenation (2h -> h),
     run one transformer layer, then the shared head and its loss. The embedding and the
@@ -675,7 +720,7 @@ def attended_share(seq_len: int, window: int | None) -> float:
 
 
 def _core_attention(
-    cost: BlockCost,
+    cost: BlockBuilder,
     model: ModelSpec,
     shard: Shard,
     *,
@@ -734,7 +779,7 @@ def _core_attention(
 
 
 def _gqa(
-    cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str, window: int | None = None
+    cost: BlockBuilder, model: ModelSpec, shard: Shard, prefix: str, window: int | None = None
 ) -> None:
     h, d, t = model.hidden_size, model.head_dim, shard.tp
     nq, nkv = model.num_attention_heads, model.num_kv_heads
@@ -776,7 +821,7 @@ def _gqa(
     )
 
 
-def _qk_norm(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
+def _qk_norm(cost: BlockBuilder, model: ModelSpec, shard: Shard, prefix: str) -> None:
     """RMSNorm over each head's query and key before the rotary embedding (Qwen3's q_norm and
     k_norm: head_dim weights each, shared by the heads, so replicated over tp). Its backward
     needs its inputs, the q and k projections' outputs, which nothing else keeps: Megatron's
@@ -793,7 +838,7 @@ def _qk_norm(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> No
 
 
 def _mla(
-    cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str, window: int | None = None
+    cost: BlockBuilder, model: ModelSpec, shard: Shard, prefix: str, window: int | None = None
 ) -> None:
     """Multi-head latent attention (DeepSeek-V2/V3). Down projections are replicated on every
     tp rank and run on all tokens (Megatron-LM's ``parallel_mode='duplicated'``); the up
@@ -836,7 +881,7 @@ def _mla(
 
 
 def _ffn(
-    cost: BlockCost,
+    cost: BlockBuilder,
     model: ModelSpec,
     shard: Shard,
     *,
@@ -888,7 +933,7 @@ def _fc_params(model: ModelSpec, width: int) -> int:
     return model.hidden_size * gate_up + width * model.hidden_size + bias
 
 
-def _dense_mlp(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
+def _dense_mlp(cost: BlockBuilder, model: ModelSpec, shard: Shard, prefix: str) -> None:
     t = shard.tp
     cost.params.append(Param(prefix + "mlp", _fc_params(model, model.ffn_hidden_size), True))
     _ffn(
@@ -903,7 +948,7 @@ def _dense_mlp(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> 
     )
 
 
-def _moe(cost: BlockCost, model: ModelSpec, shard: Shard, prefix: str) -> None:
+def _moe(cost: BlockBuilder, model: ModelSpec, shard: Shard, prefix: str) -> None:
     """Router (replicated) + routed experts (sharded over ep, each split over etp: the etp
     ranks of an expert gather the tokens dispatched to it, each computes its slice of the
     expert's width, and their outputs are reduce-scattered back) + shared experts (split over

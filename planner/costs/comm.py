@@ -40,6 +40,7 @@ from typing import Any, Literal
 from planner.costs.blocks import Shard
 from planner.errors import PlannerError
 from planner.layout import Layout
+from planner.memo import Memo
 from planner.specs import ClusterSpec, ModelSpec
 from planner.topology import gpu
 
@@ -341,16 +342,11 @@ def _achieved(cluster: ClusterSpec, kind: str) -> float:
         ) from None
 
 
-_CACHE: dict[str, Network] = {}
+_NETWORKS: Memo[Network] = Memo("comm.networks", limit=256)
 
 
 def _network(cluster: ClusterSpec) -> Network:
-    key = cluster.model_dump_json()
-    if key not in _CACHE:
-        if len(_CACHE) > 256:
-            _CACHE.clear()
-        _CACHE[key] = Network._read(cluster)
-    return _CACHE[key]
+    return _NETWORKS.get(cluster.model_dump_json(), lambda: Network._read(cluster))
 
 
 # -- MoE traffic --------------------------------------------------------------------------

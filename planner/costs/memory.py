@@ -333,7 +333,7 @@ def gpu_state_bytes(state: dict[str, float]) -> float:
 
 
 def state_bytes(
-    params: list[Param], *, job: TrainingJob, layout: Layout, ema_on_gpu: bool
+    params: Sequence[Param], *, job: TrainingJob, layout: Layout, ema_on_gpu: bool
 ) -> dict[str, float]:
     """Weights, gradients, optimizer state and EMA of ``params`` on one rank (bytes), what
     lives on the host (``host``), and what the optimizer step moves (``STEP_KEYS``: HBM bytes

@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 from planner.costs.blocks import BlockCost, Param, Shard
@@ -59,6 +60,7 @@ from planner.costs.quantities import (
 from planner.errors import PlannerError
 from planner.frameworks import UNSTATED_SM_COUNT, framework
 from planner.layout import Layout, parse_recompute
+from planner.memo import Memo
 from planner.schedules import schedule_of, stage_rank
 from planner.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, TrainingJob
 
@@ -230,7 +232,7 @@ def stage_sends(
 
 
 Collective = Literal["all_reduce", "reduce_scatter", "all_gather"]
-_RATES: dict[tuple[object, ...], Rate] = {}
+_RATES: Memo[Rate] = Memo("timing.rates")
 
 
 def _rates(
@@ -238,19 +240,15 @@ def _rates(
 ) -> tuple[Rate, Rate]:
     """The rates of collective ``kind`` over the dense and the expert group. A collective's
     time depends only on how its group spreads over nodes, so rates are kept by that."""
-    out = []
-    for ranks in (dense, expert):
-        key = (kind, network, network._spread(ranks))
-        if key not in _RATES:
-            if len(_RATES) > 20_000:  # bounded across long sweeps
-                _RATES.clear()
-            method = {
-                "all_reduce": network.all_reduce,
-                "reduce_scatter": network.reduce_scatter,
-                "all_gather": network.all_gather,
-            }[kind]
-            _RATES[key] = Rate.fit(method, ranks)
-        out.append(_RATES[key])
+    method = {
+        "all_reduce": network.all_reduce,
+        "reduce_scatter": network.reduce_scatter,
+        "all_gather": network.all_gather,
+    }[kind]
+    out = [
+        _RATES.get((kind, network, network._spread(ranks)), partial(Rate.fit, method, ranks))
+        for ranks in (dense, expert)
+    ]
     return out[0], out[1]
 
 

@@ -30,6 +30,7 @@ from planner.costs.quantities import (
 from planner.costs.timing import optimizer_seconds
 from planner.errors import PlannerError
 from planner.frameworks import Overlap
+from planner.memo import Memo
 from planner.schedules import DEFAULT_SCHEDULE
 from planner.solve.tables import Config, Option, Tables, build, prototype
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
@@ -670,18 +671,19 @@ def memory_floor(tables: Tables, config: Config) -> float:
     return (copies * state + fixed) / config.pp + tables.buffers
 
 
-_TABLES: dict[tuple[object, ...], Tables | None] = {}
+_TABLES: Memo[Tables | None] = Memo("bounds.tables", limit=50_000)
 
 
 def bound_tables(
     model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config
 ) -> Tables | None:
-    key = (model, cluster.model_dump_json(), job, config)
-    if key not in _TABLES:
-        if len(_TABLES) > 50_000:  # a long sweep must not grow without bound
-            _TABLES.clear()
+    """The tables of ``config`` without the rank orders (None: its degrees do not divide
+    the model)."""
+
+    def make() -> Tables | None:
         try:
-            _TABLES[key] = build(model, cluster, job, config, Network.of(cluster), light=True)
+            return build(model, cluster, job, config, Network.of(cluster), light=True)
         except PlannerError:
-            _TABLES[key] = None
-    return _TABLES[key]
+            return None
+
+    return _TABLES.get((model, cluster.model_dump_json(), job, config.key()), make)

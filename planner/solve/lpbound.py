@@ -30,6 +30,7 @@ from ortools.linear_solver import pywraplp
 from planner.costs.memory import memory_cap
 from planner.costs.overlap import task_terms
 from planner.costs.quantities import Bytes, Prim, Row, stage_quantities
+from planner.memo import Memo
 from planner.solve import ranks
 from planner.solve.bounds import bound_tables
 from planner.solve.tables import Config, Kind, Option, Tables, even_counts, rank_orders
@@ -59,18 +60,14 @@ def lp_counts(
     return None if out is None else out[1]
 
 
-_CACHE: dict[tuple[Any, ...], tuple[float, list[int] | None] | None] = {}
+_RELAXED: Memo[tuple[float, list[int] | None] | None] = Memo("lpbound.relaxation", limit=4096)
 
 
 def _relaxation(
     model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config
 ) -> tuple[float, list[int] | None] | None:
-    key = (model, cluster.model_dump_json(), job, config)
-    if key not in _CACHE:
-        if len(_CACHE) > 4096:  # a long sweep must not grow without bound
-            _CACHE.clear()
-        _CACHE[key] = _solve(model, cluster, job, config)
-    return _CACHE[key]
+    key = (model, cluster.model_dump_json(), job, config.key())
+    return _RELAXED.get(key, lambda: _solve(model, cluster, job, config))
 
 
 def _solve(

@@ -22,11 +22,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-from planner.costs.blocks import BlockCost, Param, block_cost, block_names
+from planner.costs.blocks import BlockCost, Param, Shard, block_cost, block_names
 from planner.costs.comm import Network, Transfer
 from planner.costs.compute import Rates
 from planner.costs.memory import (
@@ -52,6 +51,7 @@ from planner.costs.timing import (
 )
 from planner.frameworks import Overlap
 from planner.layout import Layout, parse_recompute
+from planner.memo import Memo
 from planner.schedules import Op, Schedule, op_order, schedule_of
 from planner.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, TrainingJob
 
@@ -84,6 +84,15 @@ class Config:
     @property
     def stages(self) -> int:
         return self.pp * self.virtual_stages
+
+    def key(self, *, ignoring: frozenset[str] = frozenset()) -> tuple[object, ...]:
+        """This configuration as (part of) a cache key: every field but those named in
+        ``ignoring`` (what a cached piece does not depend on; ``planner.memo``)."""
+        unknown = ignoring - {f.name for f in dataclasses.fields(self)}
+        assert not unknown, f"not fields of Config: {sorted(unknown)}"
+        return tuple(
+            getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ignoring
+        )
 
     @property
     def pipeline(self) -> Schedule:
@@ -210,25 +219,13 @@ def build(
     shard = shard_of(job, proto)
     layer_kinds = [layer_kind(model, i) for i in range(model.num_layers)]
     fixed = [n for n in block_names(model) if not n.startswith("layer.")]
-    kinds = _memo(
-        _KINDS,
+    kinds = _KINDS.get(
         (
             model,
             job,
             cluster.model_dump_json(),
-            config.tp,
-            config.cp,
-            config.dp,
-            config.ep,
-            config.etp,
-            config.zero,
-            config.micro_batch,
-            config.ema,
-            config.fp8_cache,
-            config.sequence_parallel,
-            config.optimizer_offload,
             None if choices is None else frozenset(choices),
-            config.recompute_extra,
+            config.key(ignoring=_KINDS_IGNORE),
         ),
         lambda: _kinds(
             model,
@@ -247,18 +244,8 @@ def build(
     last_fixed = [n for n in fixed if n != "embedding"]
     act = shard.sp_tokens * model.hidden_size * shard.act_bytes
     stages = config.stages
-    sends = _memo(
-        _SENDS,
-        (
-            network,
-            config.tp,
-            config.cp,
-            config.pp,
-            config.dp,
-            config.schedule,
-            config.virtual_stages,
-            act,
-        ),
+    sends = _SENDS.get(
+        (model, job, network, config.key(ignoring=_SENDS_IGNORE)),
         lambda: stage_sends(model, proto, network, shard),
     )
     plane = proto.plane  # ranks of one pipeline position
@@ -268,24 +255,8 @@ def build(
     comm = []
     for s in range(stages):
         rank = 0 if same else first_rank(proto, s)
-        position = _memo(
-            _STAGE_COMM,
-            (
-                model,
-                job,
-                network,
-                config.tp,
-                config.cp,
-                config.pp,
-                config.dp,
-                config.ep,
-                config.etp,
-                config.zero,
-                config.micro_batch,
-                config.sequence_parallel,
-                config.copies,
-                rank,
-            ),
+        position = _STAGE_COMM.get(
+            (model, job, network, rank, config.copies, config.key(ignoring=_COMM_IGNORE)),
             functools.partial(position_comm, model, job, proto, network, shard, rank),
         )
         comm.append(stage_comm(position, *sends[s]))
@@ -320,22 +291,24 @@ def build(
 # -- pieces ---------------------------------------------------------------------------------
 
 # Many configurations share a piece (every schedule of the same degrees, say): each piece is
-# kept under the fields it depends on. Bounded across long sweeps.
-_KINDS: dict[tuple[Any, ...], dict[str, Kind]] = {}
-_SENDS: dict[tuple[Any, ...], list[tuple[Transfer, Transfer]]] = {}
-_STAGE_COMM: dict[tuple[Any, ...], PositionComm] = {}
+# kept under its inputs and the configuration's fields but those it does not depend on.
+_NOT_SHAPE = frozenset({"schedule", "virtual_stages", "num_microbatches"})
+# Blocks' costs and state: the pipeline's schedule and micro-batch count aside.
+_KINDS_IGNORE = _NOT_SHAPE
+_KINDS: Memo[dict[str, Kind]] = Memo("tables.kinds")
+# The sends: the holders of each stage and a micro-batch's hidden states, not the state.
+_STATE = frozenset({"zero", "ema", "fp8_cache", "optimizer_offload", "recompute_extra"})
+_SENDS_IGNORE = _STATE | {"ep", "etp", "num_microbatches"}
+_SENDS: Memo[list[tuple[Transfer, Transfer]]] = Memo("tables.sends")
+# A position's all-to-alls and collectives: its groups (the schedule only through the copies
+# of each stage it keeps, a key of its own) and the ZeRO stage, not the rest of the state.
+_COMM_IGNORE = _NOT_SHAPE | (_STATE - {"zero"})
+_STAGE_COMM: Memo[PositionComm] = Memo("tables.position_comm")
+# The fixed blocks' state and bytes: not the micro-batches or the recompute choices.
+_FIXED_IGNORE = frozenset({"micro_batch", "num_microbatches", "recompute_extra"})
 FixedTables = tuple[list[dict[str, float]], list[dict[Bytes, float]]]
-_FIXED: dict[tuple[Any, ...], FixedTables] = {}
-_PROTO: dict[tuple[Any, ...], Layout] = {}
-_T = TypeVar("_T")
-
-
-def _memo(cache: dict[tuple[Any, ...], _T], key: tuple[Any, ...], make: Callable[[], _T]) -> _T:
-    if key not in cache:
-        if len(cache) > 20_000:
-            cache.clear()
-        cache[key] = make()
-    return cache[key]
+_FIXED: Memo[FixedTables] = Memo("tables.fixed")
+_PROTO: Memo[Layout] = Memo("tables.prototype")
 
 
 def _fixed_tables(
@@ -344,25 +317,8 @@ def _fixed_tables(
     """``_fixed`` for ``config``, memoised on what it depends on."""
     fixed = [n for n in block_names(model) if not n.startswith("layer.")]
     first, last = ["embedding"], [n for n in fixed if n != "embedding"]
-    return _memo(
-        _FIXED,
-        (
-            model,
-            job,
-            config.tp,
-            config.cp,
-            config.dp,
-            config.ep,
-            config.etp,
-            config.zero,
-            config.ema,
-            config.pp,
-            config.schedule,
-            config.virtual_stages,
-            config.fp8_cache,
-            config.sequence_parallel,
-            config.optimizer_offload,
-        ),
+    return _FIXED.get(
+        (model, job, config.key(ignoring=_FIXED_IGNORE)),
         lambda: _fixed(model, shard, job, proto, first, last, config.stages),
     )
 
@@ -399,7 +355,9 @@ def prototype(model: ModelSpec, config: Config) -> Layout:
         fp8_cache=False,
         optimizer_offload=0.0,
     )
-    shape = _memo(_PROTO, (model, base), lambda: base.layout(model, even_counts(model, base), {}))
+    shape = _PROTO.get(
+        (model, base.key()), lambda: base.layout(model, even_counts(model, base), {})
+    )
     # ZeRO stage, micro-batch, EMA placement and FP8 caching are valid on their own (the
     # enumeration checked them): copy them in without rebuilding every stage.
     return shape.model_copy(
@@ -436,7 +394,9 @@ def _kinds(
     return {
         k: _kind(
             k,
-            block_cost(model, n, shard),
+            model,
+            n,
+            shard,
             rates,
             tp,
             job,
@@ -470,7 +430,9 @@ def even_counts(model: ModelSpec, config: Config) -> list[int]:
 
 def _kind(
     name: str,
-    cost: BlockCost,
+    model: ModelSpec,
+    block: str,
+    shard: Shard,
     rates: Rates,
     tp: TpComm,
     job: TrainingJob,
@@ -480,12 +442,12 @@ def _kind(
     fixed: bool,
     extra: frozenset[str] = frozenset(),
 ) -> Kind:
-    key = (id(cost), name, rates, tp, frozenset(allowed) if allowed is not None else None, extra)
-    if len(_OPTIONS) > 50_000:  # bounded across long sweeps
-        _OPTIONS.clear()
-    if key not in _OPTIONS or _OPTIONS[key][0] is not cost:
-        _OPTIONS[key] = (cost, _options(name, cost, rates, tp, allowed, fixed=fixed, extra=extra))
-    options = _OPTIONS[key][1]
+    cost = block_cost(model, block, shard)
+    listed = frozenset(allowed) if allowed is not None else None
+    options = _OPTIONS.get(
+        (model, block, shard, name, rates, tp, listed, fixed, extra),
+        lambda: _options(name, cost, rates, tp, allowed, fixed=fixed, extra=extra),
+    )
     params = cost.params
     st = state_bytes(params, job=job, layout=proto, ema_on_gpu=proto.ema == "hbm")
     wb = DTYPE_BYTES[job.working_weight_dtype]
@@ -499,7 +461,8 @@ def _kind(
     )
 
 
-_OPTIONS: dict[tuple[Any, ...], tuple[BlockCost, list[Option]]] = {}
+# A block's recompute options: under its block_cost inputs, the rates and what is listed.
+_OPTIONS: Memo[list[Option]] = Memo("tables.options", limit=50_000)
 
 
 def _options(
