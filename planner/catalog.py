@@ -7,6 +7,7 @@ a field that would change the cost and that its reader does not cost is refused,
 (``model_from_config``). ``load_cluster`` takes a machine name
 (``hardware/<name>.yaml``) or a path, and the total GPU count. Units are converted once, here:
 the YAML says GiB, GB/s, Gb/s and TFLOP/s in its key names; specs hold bytes, B/s and FLOP/s.
+The catalog folders are wherever ``planner.data`` finds them: in an installed wheel or a checkout.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from typing import Any
 
 import yaml
 
+from planner.data import catalog_dir
 from planner.errors import PlannerError, UnknownNameError
 from planner.specs import ClusterSpec, ModelSpec
 
-ROOT = Path(__file__).resolve().parent.parent
-MODELS_DIR = ROOT / "models"
-HARDWARE_DIR = ROOT / "hardware"
+MODELS_DIR = catalog_dir("models")
+HARDWARE_DIR = catalog_dir("hardware")
 GiB = 2**30
 
 

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 import planner
+import planner.data
 from planner.catalog import HARDWARE_DIR, MODELS_DIR
+from planner.data import CATALOGS, catalog_dir, package_file
 from planner.topology import build_topology, path_bandwidth_Bps
 
 MODEL_NAMES = planner.model_names()
@@ -193,3 +195,39 @@ def test_optional_overheads_are_read_in_microseconds(tmp_path: Path) -> None:
     assert cluster.host_overhead_s == pytest.approx(65e-6)
     default = planner.load_cluster("a100", gpus=8)
     assert (default.kernel_overhead_s, default.host_overhead_s) == (4e-6, 0.0)
+
+
+# -- where the catalogs are ---------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("kind", CATALOGS)
+def test_the_located_catalog_holds_every_file_of_the_repository(kind: str) -> None:
+    def files(folder: Path) -> list[str]:
+        return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+    assert files(catalog_dir(kind)) == files(REPO / kind)
+
+
+def test_the_catalogs_list_every_file_of_the_repository() -> None:
+    listed = (planner.model_names(), planner.cluster_names(), planner.recipe_names())
+    globs = (("models", "*.json"), ("hardware", "*.yaml"), ("models/recipes", "*.yaml"))
+    assert listed == tuple(sorted(p.stem for p in (REPO / d).glob(g)) for d, g in globs)
+
+
+def test_an_installed_catalog_comes_first_and_a_checkout_needs_its_pyproject(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = tmp_path / "site-packages" / "planner"
+    package.mkdir(parents=True)
+    monkeypatch.setattr(planner.data, "_package", lambda: package)
+    (tmp_path / "site-packages" / "models").mkdir()  # another distribution's top-level folder
+    with pytest.raises(planner.PlannerError, match="catalog 'models': not found at ") as info:
+        catalog_dir("models")
+    assert "\n" not in str(info.value)
+    (tmp_path / "site-packages" / "pyproject.toml").write_text("")  # now a checkout
+    assert catalog_dir("models") == tmp_path / "site-packages" / "models"
+    (package / "_catalog" / "models").mkdir(parents=True)  # as the wheel installs it
+    assert catalog_dir("models") == package / "_catalog" / "models"
+    assert package_file("accuracy.json") == package / "accuracy.json"
