@@ -7,22 +7,26 @@ a field that would change the cost and that its reader does not cost is refused,
 (``model_from_config``). ``load_cluster`` takes a machine name
 (``hardware/<name>.yaml``) or a path, and the total GPU count. Units are converted once, here:
 the YAML says GiB, GB/s, Gb/s and TFLOP/s in its key names; specs hold bytes, B/s and FLOP/s.
+A machine YAML's keys, and ``models/index.yaml``'s, are checked: an unknown key (a typo) is an
+error naming the file, the key and the keys allowed, never a figure left at its default. The
+catalog folders are wherever ``planner.data`` finds them: in an installed wheel or a checkout.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from planner.data import catalog_dir
 from planner.errors import PlannerError, UnknownNameError
 from planner.specs import ClusterSpec, ModelSpec
 
-ROOT = Path(__file__).resolve().parent.parent
-MODELS_DIR = ROOT / "models"
-HARDWARE_DIR = ROOT / "hardware"
+MODELS_DIR = catalog_dir("models")
+HARDWARE_DIR = catalog_dir("hardware")
 GiB = 2**30
 
 
@@ -36,6 +40,35 @@ def cluster_names() -> list[str]:
     return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
 
 
+# What ``models/index.yaml`` says of each model file: where it came from and what was
+# checked. The Megatron-LM export reads ``source`` (the Hugging Face repository, for the
+# tokenizer), so a misspelt key is refused rather than read as no source.
+INDEX_KEYS = (
+    "file",
+    "source",
+    "format",
+    "model_chosen",
+    "shape_source",
+    "vendored_copy",
+    "cross_checked_against",
+    "published_total_params",
+    "published_total_params_source",
+    "hf_safetensors_total",
+    "notes",
+)
+
+
+@functools.cache
+def model_index(path: Path | None = None) -> dict[str, dict[str, Any]]:
+    """``models/index.yaml`` (or the index at ``path``), each model's entry's keys checked
+    against ``INDEX_KEYS``."""
+    path = path or MODELS_DIR / "index.yaml"
+    index = _read(path)
+    for name, entry in index.items():
+        check_keys(entry, INDEX_KEYS, file=f"model index {path}", where=str(name))
+    return index
+
+
 def load_model(source: str | Path | dict[str, Any]) -> ModelSpec:
     """A ``ModelSpec`` from a catalog name, a path to a config file, or a dict."""
     if isinstance(source, dict):
@@ -45,12 +78,87 @@ def load_model(source: str | Path | dict[str, Any]) -> ModelSpec:
     return model_from_config(_read(path), name=str(source) if named else str(path))
 
 
+# A machine YAML's keys: a misspelt one would leave its figure at a default (PCIe at 100% of
+# peak, say), so anything else is refused. The measured figures, each with a source:
+MACHINE_FIELDS = (
+    "gpus_per_node",
+    "hbm_GiB",
+    "usable_hbm_GiB",
+    "hbm_bandwidth_GBps",
+    "sm_count",
+    "bf16_dense_tflops",
+    "fp8_dense_tflops",
+    "fp32_tflops",
+    "nvlink_GBps_per_direction",
+    "nics_per_node",
+    "nic_Gbps",
+    "host_ram_GiB",
+    "pcie_GBps_per_direction",
+    "host_memory_GBps",
+    "nvlink_latency_us",
+    "ib_latency_us",
+    "kernel_overhead_us",
+    "host_overhead_us",
+)
+MACHINE_KEYS = (
+    "name",
+    "description",
+    *MACHINE_FIELDS,
+    "achieved",
+    "achieved_max",
+    "sources",
+    "checks",  # the block timings ``planner calibrate`` measured against the model (it shows them)
+)
+# The fractions of peak the cost model reads from ``achieved``: costs/compute.py (gemm,
+# attention, memory_bound, pcie), costs/comm.py (nvlink, ib), costs/timing.py (host_memory).
+ACHIEVED_KINDS = ("gemm", "attention", "memory_bound", "nvlink", "ib", "pcie", "host_memory")
+# The fractions fit.py fits, each capped by ``achieved_max``.
+ACHIEVED_MAX_KINDS = ("gemm", "attention", "memory_bound", "nvlink", "ib")
+# ``sources`` cites each figure by its key; ``fit`` is the note of ``planner calibrate --runs``.
+SOURCE_KEYS = (
+    *MACHINE_FIELDS,
+    *(f"achieved.{kind}" for kind in ACHIEVED_KINDS),
+    *(f"achieved_max.{kind}" for kind in ACHIEVED_MAX_KINDS),
+    "fit",
+)
+
+
+def check_keys(data: Any, allowed: tuple[str, ...], *, file: str, where: str = "") -> None:
+    """A one-line error naming ``file``, the first key of ``data`` not ``allowed`` (in the
+    section ``where``) and the allowed keys: a catalog file's typo fails rather than reading
+    as a missing, defaulted figure."""
+    if not isinstance(data, dict):
+        at = f"{where}={data!r}" if where else "the top level"
+        raise PlannerError(f"{file}: {at}: expected a mapping of keys")
+    unknown = sorted(str(key) for key in data if key not in allowed)
+    if unknown:
+        section = f" in {where}" if where else ""
+        raise PlannerError(
+            f"{file}: unknown key {unknown[0]!r}{section}; allowed: {', '.join(allowed)}"
+        )
+
+
+def _check_machine(data: dict[str, Any], path: Path) -> None:
+    """Every key of a machine YAML is one ``load_cluster`` reads or a source cites."""
+    file = f"cluster file {path}"
+    check_keys(data, MACHINE_KEYS, file=file)
+    sections = (
+        ("achieved", ACHIEVED_KINDS),
+        ("achieved_max", ACHIEVED_MAX_KINDS),
+        ("sources", SOURCE_KEYS),
+    )
+    for section, allowed in sections:
+        if data.get(section) is not None:
+            check_keys(data[section], allowed, file=file, where=section)
+
+
 def load_cluster(source: str | Path, *, gpus: int) -> ClusterSpec:
     """A ``ClusterSpec`` of ``gpus`` GPUs of the machine type ``source`` (name or YAML path)."""
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus <= 0:
         raise PlannerError(f"gpus={gpus!r}: must be a positive whole number of GPUs")
     path = resolve_source(source, HARDWARE_DIR, ".yaml", "cluster", cluster_names())
     data = _read(path)
+    _check_machine(data, path)
     if "usable_hbm_GiB" in data and not 0 < data["usable_hbm_GiB"] <= data.get("hbm_GiB", 0):
         raise PlannerError(
             f"cluster file {path}: usable_hbm_GiB={data['usable_hbm_GiB']} must be in "

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import json
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,6 +25,7 @@ from planner.costs.blocks import block_names
 from planner.costs.comm import Network
 from planner.costs.memory import StageMemory, stage_memory, usable_hbm, usable_peak_bytes
 from planner.costs.timing import StageTime, optimizer_time, stage_times
+from planner.data import package_file
 from planner.errors import PlannerError
 from planner.layout import Layout
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
@@ -102,7 +102,7 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: L
     )
 
 
-ACCURACY = Path(__file__).resolve().parent / "accuracy.json"
+ACCURACY = package_file("accuracy.json")  # shipped in the wheel as package data
 
 
 @functools.lru_cache(maxsize=1)

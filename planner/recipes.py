@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from planner.catalog import MODELS_DIR, load_cluster, load_model, resolve_source
+from planner.catalog import MODELS_DIR, check_keys, load_cluster, load_model, resolve_source
 from planner.errors import PlannerError
 from planner.layout import Layout
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
@@ -41,6 +41,19 @@ LAYOUT_KEYS = (
     "fp8_cache",
     "counts",
 )
+# A recipe's keys; ``job`` is a ``TrainingJob``'s fields, which it checks itself.
+RECIPE_KEYS = (
+    "name",
+    "description",
+    "model",
+    "cluster",
+    "job",
+    "layout",
+    "source",
+    "assumed",
+    "measured",
+)
+CLUSTER_KEYS = ("machine", "gpus")
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,7 @@ def load_recipe(source: str | Path) -> Recipe:
         raise PlannerError(f"recipe file {path}: unreadable ({exc.__class__.__name__})") from None
     if not isinstance(data, dict):
         raise PlannerError(f"recipe file {path}: expected a mapping at the top level")
+    _check(data, path)
     try:
         return _recipe(data, path)
     except KeyError as exc:
@@ -83,15 +97,22 @@ def load_recipe(source: str | Path) -> Recipe:
         raise PlannerError(f"recipe file {path}: malformed ({first})") from None
 
 
+def _check(data: dict[str, Any], path: Path) -> None:
+    """Every key is one the recipe's reader knows: a typo fails rather than reading as left
+    out (a default layout degree, say)."""
+    file = f"recipe file {path}"
+    check_keys(data, RECIPE_KEYS, file=file)
+    for section, allowed in (("cluster", CLUSTER_KEYS), ("layout", LAYOUT_KEYS)):
+        if section in data:
+            check_keys(data[section], allowed, file=file, where=section)
+
+
 def _recipe(data: dict[str, Any], path: Path) -> Recipe:
     model = load_model(data["model"])
     machine = data["cluster"]
     cluster = load_cluster(machine["machine"], gpus=machine["gpus"])
     job = TrainingJob(**data["job"])
     spec = dict(data["layout"])
-    unknown = sorted(set(spec) - set(LAYOUT_KEYS))
-    if unknown:
-        raise PlannerError(f"layout: unknown key {unknown[0]!r}; known: {', '.join(LAYOUT_KEYS)}")
     counts = spec.pop("counts", None)
     pp = spec.pop("pp", 1)
     if counts == "first_last_alone":

@@ -8,7 +8,19 @@ from pathlib import Path
 import pytest
 
 import planner
-from planner.catalog import HARDWARE_DIR, MODELS_DIR
+import planner.data
+from planner.catalog import (
+    ACHIEVED_KINDS,
+    ACHIEVED_MAX_KINDS,
+    HARDWARE_DIR,
+    INDEX_KEYS,
+    MACHINE_KEYS,
+    MODELS_DIR,
+    SOURCE_KEYS,
+    model_index,
+)
+from planner.data import CATALOGS, catalog_dir, package_file
+from planner.fit import CONSTANTS as FIT_CONSTANTS
 from planner.topology import build_topology, path_bandwidth_Bps
 
 MODEL_NAMES = planner.model_names()
@@ -27,8 +39,12 @@ def test_catalogs_hold_what_was_promised() -> None:
 def test_every_model_loads_and_is_indexed(name: str) -> None:
     model = planner.load_model(name)
     assert model.num_params() > model.num_params(active=True) or not model.num_experts
-    index = (MODELS_DIR / "index.yaml").read_text()
-    assert f"\n{name}:" in index  # every file says where it comes from
+    entry = model_index()[name]  # every file says where it comes from
+    assert entry["file"] == f"{name}.json" and entry["source"]
+
+
+def test_the_index_names_only_catalog_files() -> None:
+    assert sorted(model_index()) == MODEL_NAMES
 
 
 @pytest.mark.parametrize("name", CLUSTER_NAMES, ids=CLUSTER_NAMES)
@@ -193,3 +209,106 @@ def test_optional_overheads_are_read_in_microseconds(tmp_path: Path) -> None:
     assert cluster.host_overhead_s == pytest.approx(65e-6)
     default = planner.load_cluster("a100", gpus=8)
     assert (default.kernel_overhead_s, default.host_overhead_s) == (4e-6, 0.0)
+
+
+# -- where the catalogs are ---------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("kind", CATALOGS)
+def test_the_located_catalog_holds_every_file_of_the_repository(kind: str) -> None:
+    def files(folder: Path) -> list[str]:
+        return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+    assert files(catalog_dir(kind)) == files(REPO / kind)
+
+
+def test_the_catalogs_list_every_file_of_the_repository() -> None:
+    listed = (planner.model_names(), planner.cluster_names(), planner.recipe_names())
+    globs = (("models", "*.json"), ("hardware", "*.yaml"), ("models/recipes", "*.yaml"))
+    assert listed == tuple(sorted(p.stem for p in (REPO / d).glob(g)) for d, g in globs)
+
+
+def test_an_installed_catalog_comes_first_and_a_checkout_needs_its_pyproject(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = tmp_path / "site-packages" / "planner"
+    package.mkdir(parents=True)
+    monkeypatch.setattr(planner.data, "_package", lambda: package)
+    (tmp_path / "site-packages" / "models").mkdir()  # another distribution's top-level folder
+    with pytest.raises(planner.PlannerError, match="catalog 'models': not found at ") as info:
+        catalog_dir("models")
+    assert "\n" not in str(info.value)
+    (tmp_path / "site-packages" / "pyproject.toml").write_text("")  # now a checkout
+    assert catalog_dir("models") == tmp_path / "site-packages" / "models"
+    (package / "_catalog" / "models").mkdir(parents=True)  # as the wheel installs it
+    assert catalog_dir("models") == package / "_catalog" / "models"
+    assert package_file("accuracy.json") == package / "accuracy.json"
+
+
+# -- catalog files are strict: an unknown key is an error, never a default ----------------
+
+
+def _machine_with(tmp_path: Path, section: str | None, key: str) -> Path:
+    """h100.yaml with ``key`` added at the top level or in ``section``."""
+    import yaml
+
+    data = yaml.safe_load((HARDWARE_DIR / "h100.yaml").read_text())
+    (data[section] if section else data)[key] = 0.5
+    path = tmp_path / "h100-typo.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "allowed"),
+    [
+        (None, "pcei", MACHINE_KEYS),
+        ("achieved", "pcei", ACHIEVED_KINDS),
+        ("achieved_max", "pcie", ACHIEVED_MAX_KINDS),
+        ("sources", "achieved.pcei", SOURCE_KEYS),
+    ],
+    ids=["top", "achieved", "achieved_max", "sources"],
+)
+def test_a_misspelt_machine_key_is_one_line_naming_file_key_and_allowed(
+    tmp_path: Path, section: str | None, key: str, allowed: tuple[str, ...]
+) -> None:
+    path = _machine_with(tmp_path, section, key)
+    with pytest.raises(planner.PlannerError) as info:
+        planner.load_cluster(path, gpus=8)
+    where = f" in {section}" if section else ""
+    assert str(info.value) == (
+        f"cluster file {path}: unknown key {key!r}{where}; allowed: {', '.join(allowed)}"
+    )
+
+
+def test_machine_keys_cover_what_the_readers_read() -> None:
+    assert "pcie_GBps_per_direction" in MACHINE_KEYS and "pcei" not in MACHINE_KEYS
+    assert {"achieved.pcie", "achieved_max.gemm", "host_memory_GBps"} <= set(SOURCE_KEYS)
+    # fit.py caps each fraction it fits by achieved_max: those kinds, no others.
+    fitted = {c.key for c in FIT_CONSTANTS if c.fraction}
+    assert set(ACHIEVED_MAX_KINDS) == fitted and fitted <= set(ACHIEVED_KINDS)
+
+
+@pytest.mark.parametrize("kind", ACHIEVED_KINDS)
+def test_every_allowed_achieved_kind_is_read_by_the_cost_model(kind: str) -> None:
+    # Two nodes (IB), tp 2 (NVLink), the optimizer stepped on the host (PCIe, host memory).
+    model = planner.load_model("llama3-8b")
+    cluster = planner.load_cluster("h100", gpus=16)
+    job = planner.TrainingJob(seq_len=4096, global_batch=64)
+    layout = planner.Layout.uniform(model, tp=2, dp=8, optimizer_offload=1.0)
+    slower = {**cluster.achieved, kind: cluster.achieved[kind] / 100}
+    base = planner.evaluate(model, cluster, job, layout).step_time_s
+    slow = planner.evaluate(model, cluster.model_copy(update={"achieved": slower}), job, layout)
+    assert slow.step_time_s > base
+
+
+def test_a_misspelt_index_key_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "index.yaml"
+    path.write_text("llama3-8b:\n  file: llama3-8b.json\n  sorce: https://example.org\n")
+    with pytest.raises(planner.PlannerError) as info:
+        model_index(path)
+    assert str(info.value) == (
+        f"model index {path}: unknown key 'sorce' in llama3-8b; allowed: {', '.join(INDEX_KEYS)}"
+    )

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 import planner
 from planner.cli import main
+from planner.recipes import CLUSTER_KEYS, LAYOUT_KEYS, RECIPE_KEYS
 
 
-@pytest.mark.parametrize("name", planner.recipe_names())
+@pytest.mark.parametrize("name", planner.recipe_names(), ids=planner.recipe_names())
 def test_every_recipe_loads_and_cites_its_source(name: str) -> None:
     r = planner.load_recipe(name)
     assert r.layout.world_size == r.cluster.num_gpus
@@ -55,6 +58,46 @@ def test_bad_recipes_get_one_line(tmp_path: Path) -> None:
     )
     with pytest.raises(planner.PlannerError, match=r"tp\*pp\*dp=4 must equal cluster.gpus=8"):
         planner.load_recipe(path)
+
+
+GOOD = {
+    "model": "llama3-8b",
+    "cluster": {"machine": "h100", "gpus": 8},
+    "job": {"seq_len": 4096, "global_batch": 8},
+    "layout": {"dp": 8},
+    "source": "x",
+}
+
+
+@pytest.mark.parametrize(
+    ("recipe", "key", "where", "allowed"),
+    [
+        ({**GOOD, "sorce": "x"}, "sorce", "", RECIPE_KEYS),
+        ({**GOOD, "cluster": {"machine": "h100", "gpu": 8}}, "gpu", " in cluster", CLUSTER_KEYS),
+        ({**GOOD, "layout": {"dp": 8, "tensor": 1}}, "tensor", " in layout", LAYOUT_KEYS),
+    ],
+    ids=["top", "cluster", "layout"],
+)
+def test_a_misspelt_recipe_key_is_one_line_naming_file_key_and_allowed(
+    tmp_path: Path, recipe: dict[str, Any], key: str, where: str, allowed: tuple[str, ...]
+) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(GOOD))
+    assert planner.load_recipe(path).layout.dp == 8
+    path.write_text(yaml.safe_dump(recipe))
+    with pytest.raises(planner.PlannerError) as info:
+        planner.load_recipe(path)
+    assert str(info.value) == (
+        f"recipe file {path}: unknown key {key!r}{where}; allowed: {', '.join(allowed)}"
+    )
+
+
+def test_a_recipe_job_key_is_checked_by_the_job(tmp_path: Path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({**GOOD, "job": {**GOOD["job"], "seq_length": 4096}}))
+    with pytest.raises(planner.PlannerError, match=f"recipe file {path}: .*seq_length") as info:
+        planner.load_recipe(path)
+    assert "\n" not in str(info.value)
 
 
 def test_cli_lists_and_evaluates_recipes(capsys: pytest.CaptureFixture[str]) -> None:

@@ -31,9 +31,7 @@ from __future__ import annotations
 import functools
 import itertools
 
-import yaml
-
-from planner.catalog import MODELS_DIR
+from planner.catalog import model_index
 from planner.specs import ModelSpec
 
 # Llama 3.1 scaling as Megatron-LM fixes it (rotary_pos_embedding.py _apply_scaling defaults).
@@ -322,8 +320,7 @@ def _unknown_features(model: ModelSpec) -> list[str]:
 
 @functools.lru_cache(maxsize=1)
 def _catalog_sources() -> dict[str, str]:
-    index = yaml.safe_load((MODELS_DIR / "index.yaml").read_text()) or {}
-    return {k: str(v.get("source", "")) for k, v in index.items() if isinstance(v, dict)}
+    return {k: str(v.get("source", "")) for k, v in model_index().items()}
 
 
 def hf_repo(name: str) -> str | None:
