@@ -1,4 +1,5 @@
-"""The ``planner`` command end to end: real processes, real exit codes."""
+"""The ``planner`` command: end to end in real processes with real exit codes, and its
+refusals of bad input in-process (``main`` called directly), each one line and exit 2."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+
+from planner.cli import COMMANDS, main
 
 PLANNER = shutil.which("planner", path=str(Path(sys.executable).parent)) or "planner"
 DEMO = [
@@ -105,38 +108,6 @@ def test_catalog_listings() -> None:
     assert "h800" in run("clusters").stdout.split()
 
 
-@pytest.mark.parametrize(
-    ("change", "message"),
-    [
-        (("--model", "gpt-5"), "unknown model name"),
-        (("--cluster", "tpu"), "unknown cluster name"),
-        (("--gpus", "0"), "must be a positive whole number"),
-        (("--gpus", "2052"), "above one node it must be a whole number of nodes"),
-        (("--ep", "48"), "ep=48 must divide dp*cp*tp=128"),
-        (("--pp", "0"), "--pp=0: must be a positive degree"),
-        (("--recompute", "attn"), "unknown module 'attn'"),
-        (("--gpus", "many"), "invalid int value"),
-    ],
-)
-def test_bad_input_is_one_line_and_exit_2(change: tuple[str, str], message: str) -> None:
-    args = list(DEMO)
-    args[args.index(change[0]) + 1] = change[1]
-    out = run(*args)
-    assert out.returncode == 2
-    assert message in out.stderr
-    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
-
-
-def test_malformed_config_file(tmp_path: Path) -> None:
-    bad = tmp_path / "config.json"
-    bad.write_text('{"model_type": "llama", "hidden_size": 4096}')
-    args = list(DEMO)
-    args[args.index("--model") + 1] = str(bad)
-    out = run(*args)
-    assert out.returncode == 2
-    assert "missing key" in out.stderr and out.stderr.count("\n") == 1
-
-
 def test_evaluate_prints_memory_and_step_time() -> None:
     out = run("evaluate", *DEMO[1:], "--compute-dtype", "fp8")
     assert out.returncode == 0, out.stderr
@@ -162,22 +133,6 @@ def test_simulate_writes_a_trace_and_agrees_with_the_library(tmp_path: Path) -> 
     sim = planner.simulate(model, planner.load_cluster("h800", gpus=2048), job, layout)
     assert data["step_time_s"] == pytest.approx(sim.step_time_s)
     assert data["peak_bytes"] == sim.peak_bytes
-
-
-@pytest.mark.parametrize(
-    ("change", "message"),
-    [
-        (("--global-batch", "15232"), "Layout.num_microbatches=119"),  # DualPipe needs even m
-        (("--cluster", "a100"), "compute_dtype='fp8': a100 has no FP8"),
-    ],
-)
-def test_time_model_rules_are_one_line_errors(change: tuple[str, str], message: str) -> None:
-    args = ["evaluate", *DEMO[1:], "--compute-dtype", "fp8"]
-    args[args.index(change[0]) + 1] = change[1]
-    out = run(*args)
-    assert out.returncode == 2, out.stdout
-    assert message in out.stderr
-    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
 
 
 PLAN = [
@@ -263,22 +218,6 @@ def test_an_export_of_a_plan_that_does_not_fit_is_refused_unless_forced(tmp_path
     assert forced.returncode == 0 and "--tensor-model-parallel-size" in forced.stdout
 
 
-@pytest.mark.parametrize(
-    ("change", "message"),
-    [
-        (("--model", "gpt-5"), "unknown model name"),
-        (("--gpus", "0"), "must be a positive whole number"),
-        (("--cluster", "tpu"), "unknown cluster name"),
-    ],
-)
-def test_plan_bad_input_is_one_line_and_exit_2(change: tuple[str, str], message: str) -> None:
-    args = list(PLAN)
-    args[args.index(change[0]) + 1] = change[1]
-    out = run(*args)
-    assert out.returncode == 2
-    assert message in out.stderr and out.stderr.count("\n") == 1
-
-
 def test_pinned_degree_that_cannot_divide_is_explained_with_the_pin_to_free() -> None:
     out = run(*PLAN, "--tp", "3")
     assert out.returncode == 3, out.stderr  # infeasible: the explanation, exit 3
@@ -299,11 +238,6 @@ def test_pictures_are_written_and_hold_the_figures(tmp_path: Path) -> None:
     assert Path(f"{prefix}-time.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     step = Path(f"{prefix}-time.svg").read_text()
     assert "compute" in step and "bubble" in step and " s (" in step
-    refused = run("evaluate", *DEMO[1:], "--plot", str(tmp_path / "missing" / "x"))
-    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
-    gif = run(*PLAN, "--plot", "x.gif")  # refused before the search starts
-    assert gif.returncode == 2
-    assert gif.stderr == "planner: --plot='x.gif': the suffix must be .png, .svg or .pdf\n"
 
 
 def test_catalog_json() -> None:
@@ -327,9 +261,264 @@ def test_evaluate_costs_a_saved_plan_or_layout_file(tmp_path: Path) -> None:
         assert out.returncode == 0, out.stderr
         step = json.loads(out.stdout)["estimate"]["step_time_s"]
         assert step == pytest.approx(plan["estimate"]["step_time_s"])
-    wrong = run(
-        "evaluate", *job[:-6], "--gpus", "32", *job[6:], "--layout", str(tmp_path / "plan.json")
+
+
+# Bad input, in-process: ``main`` returns 2 for a PlannerError and argparse's own errors leave
+# through SystemExit(2); either way one line on stderr, nothing on stdout, no traceback.
+
+LLAMA = ["--model", "llama3-8b", "--cluster", "h100", "--gpus", "8"]
+LLAMA += ["--seq-len", "4096", "--global-batch", "64"]
+
+
+def refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """Run ``planner ARGV`` in this process on input it must refuse; its one stderr line."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    assert code == 2, out.out
+    assert out.out == ""
+    assert out.err.startswith("planner: ") and out.err.count("\n") == 1, out.err
+    assert out.err.endswith("\n") and "Traceback" not in out.err
+    return out.err
+
+
+def says(err: str, message: str) -> bool:
+    """A whole line (``message`` ends in a newline) must be the error; a fragment must be in it."""
+    return err == message if message.endswith("\n") else message in err
+
+
+def changed(args: list[str], flag: str, value: str) -> list[str]:
+    """``args`` with ``flag``'s value replaced, or the flag added."""
+    if flag not in args:
+        return [*args, flag, value]
+    i = args.index(flag)
+    return [*args[: i + 1], value, *args[i + 2 :]]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--tp", "0", "planner: --tp=0: must be a positive degree\n"),
+        ("--pp", "0", "planner: --pp=0: must be a positive degree\n"),
+        ("--etp", "-1", "planner: --etp=-1: must be a positive degree\n"),
+        (
+            "--virtual-stages",
+            "0",
+            "planner: --virtual-stages=0: must be a positive number of chunks per rank\n",
+        ),
+        ("--tp", "3", "planner: --gpus=8: must be a multiple of tp*cp*pp=3\n"),
+        ("--offload-layers", "32", "--offload-layers=32: must be between 1 and 31"),
+        ("--micro-batch", "0", "Layout.micro_batch=0"),
+        ("--optimizer-offload", "2", "Layout.optimizer_offload=2.0"),
+        ("--recompute", "attn", "unknown module 'attn'"),
+        ("--model", "gpt-5", "model='gpt-5': unknown model name"),
+        ("--cluster", "tpu", "unknown cluster name"),
+        ("--gpus", "0", "gpus=0: must be a positive whole number"),
+        ("--gpus", "many", "planner: argument --gpus: invalid int value: 'many'\n"),
+        ("--zero", "5", "argument --zero: invalid choice: 5"),
+        ("--schedule", "zigzag", "argument --schedule: invalid choice: 'zigzag'"),
+    ],
+)
+def test_a_bad_layout_flag_is_named_in_one_line(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str, message: str
+) -> None:
+    err = refused(capsys, "evaluate", *changed(LLAMA, flag, value))
+    assert says(err, message)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--gpus", "2052", "above one node it must be a whole number of nodes"),
+        ("--ep", "48", "ep=48 must divide dp*cp*tp=128"),
+        ("--global-batch", "15232", "Layout.num_microbatches=119"),  # DualPipe needs even m
+    ],
+)
+def test_rules_of_a_large_layout_are_one_line_errors(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str, message: str
+) -> None:
+    assert message in refused(capsys, *changed(DEMO, flag, value))
+
+
+def test_fp8_on_a_machine_without_it_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    args = changed(["evaluate", *LLAMA, "--compute-dtype", "fp8"], "--cluster", "a100")
+    assert "compute_dtype='fp8': a100 has no FP8" in refused(capsys, *args)
+
+
+def test_a_missing_job_flag_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [a for a in LLAMA if a not in ("--seq-len", "4096")]
+    err = refused(capsys, "memory", *args)
+    assert err == "planner: --seq-len: required (or --recipe NAME; see planner recipes)\n"
+
+
+def test_a_recipe_with_a_job_flag_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    err = refused(capsys, "evaluate", "--recipe", "mixtral-8x7b-megatron", "--gpus", "8")
+    assert err.startswith("planner: --gpus: --recipe=mixtral-8x7b-megatron sets the model")
+    assert "recipe='nope': unknown recipe name" in refused(capsys, "memory", "--recipe", "nope")
+
+
+def test_a_malformed_model_config_is_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    bad = tmp_path / "config.json"
+    bad.write_text('{"model_type": "llama", "hidden_size": 4096}')
+    assert "missing key" in refused(capsys, "memory", *changed(LLAMA, "--model", str(bad)))
+
+
+def test_a_layout_file_that_cannot_be_used_is_named(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import planner
+
+    def layout_error(content: str | None) -> str:
+        path = tmp_path / "layout.json"
+        path.unlink(missing_ok=True)
+        if content is not None:
+            path.write_text(content)
+        return refused(capsys, "evaluate", *LLAMA, "--layout", str(path))
+
+    where = f"planner: --layout='{tmp_path / 'layout.json'}'"
+    assert layout_error(None) == f"{where}: cannot read (No such file or directory)\n"
+    assert layout_error("{not json").startswith(f"{where}: not JSON")
+    assert layout_error("[1, 2]") == f"{where}: expected a JSON object (a layout or a plan)\n"
+    infeasible = json.dumps({"status": "infeasible", "layout": None})
+    assert layout_error(infeasible) == f"{where}: the plan is infeasible; it has no layout\n"
+    sixteen = planner.Layout.uniform(planner.load_model("llama3-8b"), dp=16)
+    err = layout_error(sixteen.model_dump_json())
+    assert err == f"{where}: its tp*cp*pp*dp=16 must equal --gpus=8\n"
+
+
+def test_plot_paths_are_refused_before_any_work(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    gif = "planner: --plot='x.gif': the suffix must be .png, .svg or .pdf\n"
+    assert refused(capsys, "plan", *LLAMA, "--plot", "x.gif") == gif  # before the search
+    missing = str(tmp_path / "missing" / "x")
+    err = refused(capsys, "memory", *LLAMA, "--plot", missing)
+    assert err.startswith(f"planner: --plot='{missing}-memory.svg': cannot write")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--time-limit", "0", "planner: --time-limit=0: must be a positive number of seconds\n"),
+        ("--time-limit", "-2", "planner: --time-limit=-2: must be a positive number of seconds\n"),
+        ("--tp", "0", "SearchSpace.tp=[0]: needs positive values"),
+        ("--optimizer-offload", "2", "SearchSpace.optimizer_offload=[2.0]"),
+        ("--model", "gpt-5", "model='gpt-5': unknown model name"),
+        ("--gpus", "0", "gpus=0: must be a positive whole number"),
+        ("--cluster", "tpu", "unknown cluster name"),
+        ("--target", "jax", "argument --target: invalid choice: 'jax'"),
+    ],
+)
+def test_plan_bad_input_is_named_in_one_line(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str, message: str
+) -> None:
+    err = refused(capsys, "plan", *changed(LLAMA, flag, value))
+    assert says(err, message)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--time-limit", "0", "planner: --time-limit=0: must be a positive number of seconds\n"),
+        ("--workers", "0", "planner: --workers=0: must be a positive process count\n"),
+        ("--plot", "x.gif", "planner: --plot='x.gif': the suffix must be .png, .svg or .pdf\n"),
+    ],
+)
+def test_sweep_bad_input_is_refused_before_it_starts(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, flag: str, value: str, message: str
+) -> None:
+    db = tmp_path / "sweep.sqlite"
+    args = ["--model", "llama3-8b", "--gpus", "8", "--seq-len", "4096", "--global-batch", "64"]
+    assert refused(capsys, "sweep", *args, "--db", str(db), flag, value) == message
+    assert not db.exists()
+
+
+def test_export_of_a_file_that_is_not_a_plan_is_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "plan.json"
+    err = refused(capsys, "export", "--plan", str(path), "--target", "megatron")
+    assert err == f"planner: --plan='{path}': cannot read (No such file or directory)\n"
+    path.write_text('{"layout": 3}')
+    err = refused(capsys, "export", "--plan", str(path), "--target", "megatron")
+    assert err.startswith(f"planner: --plan='{path}': not a plan JSON")
+    err = refused(capsys, "export", "--plan", "-", "--target", "jax")
+    assert "argument --target: invalid choice: 'jax'" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--cluster", "h100"], "planner: --cluster: only with --runs or --sweep"),
+        (["--runs", "runs.csv"], "planner: --runs: needs --cluster"),
+        (["--runs", "runs.csv", "--cluster", "h100", "--rounds", "0"], "--rounds=0: must be"),
+    ],
+)
+def test_calibrate_flags_that_do_not_go_together_are_named(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    assert message in refused(capsys, "calibrate", *args)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", "0"], "planner: --steps=0: needs at least 1 timed step\n"),
+        (["--rounds", "0"], "planner: --rounds=0: needs at least 1 round\n"),
+        (["--cap", "0"], "planner: --cap=0.0: must be a positive number of MiB\n"),
+    ],
+)
+def test_validate_bad_counts_are_named_before_anything_runs(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    pytest.importorskip("torch")
+    assert refused(capsys, "validate", *args) == message
+
+
+def test_no_command_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "required: command" in refused(capsys)
+    assert "required: command" in refused(capsys, "--bogus")
+
+
+def test_every_command_the_parser_offers_is_dispatched(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    usage = capsys.readouterr().out
+    offered = usage[usage.index("{") + 1 : usage.index("}")].split(",")
+    assert sorted(offered) == sorted(COMMANDS)
+
+
+# The installed command itself: the two ways bad input leaves it (a PlannerError that main
+# returns as 2, and argparse's own error raised as SystemExit), and ``python -m planner.cli``.
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (("--pp", "0"), "planner: --pp=0: must be a positive degree\n"),
+        (("--gpus", "many"), "planner: argument --gpus: invalid int value: 'many'\n"),
+    ],
+)
+def test_the_installed_command_refuses_bad_input_in_one_line(
+    change: tuple[str, str], message: str
+) -> None:
+    out = run(*changed(DEMO, *change))
+    assert out.returncode == 2
+    assert out.stderr == message and out.stdout == ""
+
+
+def test_the_package_runs_as_a_module() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "planner.cli", "models", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
-    assert wrong.returncode == 2 and "must equal --gpus=32" in wrong.stderr
-    missing = run("evaluate", *job, "--layout", str(tmp_path / "none.json"))
-    assert missing.returncode == 2 and missing.stderr.count("\n") == 1
+    assert out.returncode == 0, out.stderr
+    assert "deepseek-v3" in {m["name"] for m in json.loads(out.stdout)}

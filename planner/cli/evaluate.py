@@ -1,0 +1,72 @@
+"""``planner memory``, ``planner evaluate`` and ``planner simulate``: one stated layout's
+memory, step time, and event-by-event step."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from planner.cli.inputs import build
+from planner.cli.render import GiB, plot_estimate, print_memory, print_time
+from planner.estimate import evaluate
+from planner.simulate import simulate
+
+
+def evaluate_command(args: argparse.Namespace) -> bool:
+    """Print the layout's memory (and time); whether it fits."""
+    model, cluster, job, layout = build(args)
+    est = evaluate(model, cluster, job, layout)
+    if args.plot:
+        plot_estimate(args.plot, est, model.name)
+    if args.json:
+        print(json.dumps({"layout": layout.model_dump(), "estimate": est.model_dump()}, indent=1))
+        return est.fits
+    print_memory(model.name, layout, est, job.memory_margin)
+    if args.command == "evaluate":
+        print_time(est, job.framework)
+    return est.fits
+
+
+def simulate_command(args: argparse.Namespace) -> None:
+    """Print the layout's step event by event per pipeline rank, against the estimate."""
+    model, cluster, job, layout = build(args)
+    sim = simulate(model, cluster, job, layout)
+    est = evaluate(model, cluster, job, layout)
+    if args.plot:
+        plot_estimate(args.plot, est, model.name)
+    path = sim.to_chrome_trace(args.trace) if args.trace else None
+    if args.json:
+        out = {
+            "step_time_s": sim.step_time_s,
+            "analytic_step_time_s": est.step_time_s,
+            "busy_s": sim.busy_s,
+            "idle_s": sim.idle_s,
+            "peak_bytes": sim.peak_bytes,
+            "trace": str(path) if path else None,
+        }
+        print(json.dumps(out, indent=1))
+        return
+    console = Console(width=max(Console().width, 100))
+    table = Table(title=f"{model.name}: simulated step, per pipeline rank")
+    for col in ("rank", "busy (s)", "idle (s)", "idle", "peak (GiB)"):
+        table.add_column(col, justify="right")
+    for r, (busy, idle, peak) in enumerate(
+        zip(sim.busy_s, sim.idle_s, sim.peak_bytes, strict=True)
+    ):
+        table.add_row(
+            str(r),
+            f"{busy:.3f}",
+            f"{idle:.3f}",
+            f"{idle / sim.step_time_s:.0%}",
+            f"{peak / GiB:.2f}",
+        )
+    console.print(table)
+    diff = est.step_time_s / sim.step_time_s - 1
+    console.print(
+        f"Simulated step {sim.step_time_s:.3f} s; analytic estimate {est.step_time_s:.3f} s "
+        f"({diff:+.1%})."
+        + (f" Trace written to {path} (open in https://ui.perfetto.dev)." if path else "")
+    )

@@ -1,0 +1,110 @@
+"""``planner plan``: the fastest layout that fits, or why none does."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+from planner.cli.inputs import model_cluster_job, positive_seconds
+from planner.cli.render import (
+    cli_words,
+    plot_estimate,
+    print_decisions,
+    print_memory,
+    print_runners_up,
+    print_time,
+)
+from planner.plots import picture_paths
+from planner.solve import plan
+from planner.solve.result import Plan
+from planner.specs import ModelSpec, SearchSpace, TrainingJob
+
+
+def plan_command(args: argparse.Namespace) -> bool:
+    """Plan and print; whether a layout that fits was found."""
+    if args.plot:
+        picture_paths(args.plot, option="--plot")  # a bad suffix fails before the search
+    positive_seconds(args.time_limit)
+    model, cluster, job = model_cluster_job(args)
+    space = _search_space(args)
+    console = Console(width=max(Console().width, 132), stderr=True)
+    with console.status(f"planning {model.name} on {cluster.num_gpus} x {cluster.name} ..."):
+        result = plan(model, cluster, job, space, time_limit_s=args.time_limit)
+    if args.plot and result.estimate is not None:
+        plot_estimate(args.plot, result.estimate, model.name)
+    found = result.layout is not None and result.estimate is not None
+    if args.json:
+        print(result.model_dump_json(indent=1))
+        return found
+    if not found:
+        _print_infeasible(result)
+        return False
+    _print_plan(result, model, job)
+    return True
+
+
+def _search_space(args: argparse.Namespace) -> SearchSpace:
+    """The choices the flags allow; a flag left out leaves the library's default."""
+    return SearchSpace(
+        tp=args.tp,
+        cp=args.cp,
+        pp=args.pp,
+        ep=args.ep,
+        etp=args.etp,
+        micro_batch=args.micro_batch,
+        zero=args.zero,
+        schedules=args.schedule,
+        recompute=args.recompute,
+        fp8_cache=[False, True] if args.fp8_cache else None,
+        optimizer_offload=args.optimizer_offload,
+        sequence_parallel=(
+            [v == "on" for v in args.sequence_parallel] if args.sequence_parallel else None
+        ),
+        target=args.target,
+    )
+
+
+def _print_infeasible(result: Plan) -> None:
+    """Why no layout fits: the binding constraints, and the fixes in the CLI's flags."""
+    out = Console(width=max(Console().width, 132))
+    out.print(
+        f"[bold red]infeasible[/]: {result.explanation.summary if result.explanation else ''}"
+    )
+    if result.explanation:
+        for b in result.explanation.binding:
+            out.print(f"  binds: {b.family} on {b.where}: {b.excess}")
+        for fix in result.explanation.fixes:
+            out.print(f"  fix: {cli_words(fix)}")
+
+
+def _print_plan(result: Plan, model: ModelSpec, job: TrainingJob) -> None:
+    """The plan's memory and time, the proof of its quality, and each decision made."""
+    out = Console(width=max(Console().width, 132))
+    lay, est = result.layout, result.estimate
+    assert lay is not None and est is not None  # the caller printed the infeasible case
+    layers = [sum(b.block.startswith("layer.") for b in s.blocks) for s in lay.stages]
+    print_memory(model.name, lay, est, job.memory_margin)
+    print_time(est, (result.job or job).framework)
+    gap = (
+        f"gap {result.gap:.1%} to the proven bound {result.lower_bound_s:.3f} s"
+        if result.gap
+        else "proven optimal"
+    )
+    out.print(
+        f"[bold]{result.status}[/] ({gap}) after {result.solve_time_s:.1f} s over "
+        f"{result.configurations} degree/schedule combinations. Layout: {lay.degrees()} "
+        f"ZeRO-{lay.zero} micro-batch {lay.micro_batch} x"
+        f"{est.num_microbatches} {lay.schedule}"
+        + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
+        + (", SwiGLU inputs kept in FP8" if lay.fp8_cache else "")
+        + (", sequence parallelism off" if lay.tp > 1 and not lay.sequence_parallel else "")
+        + (
+            f", {lay.optimizer_offload:.0%} of the optimizer state on the host"
+            if lay.optimizer_offload
+            else ""
+        )
+        + f", layers per stage {layers}."
+    )
+    print_decisions(lay, est, result.job or job)
+    print_runners_up(result)
