@@ -66,3 +66,28 @@ def test_the_reduce_bucket_divides_experts_over_expert_tensor_parallel_ranks() -
     elements = attention + experts + 4096 * 8 + 2 * 4096
     assert elements == 218_144_768
     assert reduce_bucket_bytes(model, job, layout) == elements * 4
+
+
+def test_no_module_compares_schedule_or_framework_names() -> None:
+    """What a schedule or a framework does is its registry entry's; a comparison of its
+    name anywhere else is a rule the registry does not hold."""
+    import re
+    from pathlib import Path
+
+    schedules = "|".join(re.escape(n) for n in SCHEDULES)
+    frameworks = "|".join(re.escape(n) for n in FRAMEWORKS)
+    compare = r"(==|!=|\bin\b)\s*[\(\[\{]?\s*"
+    patterns = [
+        re.compile(compare + rf'"({schedules})"'),
+        re.compile(rf"(framework|target)\w*\s*{compare}" + rf'"({frameworks})"'),
+    ]
+    root = Path(planner.__file__).parent
+    registries = {root / "frameworks.py", root / "schedules.py"}
+    found = [
+        f"{path.relative_to(root)}:{number}: {line.strip()}"
+        for path in sorted(root.rglob("*.py"))
+        if path not in registries
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if any(p.search(line) for p in patterns)
+    ]
+    assert not found, "\n".join(found)

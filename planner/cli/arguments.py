@@ -7,7 +7,9 @@ import argparse
 import sys
 from typing import Any
 
+from planner.frameworks import FRAMEWORK_NAMES, LAUNCHERS
 from planner.layout import SCHEDULES
+from planner.schedules import DEFAULT_SCHEDULE
 
 # ``planner --help``'s opening words (argparse rewraps them).
 DESCRIPTION = (
@@ -99,7 +101,7 @@ def _job_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument(
         "--framework",
         default=None,
-        choices=["megatron", "torchtitan", "deepspeed", "torch"],
+        choices=FRAMEWORK_NAMES,
         help="training software: what overlaps with compute (default megatron, or --target's)",
     )
     cmd.add_argument(
@@ -117,7 +119,9 @@ def _layout_args(cmd: argparse.ArgumentParser) -> None:
         cmd.add_argument(f"--{degree}", type=int, default=1, help=f"{degree} degree")
     cmd.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage")
     cmd.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    cmd.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule")
+    cmd.add_argument(
+        "--schedule", default=DEFAULT_SCHEDULE, choices=SCHEDULES, help="pipeline schedule"
+    )
     cmd.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank")
     cmd.add_argument(
         "--recompute",
@@ -188,7 +192,7 @@ def _plan_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument(
         "--target",
         default="any",
-        choices=["any", "megatron", "torchtitan", "deepspeed"],
+        choices=["any", *LAUNCHERS],
         help="only plans this launcher can state",
     )
     cmd.add_argument("--time-limit", type=float, default=10.0, help="wall-clock seconds")
@@ -199,7 +203,7 @@ def _plan_args(cmd: argparse.ArgumentParser) -> None:
 def _export_args(cmd: argparse.ArgumentParser) -> None:
     """The plan to export, the launcher and where the files go."""
     cmd.add_argument("--plan", required=True, help="a plan JSON file ('-' reads stdin)")
-    cmd.add_argument("--target", required=True, choices=["megatron", "torchtitan", "deepspeed"])
+    cmd.add_argument("--target", required=True, choices=LAUNCHERS)
     cmd.add_argument("--out", default=None, help="directory to write the config files into")
     cmd.add_argument("--json", action="store_true", help="print the export as JSON")
     cmd.add_argument(
@@ -224,7 +228,7 @@ def _sweep_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument(
         "--framework",
         default=None,
-        choices=["megatron", "torchtitan", "deepspeed", "torch"],
+        choices=FRAMEWORK_NAMES,
         help="training software: what overlaps with compute (default megatron, or --target's)",
     )
     cmd.add_argument("--time-limit", type=float, default=10.0, help="per case (s)")
