@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from planner.costs.memory import offloads_activations, usable_hbm, usable_peak_bytes
+from planner.costs.activations import offloads_activations
+from planner.costs.cap import usable_hbm, usable_peak_bytes
 from planner.errors import PlannerError
 from planner.estimate import Estimate, check_layout, evaluate
 from planner.layout import Layout, parse_recompute
@@ -172,7 +173,7 @@ def _cap_text(cluster: ClusterSpec, job: TrainingJob) -> str:
 
 def check_memory(fresh: Estimate, cluster: ClusterSpec, job: TrainingJob) -> list[str]:
     """Every pipeline rank's predicted peak is within the memory cap: usable HBM less the
-    job's margin (``planner.costs.memory.usable_peak_bytes``), stated from the specs."""
+    job's margin (``planner.costs.cap.usable_peak_bytes``), stated from the specs."""
     cap = usable_peak_bytes(cluster, job)
     return [
         f"rank {s.stage} peak {s.peak_bytes / GiB:.2f} GiB exceeds {_cap_text(cluster, job)}"

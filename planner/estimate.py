@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.costs.blocks import block_names
+from planner.costs.cap import usable_hbm, usable_peak_bytes
 from planner.costs.comm import Network
-from planner.costs.memory import StageMemory, stage_memory, usable_hbm, usable_peak_bytes
+from planner.costs.memory import StageMemory, stage_memory
 from planner.costs.timing import StageTime, optimizer_time, stage_times
 from planner.data import package_file
 from planner.errors import PlannerError
@@ -47,7 +48,7 @@ class Estimate(BaseModel):
     )
     cap_bytes: int = Field(
         description="The most a rank's peak may be (bytes): usable HBM less the job's margin "
-        "for the memory model's error (costs.memory.usable_peak_bytes)."
+        "for the memory model's error (costs.cap.usable_peak_bytes)."
     )
     num_microbatches: int = Field(description="Micro-batches per step per pipeline.")
     step_time_s: float = Field(description="Predicted seconds per optimizer step.")

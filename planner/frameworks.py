@@ -12,6 +12,7 @@ Sources are cited next to each entry's fields.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -265,3 +266,9 @@ def launcher(name: str) -> Launcher | None:
     """What ``name``'s launcher can state (None for ``"any"`` or a framework without one)."""
     entry = FRAMEWORKS.get(name)
     return entry.launcher if entry is not None else None
+
+
+def names_with(has: Callable[[Framework], object], *, quote: bool = False) -> str:
+    """The frameworks that ``has`` a feature, for an error that names them
+    (``megatron or deepspeed``; quoted: ``'megatron'``)."""
+    return " or ".join(repr(n) if quote else n for n, f in FRAMEWORKS.items() if has(f))

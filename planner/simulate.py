@@ -12,7 +12,7 @@ backward that consumes them frees them (the weight-gradient op, when the schedul
 off); the rest of each rank's memory is the memory model's static buckets. The simulated peak
 is those buckets plus the highest activation level reached; while a backward runs, the block
 it recomputes holds its rebuilt tensors too, less what the chunk's later blocks have freed by
-then (``costs.memory.rebuild_peak``).
+then (``costs.activations.rebuild_peak``).
 
 The tp * dp ranks of a pipeline position run the same ops at the same times, so one
 representative rank per position is simulated.
@@ -24,7 +24,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from planner.costs.memory import StageMemory, block_costs, rebuild_peak, shard_of
+from planner.costs.activations import rebuild_peak
+from planner.costs.memory import StageMemory, block_costs, shard_of
 from planner.estimate import step_run
 from planner.layout import Layout, parse_recompute
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob

@@ -16,7 +16,7 @@ import pytest
 from bruteforce import best_layout
 
 import planner
-from planner.costs.memory import memory_cap
+from planner.costs.cap import memory_cap
 from planner.solve.bounds import (
     bound_tables,
     busiest_rank,

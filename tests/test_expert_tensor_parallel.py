@@ -11,7 +11,8 @@ import pytest
 import planner
 from planner.costs.blocks import block_cost
 from planner.costs.comm import group
-from planner.costs.memory import shard_of, shards, stage_memory
+from planner.costs.memory import shard_of, stage_memory
+from planner.costs.state import shards
 from planner.errors import PlannerError
 from planner.solve.space import enumerate_configs
 

@@ -9,7 +9,8 @@ import pytest
 
 import planner
 from planner.costs.blocks import FP8_SAVED_BYTES, block_cost
-from planner.costs.memory import shard_of, stage_memory, state_bytes
+from planner.costs.memory import shard_of, stage_memory
+from planner.costs.state import state_bytes
 from planner.export import megatron
 from planner.layout import parse_recompute
 from planner.solve.result import Plan

@@ -155,7 +155,7 @@ def test_seed_001_table_8_zero_rows(
     bf16 moments) on the seed's Table 6 split: 429,719,552 non-MoE parameters sharded over
     DP=32 and 5,820,645,376 MoE parameters over EDP=8. (The seed's prose swaps the gradient
     and optimizer figures of the first row; its table is right.)"""
-    from planner.costs.memory import state_bytes
+    from planner.costs.state import state_bytes
 
     job = planner.TrainingJob(seq_len=4096, global_batch=32, grad_dtype="fp32", moment_dtype="bf16")
     layout = planner.Layout.uniform(DSV3, pp=16, tp=2, dp=32, ep=8, zero=zero)

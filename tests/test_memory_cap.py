@@ -8,7 +8,8 @@ import math
 import pytest
 
 import planner
-from planner.costs.memory import memory_cap, stage_memory, usable_hbm, usable_peak_bytes
+from planner.costs.cap import memory_cap, usable_hbm, usable_peak_bytes
+from planner.costs.memory import stage_memory
 
 GiB = 2**30
 H100 = planner.load_cluster("h100", gpus=8)

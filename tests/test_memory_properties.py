@@ -9,14 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import planner
+from planner.costs.activations import rebuild_peak
 from planner.costs.blocks import BlockCost
-from planner.costs.memory import (
-    BUCKETS,
-    block_costs,
-    rebuild_peak,
-    reduce_bucket_bytes,
-    shard_of,
-)
+from planner.costs.memory import BUCKETS, block_costs, reduce_bucket_bytes, shard_of
 from planner.layout import parse_recompute
 
 MODELS = {n: planner.load_model(n) for n in ("llama3-8b", "mixtral-8x7b", "deepseek-v2")}
@@ -222,7 +217,7 @@ def walked_peak(
 def test_the_kept_points_give_the_walked_peak(schedule_v, pp, mult, data) -> None:  # type: ignore[no-untyped-def]
     """Whatever bytes each chunk saves, rebuilds and keeps, the peak over the points kept
     once per schedule shape is the peak of walking the whole order."""
-    from planner.costs.memory import activation_peak
+    from planner.costs.activations import activation_peak
 
     schedule, v = schedule_v
     m = 2 * pp * mult

@@ -483,7 +483,8 @@ def test_quick_layouts_give_each_rank_the_fastest_choice_its_memory_fits(
     on that rank (a stage two ranks hold, on one of them)."""
     import math
 
-    from planner.costs.memory import stage_memory, usable_peak_bytes
+    from planner.costs.cap import usable_peak_bytes
+    from planner.costs.memory import stage_memory
     from planner.solve.bounds import bound_tables
     from planner.solve.search import Budget, _by_kind, _holders, _ladder, _quick
     from planner.solve.tables import Config

@@ -184,9 +184,9 @@ def test_the_measurement_sees_a_tensor_kept_twice_once() -> None:
 def test_state_per_rank_under_zero_matches_pytorchs_sharding(zero: int) -> None:
     """Two gloo processes train a small Mixtral-shaped model one step: DDP-style (ZeRO-0),
     ZeroRedundancyOptimizer (ZeRO-1) or FSDP2 (ZeRO-3). Each rank's weights, gradients and
-    AdamW state, read from the tensors PyTorch holds, against ``costs.memory.state_bytes``
+    AdamW state, read from the tensors PyTorch holds, against ``costs.state.state_bytes``
     (FP32 weights, gradients and moments, no master copy: plain PyTorch training)."""
-    from planner.costs.memory import state_bytes
+    from planner.costs.state import state_bytes
     from planner.run.state import measure_state
 
     model = planner.load_model("mixtral-8x7b").model_copy(

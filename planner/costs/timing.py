@@ -46,7 +46,7 @@ from typing import Literal
 from planner.costs.blocks import BlockCost, Param, Shard
 from planner.costs.comm import NO_TRANSFER, Network, Transfer, group, moe_dispatch_bytes
 from planner.costs.compute import BlockTime, Rates, block_time, work_time
-from planner.costs.memory import StageMemory, block_costs, shard_of, shards
+from planner.costs.memory import StageMemory, block_costs, shard_of
 from planner.costs.quantities import (
     OFF,
     Bytes,
@@ -57,6 +57,7 @@ from planner.costs.quantities import (
     stage_quantities,
     transfer,
 )
+from planner.costs.state import shards
 from planner.errors import PlannerError
 from planner.frameworks import UNSTATED_SM_COUNT, framework
 from planner.layout import Layout, parse_recompute

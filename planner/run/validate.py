@@ -369,7 +369,7 @@ def cap_demo(cluster: ClusterSpec, cap_bytes: int, *, margin: float = 0.05) -> C
         assert chosen.estimate.fits, (
             f"the plan {what} predicts {chosen.estimate.peak_bytes} B, above its cap "
             f"{chosen.estimate.cap_bytes} B: the search must state the cap as "
-            "planner.costs.memory.memory_cap does"
+            "planner.costs.cap.memory_cap does"
         )
         plans.append((chosen.layout, chosen.estimate))
     if plans[0][1].peak_bytes <= cap_bytes:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.costs.cap import memory_cap
 from planner.costs.comm import Network
-from planner.costs.memory import gpu_state_bytes, memory_cap
 from planner.costs.quantities import (
     COLLECTIVE_BYTES,
     Bytes,
@@ -27,6 +27,7 @@ from planner.costs.quantities import (
     rates,
     stage_quantities,
 )
+from planner.costs.state import gpu_state_bytes
 from planner.costs.timing import optimizer_seconds
 from planner.errors import PlannerError
 from planner.frameworks import Overlap

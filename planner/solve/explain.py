@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from planner.costs.memory import memory_cap, optimizer_offload_rule
+from planner.costs.cap import memory_cap
+from planner.costs.state import optimizer_offload_rule
 from planner.estimate import Estimate
 from planner.frameworks import framework
 from planner.layout import Layout

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from planner.costs.memory import memory_cap
+from planner.costs.cap import memory_cap
 from planner.costs.overlap import task_terms
 from planner.costs.quantities import Bytes, Prim, Row, stage_quantities
 from planner.memo import Memo

@@ -38,7 +38,7 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from planner.costs.memory import memory_cap
+from planner.costs.cap import memory_cap
 from planner.costs.overlap import TaskKey, Term, task_terms
 from planner.costs.quantities import Bytes, Prim, Row, stage_quantities
 from planner.frameworks import framework
@@ -238,7 +238,7 @@ class StageModel:
             chunks = rank.chunks
             static = ranks.held(d, t, r, rank)
             # What a backward rebuilds above the chunk's level: a block's rebuilt bytes less
-            # those the blocks after it have freed (costs.memory.rebuild_peak). Only the fixed
+            # those the blocks after it have freed (costs.activations.rebuild_peak). Only the fixed
             # blocks that close the last stage (MTP, head) are counted as after a layer: exact
             # when a chunk's most-rebuilding layer is its last (every layer of a chunk taking
             # one choice), and never below the exact term otherwise.

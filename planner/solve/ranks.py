@@ -17,7 +17,7 @@ import enum
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from planner.costs.memory import gpu_state_bytes
+from planner.costs.state import gpu_state_bytes
 from planner.costs.timing import optimizer_seconds
 from planner.solve.tables import Kind, Option, RankOrder, Tables
 

@@ -60,8 +60,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from planner.costs.activations import offloads_activations
+from planner.costs.cap import memory_cap, usable_peak_bytes
 from planner.costs.comm import Network
-from planner.costs.memory import memory_cap, offloads_activations, stage_memory, usable_peak_bytes
+from planner.costs.memory import stage_memory
 from planner.errors import PlannerError
 from planner.estimate import Estimate, evaluate, step_run
 from planner.frameworks import FRAMEWORKS, framework

@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Iterator
 
 from planner.costs.blocks import Shard, block_cost
-from planner.costs.memory import optimizer_offload_rule
+from planner.costs.state import optimizer_offload_rule
 from planner.errors import PlannerError
 from planner.frameworks import FRAMEWORKS, Launcher, framework, launcher
 from planner.layout import parse_recompute

@@ -28,15 +28,10 @@ from typing import Any
 from planner.costs.blocks import BlockCost, Param, Shard, block_cost, block_names
 from planner.costs.comm import Network, Transfer
 from planner.costs.compute import Rates
-from planner.costs.memory import (
-    reduce_bucket_bytes,
-    ring_buffer_bytes,
-    shard_of,
-    shards,
-    state_bytes,
-)
+from planner.costs.memory import reduce_bucket_bytes, ring_buffer_bytes, shard_of
 from planner.costs.overlap import overlap_of
 from planner.costs.quantities import Bytes, StageComm
+from planner.costs.state import shards, state_bytes
 from planner.costs.timing import (
     BlockRow,
     PositionComm,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from planner.costs.memory import gpu_state_bytes
+from planner.costs.state import gpu_state_bytes
 from planner.solve.model import StageModel
 from planner.solve.tables import Option, Tables
 from planner.specs import ClusterSpec, TrainingJob

@@ -1,0 +1,183 @@
+"""A rank's saved activations, in bytes: the levels its op order passes through, what a
+recomputing backward rebuilds above them, and what goes to the host.
+
+Each forward adds its chunk's saved bytes for one micro-batch and the backward that consumes
+them removes them; while a backward runs, the block it recomputes holds its rebuilt tensors
+too. Activation offload (Megatron-LM's layer and fine-grained offload) keeps a block's saved
+tensors on the host instead.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+from planner.costs.blocks import OFFLOAD, OFFLOAD_TAG, BlockCost, Shard
+from planner.costs.state import shards
+from planner.frameworks import framework, names_with
+from planner.layout import Layout
+from planner.schedules import op_order
+from planner.specs import DTYPE_BYTES, ModelSpec, TrainingJob
+
+
+def activation_peak(
+    layout: Layout,
+    rank: int,
+    num_microbatches: int,
+    per_chunk: dict[int, float],
+    rebuild: dict[int, float],
+    kept: tuple[dict[int, float], dict[int, float]] | None = None,
+) -> float:
+    """Highest activation level on ``rank`` as its op order runs: each forward adds its
+    chunk's saved bytes for one micro-batch and the backward that consumes them (the
+    weight-gradient op when the schedule splits it off) removes them; while a backward runs,
+    the block it recomputes holds its rebuilt tensors too (``rebuild``: see ``rebuild_peak``).
+    ``kept``: bytes each forward and each backward of a chunk leave until the step ends
+    (tensors a runtime holds on to, see ``stage_memory``). ``schedules.in_flight`` gives the
+    same counts in closed form where chunks save equal bytes and nothing is kept.
+
+    The level at any point of the order is a sum over chunks of counts times those bytes;
+    ``level_points`` lists the counts at the points that can be highest, once per schedule
+    shape, so each call costs the points, not the order's length."""
+    after_forward, after_backward = kept or ({}, {})
+    peak = 0.0
+    points = level_points(layout.schedule, layout.pp, num_microbatches, layout.virtual_stages, rank)
+    for flight, rebuilt, forwards, backwards in points:
+        level = sum(n * per_chunk[c] for c, n in flight)
+        level += sum(n * after_forward.get(c, 0.0) for c, n in forwards)
+        level += sum(n * after_backward.get(c, 0.0) for c, n in backwards)
+        if rebuilt >= 0:
+            level += rebuild[rebuilt]
+        peak = max(peak, level)
+    return peak
+
+
+Counts = tuple[tuple[int, int], ...]  # (chunk, count) pairs, by chunk
+
+
+@functools.lru_cache(maxsize=1024)
+def level_points(
+    schedule: str, pp: int, num_microbatches: int, virtual_stages: int, rank: int
+) -> tuple[tuple[Counts, int, Counts, Counts], ...]:
+    """The points of ``rank``'s op order where its activation level can peak, as counts:
+    (micro-batches in flight per chunk, the chunk whose backward is rebuilding or -1,
+    forwards done per chunk, backwards done per chunk); the level there is each count times
+    the chunk's bytes (``activation_peak``). Points after a forward and after a backward,
+    and at each backward's start with its rebuild. Bytes are never negative, so of two
+    points with the same in-flight counts and rebuild the later one is at least as high
+    (the done counts only grow): only the last of each is kept."""
+    order = op_order(
+        schedule,
+        pp=pp,
+        num_microbatches=num_microbatches,
+        rank=rank,
+        virtual_stages=virtual_stages,
+    )
+    chunks = sorted({op.stage for op in order})
+    at = {c: i for i, c in enumerate(chunks)}
+    flight = [0] * len(chunks)
+    forwards = [0] * len(chunks)
+    backwards = [0] * len(chunks)
+    last: dict[tuple[tuple[int, ...], int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for op in order:
+        i = at[op.stage]
+        if op.kind == "F":
+            flight[i] += 1
+            forwards[i] += 1
+            last[(tuple(flight), -1)] = (tuple(forwards), tuple(backwards))
+        if op.kind in ("B", "BW"):
+            last[(tuple(flight), op.stage)] = (tuple(forwards), tuple(backwards))
+        if op.kind in ("BW", "W"):
+            flight[i] -= 1
+        if op.kind in ("B", "BW"):
+            backwards[i] += 1
+            last[(tuple(flight), -1)] = (tuple(forwards), tuple(backwards))
+
+    def pairs(counts: tuple[int, ...]) -> Counts:
+        return tuple((c, n) for c, n in zip(chunks, counts, strict=True) if n)
+
+    return tuple(
+        (pairs(flight_), rebuilt, pairs(f), pairs(b)) for (flight_, rebuilt), (f, b) in last.items()
+    )
+
+
+def rebuild_peak(
+    blocks: Sequence[tuple[BlockCost, frozenset[str] | str]], kept: float = 0.0
+) -> float:
+    """Most bytes a chunk's backward holds above its saved level for one micro-batch, from
+    recomputation: backward runs the chunk's blocks last to first, each freeing its saved
+    tensors when done, so when block k rebuilds, the blocks after it have already freed
+    theirs: max over k of (rebuilt(k) - saved by the blocks after k), and never below 0.
+    (Measured with real runs: a head's saved logits, freed before the last layer rebuilds,
+    hide that layer's rebuild entirely.) ``kept``: bytes of the last block's saved tensors
+    that stay until the chunk's whole backward is done (a stage output the runtime holds)."""
+    peak, after = 0.0, 0.0
+    for cost, choice in reversed(blocks):
+        peak = max(peak, cost.rebuilt_bytes(choice) - after)
+        after += cost.saved_bytes(choice) - kept
+        kept = 0.0
+    return peak
+
+
+def backward_temporaries(
+    cost: BlockCost, job: TrainingJob, layout: Layout, shard: Shard, model: ModelSpec
+) -> float:
+    """What an eager PyTorch backward of the block holds besides saved tensors: the gradient
+    flowing back (one micro-batch's hidden states) and, below ZeRO-2, one parameter's fresh
+    gradient before it is added into the accumulated one (its largest); ZeRO-2/3 count fresh
+    gradients as their reduce bucket. Megatron-LM's fused weight-gradient accumulation and
+    in-place gradient buffers avoid most of both, so the default runtime leaves them out."""
+    flowing = shard.sp_tokens * model.hidden_size * shard.act_bytes
+    if layout.zero >= 2:
+        return flowing
+    fresh = max((p.numel / shards(p, layout) for p in cost.params if p.trainable), default=0.0)
+    return flowing + fresh * DTYPE_BYTES[job.grad_dtype]
+
+
+def offloaded_blocks(layout: Layout) -> list[str]:
+    """The blocks whose activations go to the host whole (``recompute="offload"``)."""
+    return [b.block for s in layout.stages for b in s.blocks if b.recompute == OFFLOAD]
+
+
+def offloads_activations(layout: Layout) -> bool:
+    """Whether any block sends activations to the host (layer or fine-grained offload)."""
+    return any(OFFLOAD in b.recompute for s in layout.stages for b in s.blocks)
+
+
+def activation_offload_rule(model: ModelSpec, job: TrainingJob, layout: Layout) -> str:
+    """Why the layout's activation offload cannot run, or "" (also when it has none). As
+    Megatron-LM runs it (--cpu-offloading-num-layers N; megatron/core/transformer/
+    transformer_config.py at d98e8a64): Transformer Engine's CPU offload of the first N
+    transformer layers, N below the layer count, without pipeline parallelism and without
+    activation recompute anywhere."""
+    fine = any(OFFLOAD_TAG in b.recompute for s in layout.stages for b in s.blocks)
+    offloaded = offloaded_blocks(layout)
+    able = framework(job.framework).activation_offload
+    where = names_with(lambda f: f.activation_offload)
+    if fine and not able:
+        return f"fine-grained activation offload runs under {where} only, not {job.framework!r}"
+    if fine and offloaded:
+        return (
+            "Megatron-LM runs fine-grained (offload:<module>) and layer offload (offload) "
+            "one at a time"
+        )
+    if not offloaded:
+        return ""
+    if not able:
+        return f"activation offload runs under {where} only, not {job.framework!r}"
+    if layout.pp > 1 or layout.virtual_stages > 1:
+        return (
+            "Megatron-LM offloads activations without pipeline parallelism only "
+            f"(pp={layout.pp}, virtual_stages={layout.virtual_stages})"
+        )
+    if any(not name.startswith("layer.") for name in offloaded):
+        return "only transformer layers offload their activations"
+    others = {b.recompute for s in layout.stages for b in s.blocks} - {OFFLOAD, "none"}
+    if others:
+        return f"Megatron-LM offloads with no activation recompute, not with {sorted(others)}"
+    if len(offloaded) >= model.num_layers:
+        return (
+            f"{len(offloaded)} of {model.num_layers} layers offloaded: Megatron-LM keeps at "
+            "least one in HBM"
+        )
+    return ""

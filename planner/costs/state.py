@@ -1,0 +1,147 @@
+"""A rank's model state, in bytes: weights, gradients, optimizer state, an EMA, what lives on
+the host, and what the optimizer step moves.
+
+Sharding groups: dense weights are split over ``tp`` and ZeRO-sharded over ``dp * cp`` (the
+ranks that reduce their gradients); routed experts are split over ``ep * etp`` and
+ZeRO-sharded over the expert-data-parallel group ``dp * cp * tp / (ep * etp)``.
+
+Optimizer offload (``Layout.optimizer_offload``, a fraction ``f``): the rank keeps ``1 - f``
+of its optimizer state in HBM; the rest lives on the host with what the framework keeps
+there per offloaded element (``Framework.optimizer_offload``). Working weights and gradient
+buffers stay in HBM as before (the framework copies from and into them). What the step moves
+is in ``StageMemory.step_bytes`` (see ``planner.costs.timing.optimizer_seconds``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from planner.costs.blocks import Param
+from planner.frameworks import FRAMEWORKS, framework
+from planner.layout import Layout
+from planner.specs import DTYPE_BYTES, TrainingJob
+
+
+def shards(p: Param, layout: Layout) -> int:
+    """How many ranks split ``p``: tp for tensor-parallel tensors, ep * etp for routed
+    experts."""
+    return (layout.tp if p.tp_split else 1) * (layout.ep * layout.etp if p.expert else 1)
+
+
+# Optimizer offload, per element of the offloaded optimizer state, as each framework does it
+# (Framework.optimizer_offload, with its sources): the bytes the host holds, and those that
+# cross PCIe each way. Megatron-LM's updated FP32 master crosses back as FP32 (a non_blocking
+# copy converts on the GPU: PyTorch aten/src/ATen/native/cuda/Copy.cu); DeepSpeed's 16-bit
+# weights copy crosses as 16-bit. Host memory each element's step reads and writes: the
+# gradient read, master and moments read and written, plus the two PCIe copies landing in
+# and leaving host memory.
+OFFLOAD_STATE_BYTES = 12  # of those on the host: the FP32 master and the two FP32 moments
+
+
+# What the optimizer step moves, by path (state_bytes' keys, StageMemory.step_bytes').
+STEP_KEYS = ("step_hbm", "step_d2h", "step_h2d", "step_host")
+
+
+def optimizer_offload_rule(job: TrainingJob, fraction: float, zero: int | None = None) -> str:
+    """Why ``fraction`` of the optimizer state cannot be offloaded for this job (and ZeRO
+    stage), or "" when it can."""
+    if fraction == 0:
+        return ""
+    fw = framework(job.framework)
+    rule = fw.optimizer_offload
+    if rule is None:
+        able = " or ".join(n for n, f in FRAMEWORKS.items() if f.optimizer_offload)
+        return (
+            f"framework {job.framework!r} has no optimizer-only offload (torchtitan's "
+            f"enable_cpu_offload moves weights and gradients too); offload needs {able}"
+        )
+    if job.optimizer != "adamw" or job.master_dtype != "fp32":
+        return (
+            "offload runs the host's AdamW on FP32 master weights; the job has "
+            f"optimizer={job.optimizer!r}, master_dtype={job.master_dtype!r}"
+        )
+    if rule.whole_only and fraction != 1:
+        return f"{fw.label} offloads all of the optimizer state or none, not {fraction:g}"
+    if rule.zero is not None and zero is not None and zero != rule.zero:
+        return rule.zero_rule.format(zero=zero)
+    return ""
+
+
+def gpu_state_bytes(state: dict[str, float]) -> float:
+    """The part of ``state_bytes``'s buckets that lives in HBM: weights, gradients,
+    optimizer state and an HBM EMA."""
+    return state["weights"] + state["grads"] + state["optimizer"] + state["ema"]
+
+
+def state_bytes(
+    params: Sequence[Param], *, job: TrainingJob, layout: Layout, ema_on_gpu: bool
+) -> dict[str, float]:
+    """Weights, gradients, optimizer state and EMA of ``params`` on one rank (bytes), what
+    lives on the host (``host``), and what the optimizer step moves (``STEP_KEYS``: HBM bytes
+    of the GPU's part; PCIe bytes each way of an offloaded part; host memory bytes of the
+    host's part)."""
+    out = dict.fromkeys(("weights", "grads", "optimizer", "ema", "host", *STEP_KEYS), 0.0)
+    off = layout.optimizer_offload
+    fw = framework(job.framework)
+    moved_rw = 0.0  # gradient reads and weight writes the PCIe copies take off the GPU's step
+    wb, gb = DTYPE_BYTES[job.weight_dtype], DTYPE_BYTES[job.grad_dtype]
+    moments = 2 if job.optimizer == "adamw" else 1
+    opt_b = (DTYPE_BYTES[job.master_dtype] if job.master_dtype else 0) + moments * DTYPE_BYTES[
+        job.moment_dtype
+    ]
+    ema_b = DTYPE_BYTES[job.ema] if job.ema else 0
+    edp = layout.plane // (layout.ep * layout.etp)
+    z = layout.zero
+    held = held_unsharded(job, layout)
+    working = DTYPE_BYTES[job.working_weight_dtype]
+    # FSDP2 shards the parameters' storage whenever it shards anything: torchtitan's "ZeRO-2"
+    # is reshard_after_forward off, which keeps the gathered working copy (held_unsharded).
+    sharded_weights = fw.zero_shards_weights_from
+    for p in params:
+        local = p.numel / shards(p, layout)
+        group = edp if p.expert else layout.grad_group
+        out["weights"] += local * wb / (group if z >= sharded_weights else 1)
+        if held:
+            out["weights"] += local * working
+        if not p.trainable:
+            continue
+        out["grads"] += local * gb / (group if z >= 2 else 1)
+        if held and layout.pp > 1:
+            out["grads"] += local * gb
+        stepped = local / (group if z >= 1 else 1)  # elements this rank's step updates
+        out["optimizer"] += stepped * opt_b * (1 - off)
+        ema = stepped * ema_b
+        out["ema" if ema_on_gpu else "host"] += ema
+        if off:
+            assert fw.optimizer_offload is not None  # optimizer_offload_rule refuses it
+            moved = stepped * off
+            host = fw.optimizer_offload.host_bytes
+            out["host"] += moved * host
+            d2h, h2d = fw.optimizer_offload.d2h_bytes, fw.optimizer_offload.h2d_bytes
+            out["step_d2h"] += moved * d2h
+            out["step_h2d"] += moved * h2d
+            # the step reads the gradient copy, reads and writes master and moments, writes
+            # a weight copy where the framework keeps one (DeepSpeed's 16-bit); the copies
+            # write the gradient into and read the weights out of host memory
+            copy = host - OFFLOAD_STATE_BYTES - d2h
+            out["step_host"] += moved * (d2h + 2 * OFFLOAD_STATE_BYTES + copy + d2h + h2d)
+            moved_rw += moved * (gb + wb)
+    # The GPU's part reads and writes its master weights and moments, reads the gradients and
+    # writes the weights (less those of the offloaded elements, which the PCIe copies move),
+    # reads and writes an HBM EMA.
+    gpu = 2 * out["optimizer"] + out["grads"] + out["weights"] + 2 * out["ema"]
+    out["step_hbm"] = gpu - min(moved_rw, out["grads"] + out["weights"])
+    return out
+
+
+def held_unsharded(job: TrainingJob, layout: Layout) -> bool:
+    """Whether a torchtitan rank keeps FSDP2's unsharded working parameters from forward to
+    backward on top of its shards: with ``zero=2`` (exported as fsdp_reshard_after_forward
+    "never") and with pipeline parallelism (reshard_after_forward off when PP is on, its
+    default policy). With PP the schedule also turns gradient sync off for every micro-batch
+    but the last, so FSDP2 accumulates unsharded gradients in its reduce dtype until then
+    (torch.distributed.pipelining's stage backward; FSDP2's to_accumulated_grad_if_needed):
+    such a rank holds those too (``state_bytes``)."""
+    return framework(job.framework).holds_unsharded and (
+        layout.zero == 2 or (layout.zero >= 3 and layout.pp > 1)
+    )
