@@ -91,3 +91,9 @@ def test_no_module_compares_schedule_or_framework_names() -> None:
         if any(p.search(line) for p in patterns)
     ]
     assert not found, "\n".join(found)
+
+
+def test_every_launcher_has_an_exporter() -> None:
+    """A framework with a launcher is an export target: ``planner export --target`` offers
+    the registry's launchers, and each needs a writer."""
+    assert set(planner.export.EXPORTERS) == set(LAUNCHERS)

@@ -35,7 +35,7 @@ def export_command(args: argparse.Namespace) -> bool:
             file=sys.stderr,
         )
         return False
-    out = getattr(export, args.target)(result)
+    out = export.EXPORTERS[args.target](result)
     if args.out:
         folder = Path(args.out)
         try:

@@ -9,6 +9,8 @@ from ``planner.evaluate``), so the cost of the difference is a number, not a gue
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.errors import PlannerError
@@ -281,4 +283,12 @@ from planner.export.deepspeed import deepspeed  # noqa: E402
 from planner.export.megatron import megatron  # noqa: E402
 from planner.export.torchtitan import torchtitan  # noqa: E402
 
-__all__ = ["Export", "deepspeed", "megatron", "torchtitan"]
+# The writer of each framework's launch config, by the framework's name (every framework
+# with a ``Launcher`` has one: ``planner.frameworks.LAUNCHERS``).
+EXPORTERS: dict[str, Callable[[Plan], Export]] = {
+    "megatron": megatron,
+    "torchtitan": torchtitan,
+    "deepspeed": deepspeed,
+}
+
+__all__ = ["EXPORTERS", "Export", "deepspeed", "megatron", "torchtitan"]
