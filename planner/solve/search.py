@@ -169,6 +169,7 @@ def plan(
     explain_infeasible: bool = True,
     processes: int | None = None,
     hints: Sequence[Layout] = (),
+    clock_limit_s: float | None = None,
 ) -> Plan:
     """The fastest layout of ``model`` on ``cluster`` for ``job`` within ``space``, with a
     proof of how close to optimal it is (see the module docstring). ``workers``: CP-SAT's
@@ -178,10 +179,14 @@ def plan(
     layouts of neighbouring jobs (a sweep's other GPU counts, say), costed here with this
     job's data-parallel degree before the search starts (``_hinted``): a good one prunes
     early. They change what the search finds first, and so the plan, never what a bound
-    proves."""
+    proves. ``clock_limit_s``: the wall-clock safety stop (default ``time_limit_s``); a
+    caller whose answer must not depend on the machine's load (a sweep) sets it well past
+    the time the budget takes."""
     started = time.perf_counter()
     if not time_limit_s > 0:
         raise PlannerError(f"time_limit_s={time_limit_s:g}: must be a positive number of seconds")
+    if clock_limit_s is not None and not clock_limit_s > 0:
+        raise PlannerError(f"clock_limit_s={clock_limit_s:g}: must be a positive number of seconds")
     if processes is not None and processes < 1:
         raise PlannerError(f"processes={processes}: must be a positive process count")
     asked = space or SearchSpace()
@@ -203,7 +208,8 @@ def plan(
                 except PlannerError:  # degrees the model refuses: bound_tables skips them
                     crowded[holds(c)] = False
         configs += [dataclasses.replace(c, ema="hbm") for c in configs if crowded[holds(c)]]
-    budget = Budget(DETERMINISTIC_SHARE * LANES * time_limit_s, started + time_limit_s)
+    clock = time_limit_s if clock_limit_s is None else clock_limit_s
+    budget = Budget(DETERMINISTIC_SHARE * LANES * time_limit_s, started + clock)
     procs = default_processes() if processes is None else processes
     found: list[tuple[float, Config, Layout]] = []
 
