@@ -7,10 +7,13 @@ import math
 
 import pytest
 from bruteforce import best_layout, count_layouts
+from conftest import CheckedPlans
 
 import planner
+import planner.cli
 from planner.check import check_plan
 from planner.layout import Layout
+from planner.solve import search
 from planner.solve.result import Explanation, Plan
 from planner.specs import SearchSpace
 
@@ -160,6 +163,38 @@ def test_an_infeasible_plan_needs_an_explanation() -> None:
 def test_a_feasible_plan_without_a_layout_is_caught() -> None:
     plan = Plan(status="feasible", solve_time_s=0.0)
     assert len(check_plan(MODEL, CLUSTER, JOB, plan)) == 1
+
+
+def test_every_plan_a_test_makes_is_checked(
+    monkeypatch: pytest.MonkeyPatch, plan_checked: CheckedPlans
+) -> None:
+    """The ``plan_checked`` fixture (tests/conftest.py) stands in for ``planner.plan`` under
+    each name it is called by, and fails the test that made a plan the checker rejects,
+    with the checker's words; a plan that checks out is handed back as it came."""
+    assert planner.plan is planner.solve.plan is planner.cli.plan
+    good = plan_of(LAYOUT)
+    other = planner.evaluate(MODEL, CLUSTER, JOB, Layout.uniform(MODEL, pp=4, tp=2, dp=2))
+    bad = good.model_copy(update={"estimate": other})
+    monkeypatch.setattr(search, "plan", lambda *args, **kwargs: bad)
+    with pytest.raises(pytest.fail.Exception, match=r"estimate step time .* != evaluated"):
+        planner.plan(MODEL, CLUSTER, JOB, time_limit_s=1)
+    # The space a plan was searched in is checked too.
+    monkeypatch.setattr(search, "plan", lambda *args, **kwargs: good)
+    with pytest.raises(pytest.fail.Exception, match=r"pp=2 is not in the search space \[4\]"):
+        planner.solve.plan(MODEL, CLUSTER, JOB, SearchSpace(pp=[4]))
+    assert planner.cli.plan(MODEL, CLUSTER, JOB, SearchSpace(pp=[2])) is good
+    assert plan_checked.plans == [good]
+
+
+@pytest.mark.unchecked_plans("a plan the checker rejects, to see the marker let it through")
+def test_a_test_marked_unchecked_plans_gets_its_plans_as_made(
+    monkeypatch: pytest.MonkeyPatch, plan_checked: CheckedPlans
+) -> None:
+    bad = plan_of(LAYOUT).model_copy(update={"status": "optimal", "gap": 0.5})
+    assert check_plan(MODEL, CLUSTER, JOB, bad) != []
+    monkeypatch.setattr(search, "plan", lambda *args, **kwargs: bad)
+    assert planner.plan(MODEL, CLUSTER, JOB) is bad
+    assert plan_checked.plans == [bad]
 
 
 # -- the exhaustive search ---------------------------------------------------------------

@@ -118,9 +118,6 @@ def test_the_search_chooses_context_parallelism_and_exports_it() -> None:
     assert plan.layout.cp in (1, 2)
     pinned = planner.plan(model, cluster, job, space.model_copy(update={"cp": [2]}), time_limit_s=5)
     assert pinned.layout is not None and pinned.layout.cp == 2
-    from planner.check import check_plan
-
-    assert check_plan(model, cluster, job, pinned, space=space) == []
     megatron = planner.export.megatron(pinned)
     assert "--context-parallel-size 2" in megatron.files["megatron.sh"]
     assert "--cp-comm-type p2p" in megatron.files["megatron.sh"]
