@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -10,6 +11,7 @@ from bruteforce import best_layout, count_layouts
 from conftest import CheckedPlans
 
 import planner
+import planner.check
 import planner.cli
 from planner.check import check_plan
 from planner.layout import Layout
@@ -138,10 +140,34 @@ def test_a_wrong_world_size_is_caught() -> None:
     assert problems[0] == "world size tp*cp*pp*dp=16 != cluster GPUs 32"
 
 
-def test_a_tight_simulation_tolerance_reports_the_difference() -> None:
+def test_a_simulation_that_differs_from_the_estimate_is_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The simulator runs the estimate's own timeline today (``planner.simulate`` reads
+    ``estimate.step_run``), so on a real plan the two agree to the last bit, even with no
+    tolerance. A simulation that differs is stood in for the checker's: beyond the tolerance
+    it is reported with both figures and the difference, within it not."""
     layout = Layout.from_counts(MODEL, counts=[1, 7], tp=2, dp=4)  # unbalanced stages
-    problems = check_plan(MODEL, CLUSTER, JOB, plan_of(layout), sim_tolerance=1e-12)
-    assert all(p.startswith("simulated step") for p in problems), problems
+    plan = plan_of(layout)
+    assert check_plan(MODEL, CLUSTER, JOB, plan, sim_tolerance=0.0) == []
+    real = planner.simulate(MODEL, CLUSTER, JOB, layout)
+    step = real.step_time_s
+
+    def simulated(factor: float) -> None:
+        slower = dataclasses.replace(real, step_time_s=step * factor)
+        monkeypatch.setattr(planner.check, "simulate", lambda *args: slower)
+
+    simulated(1.10)
+    assert check_plan(MODEL, CLUSTER, JOB, plan) == [
+        f"simulated step {step * 1.10:.4g} s differs from the estimate {step:.4g} s by +10.0% "
+        "(tolerance 8%)"
+    ]
+    simulated(0.95)
+    assert check_plan(MODEL, CLUSTER, JOB, plan) == []
+    assert check_plan(MODEL, CLUSTER, JOB, plan, sim_tolerance=0.04) == [
+        f"simulated step {step * 0.95:.4g} s differs from the estimate {step:.4g} s by -5.0% "
+        "(tolerance 4%)"
+    ]
 
 
 def test_an_infeasible_plan_needs_an_explanation() -> None:
