@@ -92,6 +92,91 @@ def test_moe_and_pipeline_schedules_equal_exhaustive_search(
     assert plan.estimate.step_time_s == pytest.approx(reference[1].step_time_s, rel=1e-4)
 
 
+SWITCHES = planner.SearchSpace(
+    tp=[1, 2],
+    pp=[1, 2],
+    ep=[1],
+    zero=[1],
+    micro_batch=[1],
+    schedules=["1f1b"],
+    virtual_stages=[1],
+    recompute=["none", "full"],
+)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "hbm_gib", "job", "searched", "taken"),
+    [
+        (4, 40, {"seq_len": 16384, "global_batch": 4}, {"cp": [1, 2]}, ("cp", 2)),
+        (4, 24, {"seq_len": 16384, "global_batch": 4}, {"cp": [1, 2]}, ("cp", 2)),
+        (
+            4,
+            24,
+            {"seq_len": 4096, "global_batch": 8},
+            {"tp": [2], "sequence_parallel": [False, True]},
+            ("sequence_parallel", True),
+        ),
+        # FP8 caching, and context parallelism as searched by default (8,192 tokens: 1, 2).
+        (
+            4,
+            18,
+            {"seq_len": 8192, "global_batch": 8, "compute_dtype": "fp8"},
+            {"fp8_cache": [False, True]},
+            ("fp8_cache", True),
+        ),
+        (
+            2,
+            20,
+            {"seq_len": 2048, "global_batch": 4},
+            {"optimizer_offload": [0, 1]},
+            ("optimizer_offload", 1.0),
+        ),
+    ],
+    ids=[
+        "cp-40GiB",
+        "cp-24GiB",
+        "sequence-parallel",
+        "fp8-cache",
+        "optimizer-offload",
+    ],
+)
+def test_layout_switches_equal_exhaustive_search(
+    gpus: int,
+    hbm_gib: int,
+    job: dict[str, Any],
+    searched: dict[str, Any],
+    taken: tuple[str, object],
+) -> None:
+    """Context parallelism, sequence parallelism, FP8 caching and optimizer offload, each
+    searched with both values on a 4-layer Llama-3-8B: the planner's optimum is the
+    exhaustive one and proven, and the instance is one where the switch is taken."""
+    cluster = planner.load_cluster("h100", gpus=gpus).model_copy(
+        update={"hbm_bytes": hbm_gib * GiB}
+    )
+    training = planner.TrainingJob(**job)
+    space = SWITCHES.model_copy(update=searched)
+    plan = solve(LLAMA4, cluster, training, space)
+    reference = best_layout(LLAMA4, cluster, training, space)
+    assert reference is not None and plan.estimate is not None
+    assert getattr(reference[0], taken[0]) == taken[1]
+    assert plan.status == "optimal"
+    assert plan.estimate.step_time_s == pytest.approx(reference[1].step_time_s, rel=1e-4)
+
+
+def test_offload_over_host_ram_is_infeasible_for_both_searches() -> None:
+    """The optimizer-offload instance above with 16 GiB of host RAM a node: every layout
+    that fits HBM offloads, and two ranks' offloaded state is over the host's RAM. Neither
+    search may take one (the exhaustive search counts host RAM as the planner does)."""
+    cluster = planner.load_cluster("h100", gpus=2).model_copy(update={"hbm_bytes": 20 * GiB})
+    job = planner.TrainingJob(seq_len=2048, global_batch=4)
+    space = SWITCHES.model_copy(update={"optimizer_offload": [0, 1]})
+    roomy = best_layout(LLAMA4, cluster, job, space)
+    assert roomy is not None and roomy[0].optimizer_offload == 1
+    small = cluster.model_copy(update={"host_ram_bytes": 16 * GiB})
+    assert best_layout(LLAMA4, small, job, space) is None
+    assert solve(LLAMA4, small, job, space).status == "infeasible"
+
+
 def test_same_inputs_same_plan() -> None:
     job = planner.TrainingJob(seq_len=2048, global_batch=64)
     cluster = planner.load_cluster("h100", gpus=16)
