@@ -891,6 +891,16 @@ _TOKENS = itertools.count()
 _LANE_STATE: dict[tuple[str, int], _Lane] = {}  # per plan call and lane, in its process
 
 
+def _variants(members: list[Config]) -> list[list[Config]]:
+    """A set of degrees' members by what ``degrees_bound`` cannot take the leanest of: FP8
+    caching (less memory, more compute), sequence parallelism and optimizer offload (less
+    memory, a slower optimizer step); in order of first appearance."""
+    out: dict[tuple[object, ...], list[Config]] = {}
+    for c in members:
+        out.setdefault((c.fp8_cache, c.sequence_parallel, c.optimizer_offload), []).append(c)
+    return list(out.values())
+
+
 def _degrees_key(c: Config) -> tuple[int, ...]:
     """What a configuration's lane is chosen by: its degrees and micro-batch, which its
     cost tables, relaxation and schedule program depend on (and so are cached with it)."""
@@ -973,10 +983,18 @@ class _Lane:
         # with it).
         line: list[tuple[float, Entry]] = []
         for members in sets:
-            self.charge(SECONDS_PER_DEGREES_BOUND)
-            rep = max(members, key=lambda c: (c.zero, _key(c)))
-            bound = degrees_bound(model, cluster, job, rep)
-            if bound is not None:
+            # A bound per variant of the layers' work and optimizer step (FP8 caching,
+            # sequence parallelism, optimizer offload: each can raise one and lower the
+            # other), each from its most sharded member; the set's is the least of them.
+            bounds: list[tuple[float, Config]] = []
+            for variant in _variants(members):
+                self.charge(SECONDS_PER_DEGREES_BOUND)
+                rep = max(variant, key=lambda c: (c.zero, _key(c)))
+                bound = degrees_bound(model, cluster, job, rep)
+                if bound is not None:
+                    bounds.append((bound, rep))
+            if bounds:
+                bound, rep = min(bounds, key=lambda x: (x[0], _key(x[1])))
                 rank = (bound + communication_floor(model, cluster, job, rep)) * _fill(rep)
                 line.append((rank, (bound, (_key(rep), 0), 0, members)))
         line.sort(key=lambda x: (x[0], x[1][1]))
