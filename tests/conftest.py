@@ -1,4 +1,5 @@
-"""What every test shares: each plan a test makes goes through the independent checker.
+"""What every test shares: each plan a test makes goes through the independent checker, and
+the slow tests run only when asked for.
 
 ``plan_checked`` (autouse) replaces ``planner.plan`` for the test's duration, under every
 name a test or the library's front ends call it by (``planner.plan``, ``planner.solve.plan``,
@@ -9,6 +10,10 @@ reject says so with ``@pytest.mark.unchecked_plans("why")``. The search's own re
 (the fixes an infeasible plan's explanation tries, ``planner.solve.search._replan``) call
 the solver's module-level ``plan`` directly and are not checked here: they are planned
 without an explanation of their own, which the checker would rightly require.
+
+Tests marked ``slow`` (the marker is registered in pyproject.toml) are deselected by the
+default ``-m "not slow"`` there; ``-m "slow or not slow"``, as CI runs, or ``--all`` runs
+them too.
 """
 
 from __future__ import annotations
@@ -33,12 +38,20 @@ PLAN_HOLDERS = (planner, planner.solve, planner.cli)
 SIGNATURE = inspect.signature(search.plan)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--all", action="store_true", default=False, help="run the slow tests too (no -m filter)"
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "unchecked_plans(reason): the test makes plans the independent checker rejects, "
         "on purpose (say why)",
     )
+    if config.getoption("all"):
+        config.option.markexpr = ""  # every test, whatever -m the options hold
 
 
 @dataclass

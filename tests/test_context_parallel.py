@@ -131,6 +131,7 @@ def test_the_search_chooses_context_parallelism_and_exports_it() -> None:
     assert lean.layout is None or lean.layout.cp == 1
 
 
+@pytest.mark.slow
 def test_a_long_context_job_gets_a_context_parallel_plan_that_fits() -> None:
     """Llama 3 405B at 131,072 tokens on 16,384 H100 (Meta's long-context stage ran CP16):
     the degrees pinned near Meta's so the search is small; without context parallelism

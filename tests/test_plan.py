@@ -42,6 +42,7 @@ DENSE = planner.SearchSpace(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hbm_gib", [12, 9, 7, 5])
 def test_dense_optimum_equals_exhaustive_search(hbm_gib: int) -> None:
     """Llama-3-8B cut to 4 layers on 8 H100s with less and less HBM: the planner's optimum is
@@ -251,6 +252,7 @@ def test_never_worse_than_a_uniform_layout_of_the_same_degrees() -> None:
             assert plan.estimate.step_time_s <= est.step_time_s * (1 + 1e-6)
 
 
+@pytest.mark.slow
 def test_infeasible_job_is_explained_with_a_re_solved_fix() -> None:
     model = planner.load_model("llama3-70b")
     cluster = planner.load_cluster("h100", gpus=8)
@@ -262,6 +264,7 @@ def test_infeasible_job_is_explained_with_a_re_solved_fix() -> None:
     assert any(" GPUs: fits" in fix for fix in plan.explanation.fixes)
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.sampled_from(["llama3-8b", "mixtral-8x7b", "deepseek-v2"]),
@@ -427,6 +430,7 @@ def test_objective_counts_the_exposed_gradient_reduction_after_the_drain() -> No
     assert sol.objective_s == pytest.approx(est.step_time_s, rel=2e-4)
 
 
+@pytest.mark.slow
 def test_no_pinned_subspace_beats_the_full_search_by_more_than_its_gap() -> None:
     """The search's bounds are bounds: with part of the space pinned (here each pipeline
     degree and schedule in turn), the best found is never faster than the full search's

@@ -54,6 +54,7 @@ def answer(row: dict[str, Any]) -> tuple[object, ...]:
     return (row["status"], row["layout"], row["step_time_s"], plan["gap"], plan["lower_bound_s"])
 
 
+@pytest.mark.slow
 def test_every_case_is_planned_and_kept(tmp_path: Path) -> None:
     db = tmp_path / "s.sqlite"
     seen: list[tuple[int, int, int, int]] = []
@@ -98,6 +99,7 @@ def test_a_failing_case_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> Non
     assert again[0]["status"] == "failed"
 
 
+@pytest.mark.slow
 def test_an_interrupted_sweep_resumes_without_recomputing(tmp_path: Path) -> None:
     db = tmp_path / "resume.sqlite"
     gpus = ["8", "16", "24", "32", "48", "64"]
@@ -168,6 +170,7 @@ def test_bad_sweep_input_is_one_line(tmp_path: Path) -> None:
         planner.sweep([SMALL], [8], jobs=[JOB], db=not_db)
 
 
+@pytest.mark.slow
 def test_ray_backend_on_a_local_instance(tmp_path: Path) -> None:
     """The same cases on Ray and in the local pool give the same rows: status, layout, step
     and bound. (Ray starting its own processes on this machine's cores once slowed a case
