@@ -14,8 +14,9 @@ count, and each case's search starts from the plan of the one before it (``plan`
 ``hints``; with more GPUs the same tensor and pipeline degrees hold no more per rank, so
 that plan usually fits and prunes from the start). A case then waits for the one before it;
 chains run side by side. What a case finds depends only on its own inputs and that plan,
-so a resumed or rerun sweep gets the same rows; its key includes the key of the case it
-starts from. Bounds are not carried over: with more GPUs a step can fall by more than the
+so a resumed or rerun sweep gets the same rows, on any backend (the wall clock is no part
+of a case's answer: ``CLOCK_FACTOR``); its key includes the key of the case it starts
+from. Bounds are not carried over: with more GPUs a step can fall by more than the
 GPU count grows (memory freed lets recomputation go), so no bound of one count holds for
 another.
 """
@@ -41,6 +42,15 @@ from planner.layout import Layout
 from planner.specs import ModelSpec, SearchSpace, TrainingJob
 
 GiB = 2**30
+
+# A case's row must not depend on where it ran: its key holds its inputs only, and a sweep
+# on Ray and one in a local pool must agree. ``plan``'s deterministic budget (``time_limit_s``)
+# decides what the search explores; its wall-clock stop, by default at ``time_limit_s``,
+# would cut a search short on a loaded worker (a Ray node starting its own processes on the
+# same cores once ran a 0.5 s search ten times slower: "feasible" there, "optimal" in the
+# local pool, the same layout). So a case's clock stops it only this many times past its
+# time limit, a safety stop for a machine many times slower than the budget assumes.
+CLOCK_FACTOR = 10
 
 COLUMNS = (
     "model",
@@ -147,7 +157,8 @@ def run_case(case: Case, hints: Sequence[dict[str, Any]] = ()) -> dict[str, Any]
         job = TrainingJob(**case.job)
         space = SearchSpace(**case.space)
         seeds = [Layout(**h) for h in hints]
-        # One process per case: the sweep's own workers take the cores.
+        # One process per case: the sweep's own workers take the cores. The wall clock
+        # stops the search only far past its budget (see ``CLOCK_FACTOR``).
         result = plan(
             model,
             cluster,
@@ -156,6 +167,7 @@ def run_case(case: Case, hints: Sequence[dict[str, Any]] = ()) -> dict[str, Any]
             time_limit_s=case.time_limit_s,
             processes=1,
             hints=seeds,
+            clock_limit_s=CLOCK_FACTOR * case.time_limit_s,
         )
     except PlannerError as exc:
         return {**row, "status": "failed", "error": str(exc), "plan": None}

@@ -1,8 +1,11 @@
 """Exhaustive search over a small search space: the reference optimum for tests.
 
 Every layout the space allows is built and costed with ``planner.evaluate``: every choice of
-degrees, ZeRO stage, micro-batch, schedule, virtual stages and EMA placement, every split of
-the layers into stages, and every recompute assignment. A stage's cost depends only on how
+degrees (context parallelism and expert tensor parallelism included), ZeRO stage,
+micro-batch, schedule, virtual stages, EMA placement, sequence parallelism, FP8 caching and
+optimizer offload fraction, every split of the layers into stages, and every recompute
+assignment. A layout fits when every rank is within the HBM cap and what the ranks of a
+node keep on the host is within its RAM, as the planner requires. A stage's cost depends only on how
 many of its identical blocks take each recompute choice, so per stage (and per kind of
 block: dense layer, MoE layer, MTP module) the multisets of choices are enumerated and given
 to its blocks in order. Meant for a handful of layers and stages: it is slow by design.
@@ -53,7 +56,13 @@ def _search(
 
 
 def _host_ram_fits(job: TrainingJob, cluster: ClusterSpec, layout: Layout, est: Estimate) -> bool:
-    if layout.ema != "host" or job.ema is None:
+    """What the heaviest rank keeps on the host, for every GPU of a node, is within the
+    node's RAM, wherever the layout keeps anything there: an EMA on the host, an offloaded
+    part of the optimizer state, or offloaded activations (a block whose recompute choice
+    offloads, alone or beside recomputed modules)."""
+    on_host = layout.ema == "host" and job.ema is not None
+    offloads = any("offload" in b.recompute for s in layout.stages for b in s.blocks)
+    if not (on_host or layout.optimizer_offload or offloads):
         return True
     gpus = min(cluster.gpus_per_node, cluster.num_gpus)  # a partial node has only num_gpus
     return max(s.host_bytes for s in est.memory) * gpus <= cluster.host_ram_bytes
@@ -64,15 +73,32 @@ def _required(values: list[int] | list[str] | None, name: str) -> list[int] | li
     return values
 
 
+def _context_parallel(space: SearchSpace, job: TrainingJob, gpus: int) -> list[int]:
+    """As pinned, else what SearchSpace.cp=None means: 1 and the powers of two that leave
+    each rank at least 4,096 tokens of a sequence (and divide the GPUs)."""
+    if space.cp is not None:
+        return space.cp
+    out = [1]
+    while job.seq_len // (2 * out[-1]) >= 4096 and gpus % (2 * out[-1]) == 0:
+        out.append(2 * out[-1])
+    return out
+
+
 def _layouts(
     model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, space: SearchSpace
 ) -> Iterator[Layout]:
-    """Every layout of the space (some invalid ones are dropped on construction)."""
+    """Every layout of the space (some invalid ones are dropped on construction, others
+    when costed: FP8 caching outside FP8 Megatron-LM jobs, an optimizer offload the
+    framework cannot run, context parallelism the sequence cannot split into)."""
     assert space.zero is not None, "best_layout needs SearchSpace.zero spelled out"
     recompute = [str(c) for c in _required(space.recompute, "recompute")]
     emas: list[str] = ["hbm"] if job.ema is None else list(space.ema or ["hbm", "host"])
-    for tp, pp, ep, zero, mb, schedule, v, ema in itertools.product(
+    caches = space.fp8_cache or [False]
+    offloads = space.optimizer_offload or [0.0]
+    sps = list(dict.fromkeys(space.sequence_parallel or [True]))
+    for tp, cp, pp, ep, zero, mb, schedule, v, ema in itertools.product(
         _required(space.tp, "tp"),
+        _context_parallel(space, job, cluster.num_gpus),
         _required(space.pp, "pp"),
         _required(space.ep, "ep"),
         space.zero,
@@ -82,23 +108,31 @@ def _layouts(
         emas,
     ):
         assert isinstance(tp, int) and isinstance(pp, int) and isinstance(v, int)
-        if cluster.num_gpus % (tp * pp):
+        if cluster.num_gpus % (tp * cp * pp):
             continue
-        dp = cluster.num_gpus // (tp * pp)
+        dp = cluster.num_gpus // (tp * cp * pp)
         if space.dp is not None and dp not in space.dp:
             continue
         # Expert tensor parallelism: as pinned, else what SearchSpace.etp=None means (1 and
         # the tp degree, for MoE models).
         etps = space.etp or ([1, tp] if model.num_experts else [1])
-        for etp in dict.fromkeys(etps):
+        # Without tensor parallelism, sequence parallelism changes nothing: one value.
+        mine = sps if tp > 1 else sps[:1]
+        for etp, cache, offload, sp in itertools.product(
+            dict.fromkeys(etps), caches, offloads, mine
+        ):
             fields = {
                 "tp": tp,
+                "cp": cp,
                 "dp": dp,
                 "ep": ep,
                 "etp": etp,
                 "zero": zero,
                 "micro_batch": mb,
                 "ema": ema,
+                "fp8_cache": cache,
+                "optimizer_offload": offload,
+                "sequence_parallel": sp,
             }
             yield from _splits(model, pp, v, _schedule(str(schedule)), recompute, fields)
 

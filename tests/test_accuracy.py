@@ -34,6 +34,7 @@ def _bench():  # type: ignore[no-untyped-def]
     return module
 
 
+@pytest.mark.slow
 def test_stored_errors_are_todays() -> None:
     bench = _bench()
     with bench.DATA.open(newline="") as handle:

@@ -1,15 +1,22 @@
 """One timing semantics: ``evaluate``, ``simulate`` and the CP-SAT model give a layout the
-same step time.
+same step time, and that step time obeys what a pipeline must.
 
-``evaluate`` and ``simulate`` both run the layout's step on ``planner.timeline``; these tests
-hold them to it on jobs of real size (61 to 126 layers, pipelines up to 16 deep, every
-schedule, uneven stages) and hold the solver's model, with a layout pinned and the chains
-that layout's timeline reports, to the same figure.
+``evaluate`` and ``simulate`` both run the layout's step on ``planner.timeline``, so their
+step times agree by construction (a guard on that shared path only). What can fail: on
+jobs of real size (61 to 126 layers, pipelines up to 16 deep, every schedule, uneven
+stages) the step is at least what the stages' compute alone forces (each rank's work, the
+first micro-batch's way to it and, for 1F1B and GPipe, the last one's way back), and the
+simulator's event-by-event memory peaks are the memory model's; with equal stages and no
+communication the step is the published closed form of each schedule that has one, and
+the activations each rank holds are its schedule's micro-batches in flight. The solver's
+model, with a layout pinned and the chains that layout's timeline reports, gives the same
+figure.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -17,9 +24,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import planner
+from planner.costs.comm import NO_TRANSFER
+from planner.costs.timing import StageTime
 from planner.estimate import step_run
 from planner.layout import Layout
 from planner.simulate import simulate
+from planner.timeline import run
 
 JOBS = {  # catalog model, machine type, GPUs, job
     "deepseek-v3": ("h800", 2048, dict(seq_len=4096, global_batch=15360, compute_dtype="fp8")),
@@ -86,17 +96,144 @@ def _layout(
     return model, cluster, job, layout
 
 
+def compute_floor(layout: Layout, times: list[StageTime], optimizer: list[float], m: int) -> float:
+    """A floor on the step from each stage's compute per micro-batch alone (a task lasts at
+    least its ops' compute; a rank runs one task at a time, then its optimizer step):
+
+    - every micro-batch's work on every stage, spread over the ``pp`` ranks at best;
+    - where rank r holds stages r, r + pp, ... (not DualPipe's two directions): the first
+      micro-batch's forwards up to stage r, then all of rank r's work;
+    - for 1F1B and GPipe, whose backward is one op, then the last micro-batch's backwards
+      from stage r - 1 down to stage 0 (each needs the one after it).
+    """
+    work = [t.fwd + t.bwd_input + t.bwd_weight for t in times]
+    p = layout.pp
+    floor = m * sum(work) / p + min(optimizer)
+    if layout.schedule in ("dualpipe", "dualpipev"):
+        return floor
+    for r in range(p):
+        fill = sum(t.fwd for t in times[:r])
+        own = m * sum(work[r::p])
+        floor = max(floor, fill + own + optimizer[r])
+        if layout.schedule in ("1f1b", "gpipe"):
+            drain = sum(t.bwd_input + t.bwd_weight for t in times[:r])
+            floor = max(floor, fill + own + drain + optimizer[0])
+    return floor
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(CASES)
 def test_estimate_and_simulation_agree_on_real_sized_uneven_layouts(case: dict[str, Any]) -> None:
     model, cluster, job, layout = _layout(case)
     est = planner.evaluate(model, cluster, job, layout)
     sim = simulate(model, cluster, job, layout)
+    # Both read one timeline run (``estimate.step_run``): this guards that shared path only,
+    # until the simulator runs the step on its own.
     assert est.step_time_s == pytest.approx(sim.step_time_s, rel=1e-12)
+    # The simulator's peaks come from its allocations and frees event by event; the memory
+    # model's from each schedule's micro-batches in flight.
     assert [s.peak_bytes for s in est.memory] == sim.peak_bytes
     assert sim.step_time_s >= max(sim.busy_s) - 1e-9
+    _, times, timeline = step_run(model, cluster, job, layout)
+    m = job.global_batch // (layout.dp * layout.micro_batch)
+    optimizer = [r.optimizer for r in timeline.ranks]
+    floor = compute_floor(layout, times, optimizer, m)
+    assert est.step_time_s >= floor * (1 - 1e-9), (est.step_time_s, floor)
     assert sum(est.breakdown.values()) == pytest.approx(est.step_time_s)
     assert min(est.breakdown.values()) >= -1e-9
+
+
+@dataclass(frozen=True)
+class Shape:
+    schedule: str
+    pp: int
+    virtual_stages: int
+
+
+def work_only(stage: int, f: float, b: float, w: float) -> StageTime:
+    """A stage that computes and communicates nothing."""
+    return StageTime(
+        stage=stage,
+        fwd=f,
+        bwd_input=b,
+        bwd_weight=w,
+        recompute=0.0,
+        tp_fwd=0.0,
+        tp_bwd=0.0,
+        a2a_fwd=NO_TRANSFER,
+        a2a_bwd=NO_TRANSFER,
+        p2p=NO_TRANSFER,
+        p2p_back=NO_TRANSFER,
+        grad_sync=NO_TRANSFER,
+        zero_gather=NO_TRANSFER,
+        zero_reduce=NO_TRANSFER,
+    )
+
+
+F, B, W, OPT = 1.0, 1.5, 0.7, 0.3  # seconds: a rank's forward, input and weight gradients
+CLOSED_FORMS = {
+    # GPipe (Huang et al. 2019) and 1F1B (Narayanan et al. SC'21 section 2.2.1): m passes and
+    # a bubble of p - 1.
+    "gpipe": lambda p, m, v: (m + p - 1) * (F + B + W),
+    "1f1b": lambda p, m, v: (m + p - 1) * (F + B + W),
+    # Interleaved (SC'21 section 2.2.2): the bubble shrinks by the v chunks a rank holds.
+    "interleaved": lambda p, m, v: m * (F + B + W) + (p - 1) * (F + B + W) / v,
+    # ZB-H1 (Qi et al., ICLR 2024, section 2.1): the deferred W passes fill part of 1F1B's
+    # bubble, leaving (p - 1)(F + B - W), B the input gradient alone (a third of 1F1B's
+    # bubble when F = B = W).
+    "zb-h1": lambda p, m, v: m * (F + B + W) + (p - 1) * (F + B - W),
+}
+
+
+@pytest.mark.parametrize(
+    ("schedule", "v"), [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)]
+)
+@pytest.mark.parametrize(("p", "m"), [(2, 8), (4, 8), (4, 12), (8, 16)])
+def test_equal_stages_without_communication_take_the_published_step(
+    schedule: str, v: int, p: int, m: int
+) -> None:
+    """Each rank's share of the layers split into v equal chunks, nothing sent or reduced:
+    the step is the schedule's closed form, plus the optimizer step."""
+    times = [work_only(s, F / v, B / v, W / v) for s in range(p * v)]
+    timeline = run(
+        Shape(schedule, p, v), times, [OPT] * p, num_microbatches=m, framework="megatron"
+    )
+    assert timeline.step_s == pytest.approx(CLOSED_FORMS[schedule](p, m, v) + OPT, rel=1e-12)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_each_rank_holds_its_schedules_micro_batches_in_flight(recompute: str) -> None:
+    """Llama 3 70B on 8 even stages, 16 micro-batches: rank r holds the activations of
+    p - r micro-batches under 1F1B (its warm-up forwards), all 16 under GPipe, and p under
+    ZB-H1 (whose deferred weight gradients keep theirs; Qi et al. section 2.1). The middle
+    ranks hold the same blocks, so each micro-batch more is one stage's saved activations
+    more, whatever a recomputed block rebuilds."""
+    model = planner.load_model("llama3-70b")
+    cluster = planner.load_cluster("h100", gpus=512)
+    p, m = 8, 16
+    job = planner.TrainingJob(seq_len=8192, global_batch=m * 8)
+    held = {}
+    for schedule in ("1f1b", "gpipe", "zb-h1"):
+        layout = Layout.uniform(
+            model,
+            pp=p,
+            tp=8,
+            dp=8,
+            schedule=schedule,
+            recompute=recompute,  # type: ignore[arg-type]
+        )
+        est = planner.evaluate(model, cluster, job, layout)
+        held[schedule] = [s.buckets["activations"] for s in est.memory]
+        assert [s.peak_bytes for s in est.memory] == simulate(
+            model, cluster, job, layout
+        ).peak_bytes
+    middle = range(1, p - 1)
+    one = held["1f1b"][1] - held["1f1b"][2]  # one micro-batch of a middle stage
+    assert one > 0
+    for r in middle:
+        assert held["1f1b"][r] - held["1f1b"][p - 2] == (p - 2 - r) * one
+        assert held["gpipe"][r] - held["1f1b"][r] == (m - (p - r)) * one
+        assert held["zb-h1"][r] - held["1f1b"][r] == r * one
 
 
 def _pinned_objective(

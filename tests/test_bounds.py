@@ -60,6 +60,7 @@ CASES = [  # model, layers, global batch, HBM GiB, schedules
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "layers", "batch", "hbm_gib", "schedules"), CASES)
 def test_bounds_never_exceed_the_exhaustive_optimum(
     name: str, layers: int, batch: int, hbm_gib: int, schedules: list[str]
@@ -106,6 +107,7 @@ def test_bounds_never_exceed_the_exhaustive_optimum(
     print(name, schedules, "fill and drain binds", drained, "crowded lifts", crowded, "of", checked)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-h1", "dualpipev"])
 def test_fill_and_drain_holds_where_it_binds(schedule: str) -> None:
     """Few micro-batches on a 4-deep pipeline, where the fill and drain are a large part of

@@ -24,6 +24,7 @@ def profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_profile_is_a_cluster_the_planner_reads(profile_path: Path) -> None:
     cluster = load_cluster(profile_path, gpus=2)
     assert cluster.gpus_per_node == 2
@@ -81,6 +82,7 @@ def test_ranking_counts_swapped_pairs_and_says_what_it_leaves_out() -> None:
     assert set(r.left_out) == {"pp4 dp1 ep1 z0 1f1b none"}  # 4 ranks on 2 cores
 
 
+@pytest.mark.slow
 def test_validate_cli_prints_one_entry_per_rank(
     profile_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -106,6 +108,7 @@ def test_validate_cli_prints_one_entry_per_rank(
     assert e["predicted_step_s"] > 0
 
 
+@pytest.mark.slow
 def test_a_layout_over_the_cap_really_peaks_over_it(profile_path: Path) -> None:
     """The planner's fastest layout of the small model on 2 ranks needs more than 62 MiB per
     rank; under a 62 MiB cap it plans another. Run for real, the first peaks above 62 MiB

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
 import pytest
 from bruteforce import best_layout, count_layouts
+from conftest import CheckedPlans
 
 import planner
+import planner.check
+import planner.cli
 from planner.check import check_plan
 from planner.layout import Layout
+from planner.solve import search
 from planner.solve.result import Explanation, Plan
 from planner.specs import SearchSpace
 
@@ -135,10 +140,34 @@ def test_a_wrong_world_size_is_caught() -> None:
     assert problems[0] == "world size tp*cp*pp*dp=16 != cluster GPUs 32"
 
 
-def test_a_tight_simulation_tolerance_reports_the_difference() -> None:
+def test_a_simulation_that_differs_from_the_estimate_is_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The simulator runs the estimate's own timeline today (``planner.simulate`` reads
+    ``estimate.step_run``), so on a real plan the two agree to the last bit, even with no
+    tolerance. A simulation that differs is stood in for the checker's: beyond the tolerance
+    it is reported with both figures and the difference, within it not."""
     layout = Layout.from_counts(MODEL, counts=[1, 7], tp=2, dp=4)  # unbalanced stages
-    problems = check_plan(MODEL, CLUSTER, JOB, plan_of(layout), sim_tolerance=1e-12)
-    assert all(p.startswith("simulated step") for p in problems), problems
+    plan = plan_of(layout)
+    assert check_plan(MODEL, CLUSTER, JOB, plan, sim_tolerance=0.0) == []
+    real = planner.simulate(MODEL, CLUSTER, JOB, layout)
+    step = real.step_time_s
+
+    def simulated(factor: float) -> None:
+        slower = dataclasses.replace(real, step_time_s=step * factor)
+        monkeypatch.setattr(planner.check, "simulate", lambda *args: slower)
+
+    simulated(1.10)
+    assert check_plan(MODEL, CLUSTER, JOB, plan) == [
+        f"simulated step {step * 1.10:.4g} s differs from the estimate {step:.4g} s by +10.0% "
+        "(tolerance 8%)"
+    ]
+    simulated(0.95)
+    assert check_plan(MODEL, CLUSTER, JOB, plan) == []
+    assert check_plan(MODEL, CLUSTER, JOB, plan, sim_tolerance=0.04) == [
+        f"simulated step {step * 0.95:.4g} s differs from the estimate {step:.4g} s by -5.0% "
+        "(tolerance 4%)"
+    ]
 
 
 def test_an_infeasible_plan_needs_an_explanation() -> None:
@@ -160,6 +189,38 @@ def test_an_infeasible_plan_needs_an_explanation() -> None:
 def test_a_feasible_plan_without_a_layout_is_caught() -> None:
     plan = Plan(status="feasible", solve_time_s=0.0)
     assert len(check_plan(MODEL, CLUSTER, JOB, plan)) == 1
+
+
+def test_every_plan_a_test_makes_is_checked(
+    monkeypatch: pytest.MonkeyPatch, plan_checked: CheckedPlans
+) -> None:
+    """The ``plan_checked`` fixture (tests/conftest.py) stands in for ``planner.plan`` under
+    each name it is called by, and fails the test that made a plan the checker rejects,
+    with the checker's words; a plan that checks out is handed back as it came."""
+    assert planner.plan is planner.solve.plan is planner.cli.plan
+    good = plan_of(LAYOUT)
+    other = planner.evaluate(MODEL, CLUSTER, JOB, Layout.uniform(MODEL, pp=4, tp=2, dp=2))
+    bad = good.model_copy(update={"estimate": other})
+    monkeypatch.setattr(search, "plan", lambda *args, **kwargs: bad)
+    with pytest.raises(pytest.fail.Exception, match=r"estimate step time .* != evaluated"):
+        planner.plan(MODEL, CLUSTER, JOB, time_limit_s=1)
+    # The space a plan was searched in is checked too.
+    monkeypatch.setattr(search, "plan", lambda *args, **kwargs: good)
+    with pytest.raises(pytest.fail.Exception, match=r"pp=2 is not in the search space \[4\]"):
+        planner.solve.plan(MODEL, CLUSTER, JOB, SearchSpace(pp=[4]))
+    assert planner.cli.plan(MODEL, CLUSTER, JOB, SearchSpace(pp=[2])) is good
+    assert plan_checked.plans == [good]
+
+
+@pytest.mark.unchecked_plans("a plan the checker rejects, to see the marker let it through")
+def test_a_test_marked_unchecked_plans_gets_its_plans_as_made(
+    monkeypatch: pytest.MonkeyPatch, plan_checked: CheckedPlans
+) -> None:
+    bad = plan_of(LAYOUT).model_copy(update={"status": "optimal", "gap": 0.5})
+    assert check_plan(MODEL, CLUSTER, JOB, bad) != []
+    monkeypatch.setattr(search, "plan", lambda *args, **kwargs: bad)
+    assert planner.plan(MODEL, CLUSTER, JOB) is bad
+    assert plan_checked.plans == [bad]
 
 
 # -- the exhaustive search ---------------------------------------------------------------

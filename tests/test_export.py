@@ -337,6 +337,7 @@ def test_deepspeed_config_keeps_its_batch_rule_and_zero_limits() -> None:
     assert "--num_nodes 2048 --num_gpus 8" in out.files["launch.sh"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["megatron", "torchtitan", "deepspeed"])
 def test_a_plan_searched_for_a_target_exports_exactly(target: str) -> None:
     model = planner.load_model("llama3-8b").model_copy(update={"num_layers": 8})
@@ -354,6 +355,7 @@ def test_a_plan_searched_for_a_target_exports_exactly(target: str) -> None:
     assert out.exported_step_s == pytest.approx(result.estimate.step_time_s)  # type: ignore[union-attr]
 
 
+@pytest.mark.slow
 def test_cli_exports_a_saved_plan(tmp_path: Path) -> None:
     planner_cli = str(Path(sys.executable).parent / "planner")
 

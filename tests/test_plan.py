@@ -1,5 +1,6 @@
-"""``planner.plan``: the CP-SAT search against exhaustive search, the independent checker on
-every plan, determinism, search-space pins, and explained infeasibility."""
+"""``planner.plan``: the CP-SAT search against exhaustive search, determinism, search-space
+pins, and explained infeasibility. Every plan here passes the independent checker, against
+the space it was searched in (the ``plan_checked`` fixture, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import planner
-from planner.check import check_plan
 
 GiB = 2**30
 LLAMA4 = planner.load_model("llama3-8b").model_copy(update={"num_layers": 4})
@@ -27,9 +27,7 @@ def solve(
     space: planner.SearchSpace | None = None,
     limit: float = 20.0,
 ) -> planner.Plan:
-    plan = planner.plan(model, cluster, job, space, time_limit_s=limit)
-    assert check_plan(model, cluster, job, plan, space=space) == []
-    return plan
+    return planner.plan(model, cluster, job, space, time_limit_s=limit)
 
 
 DENSE = planner.SearchSpace(
@@ -44,6 +42,7 @@ DENSE = planner.SearchSpace(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hbm_gib", [12, 9, 7, 5])
 def test_dense_optimum_equals_exhaustive_search(hbm_gib: int) -> None:
     """Llama-3-8B cut to 4 layers on 8 H100s with less and less HBM: the planner's optimum is
@@ -94,6 +93,103 @@ def test_moe_and_pipeline_schedules_equal_exhaustive_search(
     assert plan.estimate.step_time_s == pytest.approx(reference[1].step_time_s, rel=1e-4)
 
 
+SWITCHES = planner.SearchSpace(
+    tp=[1, 2],
+    pp=[1, 2],
+    ep=[1],
+    zero=[1],
+    micro_batch=[1],
+    schedules=["1f1b"],
+    virtual_stages=[1],
+    recompute=["none", "full"],
+)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "hbm_gib", "job", "searched", "taken"),
+    [
+        (4, 40, {"seq_len": 16384, "global_batch": 4}, {"cp": [1, 2]}, ("cp", 2)),
+        (4, 24, {"seq_len": 16384, "global_batch": 4}, {"cp": [1, 2]}, ("cp", 2)),
+        (
+            4,
+            24,
+            {"seq_len": 4096, "global_batch": 8},
+            {"tp": [2], "sequence_parallel": [False, True]},
+            ("sequence_parallel", True),
+        ),
+        # FP8 caching, and context parallelism as searched by default (8,192 tokens: 1, 2).
+        (
+            4,
+            18,
+            {"seq_len": 8192, "global_batch": 8, "compute_dtype": "fp8"},
+            {"fp8_cache": [False, True]},
+            ("fp8_cache", True),
+        ),
+        (
+            2,
+            20,
+            {"seq_len": 2048, "global_batch": 4},
+            {"optimizer_offload": [0, 1]},
+            ("optimizer_offload", 1.0),
+        ),
+        # Offload searched but not worth it: the sets of degrees whose bound came from the
+        # offloaded variant alone (its slow host step) were once pruned here, and a plan
+        # 19% slower, with full recompute, was called optimal.
+        (
+            4,
+            40,
+            {"seq_len": 4096, "global_batch": 8},
+            {"optimizer_offload": [0, 1]},
+            ("optimizer_offload", 0.0),
+        ),
+    ],
+    ids=[
+        "cp-40GiB",
+        "cp-24GiB",
+        "sequence-parallel",
+        "fp8-cache",
+        "optimizer-offload",
+        "no-optimizer-offload",
+    ],
+)
+def test_layout_switches_equal_exhaustive_search(
+    gpus: int,
+    hbm_gib: int,
+    job: dict[str, Any],
+    searched: dict[str, Any],
+    taken: tuple[str, object],
+) -> None:
+    """Context parallelism, sequence parallelism, FP8 caching and optimizer offload, each
+    searched with both values on a 4-layer Llama-3-8B: the planner's optimum is the
+    exhaustive one and proven, and the instance is one where the switch is taken (or, for
+    the last, where it is offered and not taken)."""
+    cluster = planner.load_cluster("h100", gpus=gpus).model_copy(
+        update={"hbm_bytes": hbm_gib * GiB}
+    )
+    training = planner.TrainingJob(**job)
+    space = SWITCHES.model_copy(update=searched)
+    plan = solve(LLAMA4, cluster, training, space)
+    reference = best_layout(LLAMA4, cluster, training, space)
+    assert reference is not None and plan.estimate is not None
+    assert getattr(reference[0], taken[0]) == taken[1]
+    assert plan.status == "optimal"
+    assert plan.estimate.step_time_s == pytest.approx(reference[1].step_time_s, rel=1e-4)
+
+
+def test_offload_over_host_ram_is_infeasible_for_both_searches() -> None:
+    """The optimizer-offload instance above with 16 GiB of host RAM a node: every layout
+    that fits HBM offloads, and two ranks' offloaded state is over the host's RAM. Neither
+    search may take one (the exhaustive search counts host RAM as the planner does)."""
+    cluster = planner.load_cluster("h100", gpus=2).model_copy(update={"hbm_bytes": 20 * GiB})
+    job = planner.TrainingJob(seq_len=2048, global_batch=4)
+    space = SWITCHES.model_copy(update={"optimizer_offload": [0, 1]})
+    roomy = best_layout(LLAMA4, cluster, job, space)
+    assert roomy is not None and roomy[0].optimizer_offload == 1
+    small = cluster.model_copy(update={"host_ram_bytes": 16 * GiB})
+    assert best_layout(LLAMA4, small, job, space) is None
+    assert solve(LLAMA4, small, job, space).status == "infeasible"
+
+
 def test_same_inputs_same_plan() -> None:
     job = planner.TrainingJob(seq_len=2048, global_batch=64)
     cluster = planner.load_cluster("h100", gpus=16)
@@ -105,12 +201,18 @@ def test_same_inputs_same_plan() -> None:
         return data
 
     # A short budget, so the search stops on its time limit: CP-SAT's deterministic time
-    # makes even that repeatable.
-    first, second = solve(model, cluster, job, limit=2), solve(model, cluster, job, limit=2)
+    # makes even that repeatable. The wall clock does not, on a loaded machine (where the
+    # other tests run beside this one): its stop is set far past the budget.
+    def plan(processes: int | None = None) -> planner.Plan:
+        return planner.plan(
+            model, cluster, job, time_limit_s=2, processes=processes, clock_limit_s=60
+        )
+
+    first, second = plan(), plan()
     assert stripped(first) == stripped(second)
     # One process doing both lanes' rounds, or one process per lane: the same plan.
-    alone = planner.plan(model, cluster, job, time_limit_s=2, processes=1)
-    side_by_side = planner.plan(model, cluster, job, time_limit_s=2, processes=2)
+    alone = plan(processes=1)
+    side_by_side = plan(processes=2)
     assert stripped(alone) == stripped(side_by_side) == stripped(first)
     assert not alone.stopped_by_clock and not side_by_side.stopped_by_clock
 
@@ -150,6 +252,7 @@ def test_never_worse_than_a_uniform_layout_of_the_same_degrees() -> None:
             assert plan.estimate.step_time_s <= est.step_time_s * (1 + 1e-6)
 
 
+@pytest.mark.slow
 def test_infeasible_job_is_explained_with_a_re_solved_fix() -> None:
     model = planner.load_model("llama3-70b")
     cluster = planner.load_cluster("h100", gpus=8)
@@ -161,6 +264,7 @@ def test_infeasible_job_is_explained_with_a_re_solved_fix() -> None:
     assert any(" GPUs: fits" in fix for fix in plan.explanation.fixes)
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.sampled_from(["llama3-8b", "mixtral-8x7b", "deepseek-v2"]),
@@ -185,8 +289,7 @@ def test_fuzzed_jobs_plan_without_crash_and_pass_the_checker(
     except planner.PlannerError as exc:  # only the time limit may stop it without an answer
         assert "time_limit_s" in str(exc)
         return
-    assert plan.status in ("optimal", "feasible", "infeasible")
-    assert check_plan(model, cluster, job, plan) == []
+    assert plan.status in ("optimal", "feasible", "infeasible")  # and the checker passed it
 
 
 @pytest.mark.parametrize(
@@ -327,6 +430,7 @@ def test_objective_counts_the_exposed_gradient_reduction_after_the_drain() -> No
     assert sol.objective_s == pytest.approx(est.step_time_s, rel=2e-4)
 
 
+@pytest.mark.slow
 def test_no_pinned_subspace_beats_the_full_search_by_more_than_its_gap() -> None:
     """The search's bounds are bounds: with part of the space pinned (here each pipeline
     degree and schedule in turn), the best found is never faster than the full search's
@@ -382,8 +486,7 @@ def test_an_answer_comes_even_from_a_tiny_budget() -> None:
     job = planner.TrainingJob(seq_len=4096, global_batch=64)
     plan = planner.plan(model, cluster, job, time_limit_s=0.01)
     assert plan.status in ("feasible", "optimal") and plan.estimate is not None
-    assert plan.estimate.fits
-    assert check_plan(model, cluster, job, plan) == []
+    assert plan.estimate.fits  # and the checker passed it
 
 
 def test_a_hint_from_another_gpu_count_is_costed_at_this_one() -> None:

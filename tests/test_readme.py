@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).parent.parent / "README.md"
 
 
@@ -19,6 +21,7 @@ def test_the_readme_has_its_snippets() -> None:
     assert len(snippets()) >= 3
 
 
+@pytest.mark.slow
 def test_the_readme_python_runs_as_a_script(tmp_path: Path) -> None:
     script = tmp_path / "readme.py"
     script.write_text("\n".join(snippets()))

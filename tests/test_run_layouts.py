@@ -44,6 +44,7 @@ def _mean_losses(ranks: list) -> list[float]:  # type: ignore[type-arg]
     return [statistics.fmean(step) for step in zip(*per_rank, strict=True)]
 
 
+@pytest.mark.slow
 def test_every_layout_trains_the_same_model_the_same_way(runs) -> None:  # type: ignore[no-untyped-def]
     reference = _mean_losses(runs["single"][1])
     assert len(reference) == 2 and reference[1] < reference[0]  # it learns
@@ -51,6 +52,7 @@ def test_every_layout_trains_the_same_model_the_same_way(runs) -> None:  # type:
         assert _mean_losses(ranks) == pytest.approx(reference, rel=2e-4), name
 
 
+@pytest.mark.slow
 def test_model_state_per_rank_matches_the_cost_model(runs) -> None:  # type: ignore[no-untyped-def]
     """Weights, gradients (sharded ones for ZeRO-2/3) and AdamW state, measured from the
     tensors each rank holds during the step, within 5% (ZeroRedundancyOptimizer shares
@@ -64,6 +66,7 @@ def test_model_state_per_rank_matches_the_cost_model(runs) -> None:  # type: ign
                 assert r.bucket_peaks[bucket] == pytest.approx(expected, rel=0.05), (name, bucket)
 
 
+@pytest.mark.slow
 def test_peak_per_rank_within_five_percent(runs) -> None:  # type: ignore[no-untyped-def]
     """Every rank's predicted peak is within 5% of the measured one, for the memory model
     of an eager PyTorch runtime (``runtime="torch"``)."""
@@ -77,6 +80,7 @@ def test_peak_per_rank_within_five_percent(runs) -> None:  # type: ignore[no-unt
             )
 
 
+@pytest.mark.slow
 def test_saved_activations_without_recompute(runs) -> None:  # type: ignore[no-untyped-def]
     layout, ranks = runs["single"]
     m = check_runnable(MODEL, JOB, layout)
@@ -85,6 +89,7 @@ def test_saved_activations_without_recompute(runs) -> None:  # type: ignore[no-u
     assert ranks[0].bucket_peaks["activations"] == pytest.approx(act, rel=0.05)
 
 
+@pytest.mark.slow
 def test_moe_recompute_saves_what_the_cost_model_says(runs) -> None:  # type: ignore[no-untyped-def]
     """With one micro-batch in flight, a recomputed MoE layer is rebuilt after the head and
     the later layers have freed their saved tensors, so recompute saves about a fifth; a
@@ -97,6 +102,7 @@ def test_moe_recompute_saves_what_the_cost_model_says(runs) -> None:  # type: ig
         assert r.bucket_peaks["activations"] == pytest.approx(act, rel=0.05)
 
 
+@pytest.mark.slow
 def test_zero_stages_shard_as_stated(runs) -> None:  # type: ignore[no-untyped-def]
     full = runs["single"][1][0].bucket_peaks
     for name, sharded in (("dp2-zero1", {"optimizer"}), ("dp2-zero3", {"weights", "grads"})):

@@ -71,6 +71,7 @@ MOE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["none", "moe", "full"])
 @pytest.mark.parametrize("name", sorted(MOE))
 def test_moe_layers_keep_what_the_cost_model_says(name: str, recompute: str) -> None:
@@ -120,6 +121,7 @@ DEEPSEEK_SMALL = planner.load_model("deepseek-v3").model_copy(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["none", "ffn", "full"])
 @pytest.mark.parametrize("block", ["layer.0", "layer.1"])  # dense, then MoE (sigmoid router)
 def test_mla_layers_keep_what_the_cost_model_says(block: str, recompute: str) -> None:
@@ -180,6 +182,7 @@ def test_the_measurement_sees_a_tensor_kept_twice_once() -> None:
     assert saved_bytes(module, copy_twice) == 2 * one
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero", [0, 1, 3])
 def test_state_per_rank_under_zero_matches_pytorchs_sharding(zero: int) -> None:
     """Two gloo processes train a small Mixtral-shaped model one step: DDP-style (ZeRO-0),

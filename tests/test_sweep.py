@@ -1,5 +1,7 @@
 """``planner.sweep``: every case planned once, rows in SQLite as they finish, resumed after
-a kill with nothing recomputed and nothing lost, failures recorded, the Ray backend."""
+a kill with nothing recomputed and nothing lost, failures recorded, the Ray backend, and the
+same rows wherever a case ran. The plans of a sweep's worker processes are out of the
+``plan_checked`` fixture's reach: ``checked`` runs each row's plan through the checker."""
 
 from __future__ import annotations
 
@@ -12,13 +14,17 @@ import sqlite3
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import planner
+from planner.check import check_plan
 from planner.plots import plot_sweep
-from planner.sweep import cases, run, write
+from planner.solve import search
+from planner.sweep import cases, run, run_case, write
 
 PLANNER = str(Path(sys.executable).parent / "planner")
 SMALL = planner.load_model("llama3-8b").model_copy(update={"num_layers": 4, "name": "llama4l"})
@@ -30,6 +36,25 @@ def rows_in(db: Path) -> dict[str, tuple[str, float]]:
         return {k: (s, f) for k, s, f in con.execute("SELECT key, status, finished FROM cases")}
 
 
+def checked(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows``, after every plan in them passed ``check_plan`` against its own inputs."""
+    for row in rows:
+        if row.get("plan") is None:
+            continue
+        plan = planner.Plan.model_validate(row["plan"])
+        assert plan.model and plan.cluster and plan.job
+        problems = check_plan(plan.model, plan.cluster, plan.job, plan, space=plan.space)
+        assert problems == [], (row["gpus"], problems)
+    return rows
+
+
+def answer(row: dict[str, Any]) -> tuple[object, ...]:
+    """What a case's row says about its plan (not how long it took)."""
+    plan = row["plan"]
+    return (row["status"], row["layout"], row["step_time_s"], plan["gap"], plan["lower_bound_s"])
+
+
+@pytest.mark.slow
 def test_every_case_is_planned_and_kept(tmp_path: Path) -> None:
     db = tmp_path / "s.sqlite"
     seen: list[tuple[int, int, int, int]] = []
@@ -42,6 +67,7 @@ def test_every_case_is_planned_and_kept(tmp_path: Path) -> None:
         workers=2,
         progress=lambda *a: seen.append(a),
     )
+    checked(rows)
     assert [r["gpus"] for r in rows] == [8, 16, 32]
     assert all(r["status"] == "optimal" for r in rows)
     direct = planner.plan(SMALL, planner.load_cluster("h100", gpus=16), JOB, time_limit_s=10)
@@ -63,7 +89,7 @@ def test_every_case_is_planned_and_kept(tmp_path: Path) -> None:
 def test_a_failing_case_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
     good = cases([SMALL], [8], jobs=[JOB], time_limit_s=5)[0]
     broken = dataclasses.replace(good, model={**good.model, "hidden_size": -1})
-    rows = run([broken, good], db=tmp_path / "f.db", workers=1)
+    rows = checked(run([broken, good], db=tmp_path / "f.db", workers=1))
     assert rows[0]["status"] == "failed" and "hidden_size" in rows[0]["error"]
     assert rows[1]["status"] == "optimal"
     assert [s for s, _ in rows_in(tmp_path / "f.db").values()].count("failed") == 1
@@ -73,6 +99,7 @@ def test_a_failing_case_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> Non
     assert again[0]["status"] == "failed"
 
 
+@pytest.mark.slow
 def test_an_interrupted_sweep_resumes_without_recomputing(tmp_path: Path) -> None:
     db = tmp_path / "resume.sqlite"
     gpus = ["8", "16", "24", "32", "48", "64"]
@@ -143,7 +170,12 @@ def test_bad_sweep_input_is_one_line(tmp_path: Path) -> None:
         planner.sweep([SMALL], [8], jobs=[JOB], db=not_db)
 
 
+@pytest.mark.slow
 def test_ray_backend_on_a_local_instance(tmp_path: Path) -> None:
+    """The same cases on Ray and in the local pool give the same rows: status, layout, step
+    and bound. (Ray starting its own processes on this machine's cores once slowed a case
+    tenfold, and the wall clock then cut its search short: "feasible" on Ray, "optimal"
+    here; ``test_a_case_gives_the_same_row_on_a_slow_worker`` holds that case.)"""
     pytest.importorskip("ray")
     local = planner.sweep([SMALL], [8, 16], jobs=[JOB], time_limit_s=5, db=tmp_path / "a.db")
     on_ray = planner.sweep(
@@ -155,12 +187,31 @@ def test_ray_backend_on_a_local_instance(tmp_path: Path) -> None:
         workers=2,
         ray_address="local",
     )
-    for a, b in zip(local, on_ray, strict=True):
-        assert (a["status"], a["layout"], a["step_time_s"]) == (
-            b["status"],
-            b["layout"],
-            b["step_time_s"],
-        )
+    checked(local + on_ray)
+    assert [answer(a) for a in local] == [answer(b) for b in on_ray]
+    assert not any(r["plan"]["stopped_by_clock"] for r in local + on_ray)
+
+
+def test_a_case_gives_the_same_row_on_a_slow_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A case run on a worker so slow that its search takes three times its time limit is
+    planned the same: the search's deterministic budget decides what it explores, and the
+    sweep's wall-clock stop lies far past it (``sweep.CLOCK_FACTOR``). With the clock
+    stopping at the time limit, this case came back "feasible" on such a worker."""
+    case = cases([SMALL], [8], jobs=[JOB], time_limit_s=5)[0]
+    run_case(case)  # warm: imports and the schedules' cached programs
+    idle = run_case(case)
+    assert idle["status"] == "optimal"
+    # The search reads its clock running this many times fast: as on a slower machine.
+    factor = 3 * case.time_limit_s / idle["plan"]["solve_time_s"]
+    start = time.perf_counter()
+    slow_clock = types.SimpleNamespace(
+        perf_counter=lambda: start + factor * (time.perf_counter() - start)
+    )
+    monkeypatch.setattr(search, "time", slow_clock)
+    loaded = run_case(case)
+    assert loaded["plan"]["solve_time_s"] > case.time_limit_s  # it did run past the limit
+    assert not loaded["plan"]["stopped_by_clock"]
+    assert answer(loaded) == answer(idle)
 
 
 def test_each_gpu_count_starts_from_the_plan_of_the_one_before() -> None:

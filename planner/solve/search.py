@@ -172,6 +172,7 @@ def plan(
     explain_infeasible: bool = True,
     processes: int | None = None,
     hints: Sequence[Layout] = (),
+    clock_limit_s: float | None = None,
 ) -> Plan:
     """The fastest layout of ``model`` on ``cluster`` for ``job`` within ``space``, with a
     proof of how close to optimal it is (see the module docstring). ``workers``: CP-SAT's
@@ -181,10 +182,14 @@ def plan(
     layouts of neighbouring jobs (a sweep's other GPU counts, say), costed here with this
     job's data-parallel degree before the search starts (``_hinted``): a good one prunes
     early. They change what the search finds first, and so the plan, never what a bound
-    proves."""
+    proves. ``clock_limit_s``: the wall-clock safety stop (default ``time_limit_s``); a
+    caller whose answer must not depend on the machine's load (a sweep) sets it well past
+    the time the budget takes."""
     started = time.perf_counter()
     if not time_limit_s > 0:
         raise PlannerError(f"time_limit_s={time_limit_s:g}: must be a positive number of seconds")
+    if clock_limit_s is not None and not clock_limit_s > 0:
+        raise PlannerError(f"clock_limit_s={clock_limit_s:g}: must be a positive number of seconds")
     if processes is not None and processes < 1:
         raise PlannerError(f"processes={processes}: must be a positive process count")
     asked = space or SearchSpace()
@@ -206,7 +211,8 @@ def plan(
                 except PlannerError:  # degrees the model refuses: bound_tables skips them
                     crowded[holds(c)] = False
         configs += [dataclasses.replace(c, ema="hbm") for c in configs if crowded[holds(c)]]
-    budget = Budget(DETERMINISTIC_SHARE * LANES * time_limit_s, started + time_limit_s)
+    clock = time_limit_s if clock_limit_s is None else clock_limit_s
+    budget = Budget(DETERMINISTIC_SHARE * LANES * time_limit_s, started + clock)
     procs = default_processes() if processes is None else processes
     found: list[tuple[float, Config, Layout]] = []
 
@@ -889,6 +895,16 @@ _TOKENS = itertools.count()
 _LANE_STATE: dict[tuple[str, int], _Lane] = {}  # per plan call and lane, in its process
 
 
+def _variants(members: list[Config]) -> list[list[Config]]:
+    """A set of degrees' members by what ``degrees_bound`` cannot take the leanest of: FP8
+    caching (less memory, more compute), sequence parallelism and optimizer offload (less
+    memory, a slower optimizer step); in order of first appearance."""
+    out: dict[tuple[object, ...], list[Config]] = {}
+    for c in members:
+        out.setdefault((c.fp8_cache, c.sequence_parallel, c.optimizer_offload), []).append(c)
+    return list(out.values())
+
+
 def _degrees_key(c: Config) -> tuple[int, ...]:
     """What a configuration's lane is chosen by: its degrees and micro-batch, which its
     cost tables, relaxation and schedule program depend on (and so are cached with it)."""
@@ -971,10 +987,18 @@ class _Lane:
         # with it).
         line: list[tuple[float, Entry]] = []
         for members in sets:
-            self.charge(SECONDS_PER_DEGREES_BOUND)
-            rep = max(members, key=lambda c: (c.zero, _key(c)))
-            bound = degrees_bound(model, cluster, job, rep)
-            if bound is not None:
+            # A bound per variant of the layers' work and optimizer step (FP8 caching,
+            # sequence parallelism, optimizer offload: each can raise one and lower the
+            # other), each from its most sharded member; the set's is the least of them.
+            bounds: list[tuple[float, Config]] = []
+            for variant in _variants(members):
+                self.charge(SECONDS_PER_DEGREES_BOUND)
+                rep = max(variant, key=lambda c: (c.zero, _key(c)))
+                bound = degrees_bound(model, cluster, job, rep)
+                if bound is not None:
+                    bounds.append((bound, rep))
+            if bounds:
+                bound, rep = min(bounds, key=lambda x: (x[0], _key(x[1])))
                 rank = (bound + communication_floor(model, cluster, job, rep)) * _fill(rep)
                 line.append((rank, (bound, (_key(rep), 0), 0, members)))
         line.sort(key=lambda x: (x[0], x[1][1]))
