@@ -310,7 +310,7 @@ def test_solver_objective_is_the_estimate_of_its_layout(
     returns, and the bound it proves is that figure (to the model's 1 us per block time
     resolution)."""
     from planner.costs.comm import Network
-    from planner.solve.search import solve_config
+    from planner.solve.refine import solve_config
     from planner.solve.tables import Config
 
     model = planner.load_model("mixtral-8x7b").model_copy(update={"num_layers": 8})
@@ -495,7 +495,8 @@ def test_a_hint_from_another_gpu_count_is_costed_at_this_one() -> None:
     One of another model, or outside the space, is passed over."""
     import math
 
-    from planner.solve.search import Budget, _hinted
+    from planner.solve.budget import Budget
+    from planner.solve.first import hinted_layouts
     from planner.solve.space import enumerate_configs
 
     model = planner.load_model("llama3-8b").model_copy(update={"num_layers": 8})
@@ -509,18 +510,18 @@ def test_a_hint_from_another_gpu_count_is_costed_at_this_one() -> None:
     space = planner.SearchSpace()
     configs = list(enumerate_configs(model, cluster, job, space))
     budget = Budget(math.inf, math.inf)
-    [(step, config, layout)] = _hinted(model, cluster, job, configs, [hint, other], budget)
+    [(step, config, layout)] = hinted_layouts(model, cluster, job, configs, [hint, other], budget)
     assert (layout.tp, layout.pp, layout.dp, layout.micro_batch) == (2, 2, 4, 2)
     assert layout.stages == hint.stages  # the same blocks and recompute on each stage
     assert config.num_microbatches == 64 // (4 * 2)
     assert step == planner.evaluate(model, cluster, job, layout).step_time_s
     assert budget.spent > 0  # costing it is charged
     pinned = list(enumerate_configs(model, cluster, job, planner.SearchSpace(tp=[1])))
-    assert _hinted(model, cluster, job, pinned, [hint], budget) == []
+    assert hinted_layouts(model, cluster, job, pinned, [hint], budget) == []
     # The batch no longer divides by the micro-batch: the largest smaller one that does.
     odd = planner.TrainingJob(seq_len=2048, global_batch=4)
     wide = list(enumerate_configs(model, cluster, odd, space))
-    [(_, _, halved)] = _hinted(model, cluster, odd, wide, [hint], budget)
+    [(_, _, halved)] = hinted_layouts(model, cluster, odd, wide, [hint], budget)
     assert halved.micro_batch == 1
     plan = planner.plan(model, cluster, job, time_limit_s=1, hints=[hint])
     assert plan.objective_s is not None and plan.objective_s <= step * (1 + 1e-9)
@@ -589,7 +590,8 @@ def test_quick_layouts_give_each_rank_the_fastest_choice_its_memory_fits(
     from planner.costs.cap import usable_peak_bytes
     from planner.costs.memory import stage_memory
     from planner.solve.bounds import bound_tables
-    from planner.solve.search import Budget, _by_kind, _holders, _ladder, _quick
+    from planner.solve.budget import Budget
+    from planner.solve.first import _by_kind, _holders, _ladder, quick_layout
     from planner.solve.tables import Config
 
     model = planner.load_model("llama3-8b").model_copy(update={"num_layers": 16})
@@ -599,7 +601,7 @@ def test_quick_layouts_give_each_rank_the_fastest_choice_its_memory_fits(
     mixed = False
     for hbm in (40, 30, 24):
         cluster = planner.load_cluster("h100", gpus=8).model_copy(update={"hbm_bytes": hbm * GiB})
-        out = _quick(model, cluster, job, space, config, Budget(math.inf, math.inf), set())
+        out = quick_layout(model, cluster, job, space, config, Budget(math.inf, math.inf), set())
         if out is None:
             continue
         step, layout = out

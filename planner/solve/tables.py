@@ -142,6 +142,25 @@ class Config:
         )
 
 
+def tie_break(c: Config) -> tuple[object, ...]:
+    """Deterministic tie-break between configurations."""
+    return (
+        c.pp,
+        c.tp,
+        c.cp,
+        c.ep,
+        c.etp,
+        c.zero,
+        c.micro_batch,
+        c.schedule,
+        c.virtual_stages,
+        c.ema,
+        c.fp8_cache,
+        c.sequence_parallel,
+        c.optimizer_offload,
+    )
+
+
 def choice_name(choice: frozenset[str] | str) -> str:
     """The recompute string of a choice (``Layout`` and the exporters read these)."""
     if isinstance(choice, str):

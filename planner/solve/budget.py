@@ -1,0 +1,161 @@
+"""The search's deterministic budget: what it may spend, and what each piece of work costs.
+
+What the search explores is decided by a deterministic budget, ``DETERMINISTIC_SHARE`` of
+``time_limit_s`` per lane: CP-SAT's own deterministic time (one worker, interleaved search)
+plus a fixed charge for each piece of Python work (per bound, per relaxation by its size, per
+layout costed by its blocks and ops, per model built by its ops), so the same inputs give the
+same plan on a loaded or an idle machine. The wall clock is a safety stop only
+(``Budget.deadline``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from planner.solve.tables import Config
+from planner.specs import ModelSpec
+
+DETERMINISTIC_SHARE = 0.3  # of time_limit_s per lane: the budget (see the module docstring)
+
+
+# Deterministic charges for Python work, in seconds of budget, fitted to times measured on
+# this project's 2-core reference machine (an op is one forward or backward of one
+# micro-batch on one stage, ``order_size``): a configuration's own bound and the bound of a
+# set of degrees (which builds two tables); a relaxation (its timeline runs and linear
+# program); costing a layout (its memory and stage tables per block, then the timeline);
+# checking a layout's memory alone; building a CP-SAT model and stating its chains. Refitted
+# on the 11 jobs of benchmarks/plan_speed.py at 10 s (wall time per call against the
+# charge; benchmarks/RESULTS.md, 2026-11-25); the first sight of a shape (its program and
+# memory points, its chains) and the relaxation's per-op and per-stage terms refitted on 62
+# configurations of pp 2 to 64 and up to 184,320 ops (llama3-8b, llama3-70b, deepseek-v3
+# on H800; cold and warm calls timed apart).
+SECONDS_PER_BOUND = 5e-4
+
+
+SECONDS_PER_DEGREES_BOUND = 2.2e-3
+
+
+SECONDS_PER_RELAXATION = 4.2e-3
+
+
+SECONDS_PER_DRAIN = 1.5e-3
+
+
+SECONDS_PER_DRAIN_CELL = 2e-7  # per chain and stage of the dual descent
+
+
+SECONDS_PER_SHAPE = 6e-3  # a shape's chains, once per lane
+
+
+SECONDS_PER_SHAPE_OP = 6e-7  # per op and timeline run, more on deep pipelines
+
+
+SECONDS_PER_RELAXATION_OP = 5e-6
+
+
+SECONDS_PER_RELAXATION_STAGE2 = 5e-5  # its chains span every stage: per stage squared
+
+
+SECONDS_PER_BLOCK = 3.4e-4
+
+
+SECONDS_PER_MEMORY_BLOCK = 5e-5  # building the layout and its memory (2.3 to 3.0 ms a call)
+
+
+SECONDS_PER_TIMELINE_OP = 1e-6
+
+
+SECONDS_PER_MODEL_OP = 1e-5
+
+
+# The first time a lane meets a schedule's shape: its task program and each rank's memory
+# points (``timeline.program``, ``memory.level_points``), per op, more on deep pipelines.
+SECONDS_PER_PROGRAM_OP = 4e-6
+
+
+# Budget seconds per second of CP-SAT's deterministic time: its models here take 1.7 s of
+# wall time per deterministic second on the reference machine (the 38 solves of
+# llama3-8b-8-h100 at 10 s in benchmarks/plan_speed.py: 7.19 s against 4.15).
+CPSAT_SECONDS = 1.7
+
+
+QUICK_SHARE = 0.4  # of the budget left after the bounds, at most, for layouts before proofs
+
+
+@dataclass
+class Budget:
+    """Deterministic work left (see the module docstring) and the wall-clock safety stop."""
+
+    limit: float
+    deadline: float
+    spent: float = 0.0
+    stopped_by_clock: bool = False
+
+    def charge(self, seconds: float) -> None:
+        self.spent += seconds
+
+    def left(self) -> float:
+        if time.perf_counter() >= self.deadline:
+            self.stopped_by_clock = True
+            return 0.0
+        return max(0.0, self.limit - self.spent)
+
+    def wall_left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+
+# The relaxation runs the timeline on the configuration's shape: beyond this many ops per
+# step (many micro-batches on a deep pipeline) that costs more than the bound saves.
+RELAXATION_OPS = 250_000
+
+
+SECONDS_PER_OP = SECONDS_PER_MODEL_OP  # what building a model takes per op, for wall checks
+
+
+def costing_charge(model: ModelSpec, config: Config) -> float:
+    """The charge for costing one layout of ``config`` (``step_run``)."""
+    blocks = model.num_layers + model.num_mtp_layers + 2
+    return blocks * SECONDS_PER_BLOCK + order_size(config) * SECONDS_PER_TIMELINE_OP
+
+
+def shape_key(config: Config) -> tuple[str, int, int, int]:
+    return (config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
+
+
+def program_charge(config: Config, seen: set[tuple[str, int, int, int]]) -> float:
+    """The charge for building ``config``'s schedule program and memory points, the first
+    time (``seen``: the shapes already charged, updated)."""
+    if shape_key(config) in seen:
+        return 0.0
+    seen.add(shape_key(config))
+    return order_size(config) * SECONDS_PER_PROGRAM_OP * (1 + config.pp / 16)
+
+
+def drain_charge(config: Config, *, new_shape: bool) -> float:
+    """The charge for a configuration's fill-and-drain bound (``bounds.fill_and_drain``):
+    its dual descent over the chains, and, the first time a lane meets the shape, building
+    the shape's chains (one timeline run per profile of ``timeline.shape_forms``)."""
+    from planner.timeline import heavy_ranks
+
+    profiles = 2 + len(heavy_ranks(config.pp))  # and the ranks' peaks (``crowded_rank``)
+    chains = config.pp * profiles
+    charge = SECONDS_PER_DRAIN + chains * config.stages * SECONDS_PER_DRAIN_CELL
+    if new_shape:
+        per_op = SECONDS_PER_SHAPE_OP * (1 + config.pp / 20)
+        charge += SECONDS_PER_SHAPE + order_size(config) * profiles * per_op
+    return charge
+
+
+def relaxation_charge(config: Config) -> float:
+    """The charge for a configuration's relaxation (``lp_bound``)."""
+    return (
+        SECONDS_PER_RELAXATION
+        + order_size(config) * SECONDS_PER_RELAXATION_OP
+        + config.stages**2 * SECONDS_PER_RELAXATION_STAGE2
+    )
+
+
+def order_size(c: Config) -> int:
+    """Ops in all the ranks' orders of one step (a forward and a backward per chunk)."""
+    return 3 * c.num_microbatches * c.stages * c.copies
