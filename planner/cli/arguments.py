@@ -94,16 +94,7 @@ def _job_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--gpus", type=int, help="total GPUs (required)")
     cmd.add_argument("--seq-len", type=int, help="tokens per sequence (required)")
     cmd.add_argument("--global-batch", type=int, help="sequences per step (required)")
-    cmd.add_argument("--compute-dtype", default="bf16", choices=["bf16", "fp8"], help="GEMMs")
-    cmd.add_argument("--moment-dtype", default="fp32", help="optimizer moment dtype")
-    cmd.add_argument("--grad-dtype", default=None, help="gradient dtype (default: the framework's)")
-    cmd.add_argument("--ema", default=None, help="EMA dtype (omit for no EMA)")
-    cmd.add_argument(
-        "--framework",
-        default=None,
-        choices=FRAMEWORK_NAMES,
-        help="training software: what overlaps with compute (default megatron, or --target's)",
-    )
+    _precision_args(cmd)
     cmd.add_argument(
         "--compiled-loss",
         action="store_true",
@@ -221,16 +212,7 @@ def _sweep_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--gpus", type=int, nargs="+", required=True, help="total GPU counts")
     cmd.add_argument("--seq-len", type=int, nargs="+", required=True, help="tokens/sequence")
     cmd.add_argument("--global-batch", type=int, nargs="+", required=True, help="sequences/step")
-    cmd.add_argument("--compute-dtype", default="bf16", choices=["bf16", "fp8"], help="GEMMs")
-    cmd.add_argument("--moment-dtype", default="fp32", help="optimizer moment dtype")
-    cmd.add_argument("--grad-dtype", default=None, help="gradient dtype (default: the framework's)")
-    cmd.add_argument("--ema", default=None, help="EMA dtype (omit for no EMA)")
-    cmd.add_argument(
-        "--framework",
-        default=None,
-        choices=FRAMEWORK_NAMES,
-        help="training software: what overlaps with compute (default megatron, or --target's)",
-    )
+    _precision_args(cmd)
     cmd.add_argument("--time-limit", type=float, default=10.0, help="per case (s)")
     cmd.add_argument("--db", default="sweep.sqlite", help="results database (resumes from it)")
     cmd.add_argument("--workers", type=int, default=None, help="local processes (default: CPUs)")
@@ -327,3 +309,17 @@ def _calibrate_args(cmd: argparse.ArgumentParser) -> None:
         "with --sweep, JSON (default sweep-<device>.json)",
     )
     cmd.add_argument("--name", default=None, help="machine name in the profile")
+
+
+def _precision_args(cmd: argparse.ArgumentParser) -> None:
+    """The job's precisions and framework, as every command that builds a job takes them."""
+    cmd.add_argument("--compute-dtype", default="bf16", choices=["bf16", "fp8"], help="GEMMs")
+    cmd.add_argument("--moment-dtype", default="fp32", help="optimizer moment dtype")
+    cmd.add_argument("--grad-dtype", default=None, help="gradient dtype (default: the framework's)")
+    cmd.add_argument("--ema", default=None, help="EMA dtype (omit for no EMA)")
+    cmd.add_argument(
+        "--framework",
+        default=None,
+        choices=FRAMEWORK_NAMES,
+        help="training software: what overlaps with compute (default megatron, or --target's)",
+    )

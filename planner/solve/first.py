@@ -7,6 +7,7 @@ to the budget (``planner.solve.budget``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -154,6 +155,11 @@ def offloaded_layouts(
     return out
 
 
+# What a hint does not fix of a configuration: its expert-parallel degree and micro-batch
+# (the nearest that divide are taken) and what follows from them.
+_HINT_FREE = frozenset({"ep", "micro_batch", "num_microbatches", "recompute_extra"})
+
+
 def hinted_layouts(
     model: ModelSpec,
     cluster: ClusterSpec,
@@ -169,28 +175,14 @@ def hinted_layouts(
     does, and its expert-parallel degree the nearest that divides. A hint whose degrees fall
     outside the space is passed over."""
     out: list[tuple[float, Config, Layout]] = []
-    known = set(configs)
     programs: set[tuple[str, int, int, int]] = set()
     for hint in hints:
         layers = [b.block for s in hint.stages for b in s.blocks if b.block.startswith("layer.")]
         if len(layers) != model.num_layers:
             continue  # another model's layout
         dp = cluster.num_gpus // (hint.tp * hint.cp * hint.pp)
-        rest = dict(
-            tp=hint.tp,
-            cp=hint.cp,
-            pp=hint.pp,
-            dp=dp,
-            zero=hint.zero,
-            schedule=hint.schedule,
-            virtual_stages=hint.virtual_stages,
-            ema=hint.ema,
-            fp8_cache=hint.fp8_cache,
-            sequence_parallel=hint.sequence_parallel,
-            etp=hint.etp,
-            optimizer_offload=hint.optimizer_offload,
-        )
-        same = [c for c in known if all(getattr(c, k) == v for k, v in rest.items())]
+        wanted = dataclasses.replace(Config.of(hint, 1), dp=dp).key(ignoring=_HINT_FREE)
+        same = [c for c in configs if c.key(ignoring=_HINT_FREE) == wanted]
         if not same:
             continue
 
