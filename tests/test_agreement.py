@@ -27,6 +27,7 @@ import planner
 from planner.costs.comm import NO_TRANSFER
 from planner.costs.timing import StageTime
 from planner.estimate import step_run
+from planner.frameworks import framework
 from planner.layout import Layout
 from planner.simulate import simulate
 from planner.timeline import run
@@ -195,9 +196,8 @@ def test_equal_stages_without_communication_take_the_published_step(
     """Each rank's share of the layers split into v equal chunks, nothing sent or reduced:
     the step is the schedule's closed form, plus the optimizer step."""
     times = [work_only(s, F / v, B / v, W / v) for s in range(p * v)]
-    timeline = run(
-        Shape(schedule, p, v), times, [OPT] * p, num_microbatches=m, framework="megatron"
-    )
+    overlap = framework("megatron").overlap
+    timeline = run(Shape(schedule, p, v), times, [OPT] * p, num_microbatches=m, overlap=overlap)
     assert timeline.step_s == pytest.approx(CLOSED_FORMS[schedule](p, m, v) + OPT, rel=1e-12)
 
 
