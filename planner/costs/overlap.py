@@ -34,7 +34,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from planner.costs.quantities import LINKS, Part, Prim, Quantity, name
+from planner.costs.quantities import LINKS, PARTS, Part, Prim, Quantity, name
 from planner.costs.timing import StageTime
 from planner.frameworks import FRAMEWORKS, Overlap, framework
 from planner.specs import ClusterSpec, TrainingJob
@@ -95,7 +95,7 @@ def prims(st: StageTime) -> dict[str, float]:
         (Q.ZERO_REDUCE, st.zero_reduce),
         (Q.GRAD_SYNC, st.grad_sync),
     ):
-        for part in Part:
+        for part in PARTS:
             out[name(quantity, part)] = part.of(t)
     return out
 

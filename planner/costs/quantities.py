@@ -78,15 +78,19 @@ def name(quantity: Quantity, part: Part = Part.SECONDS) -> str:
     return _NAMES[(quantity, part)]
 
 
-class Bytes(enum.Enum):
+class Bytes(enum.StrEnum):
     """Which of a stage's bytes a collective moves: unsharded gradients (the reduction,
     ZeRO-2/3's reduce-scatter) or working weights (ZeRO-3's gather), of the dense
     parameters or of the routed experts (their groups differ)."""
 
-    DENSE_GRAD = enum.auto()
-    EXPERT_GRAD = enum.auto()
-    DENSE_WEIGHT = enum.auto()
-    EXPERT_WEIGHT = enum.auto()
+    DENSE_GRAD = "dense_grad"
+    EXPERT_GRAD = "expert_grad"
+    DENSE_WEIGHT = "dense_weight"
+    EXPERT_WEIGHT = "expert_weight"
+
+
+PARTS = tuple(Part)
+BYTES = tuple(Bytes)
 
 
 @dataclass(frozen=True)
@@ -195,6 +199,19 @@ def rates(comm: StageComm, quantity: Quantity) -> tuple[Rate, Rate]:
     return comm.zero_reduce
 
 
+def a2a_forward(d: Domain[X], moe: X, pair: float) -> X:
+    """The forward all-to-alls of ``moe`` MoE layers: a dispatch and a combine each
+    (``pair`` seconds, or a part of them, per layer)."""
+    return d.per(moe, pair)
+
+
+def a2a_backward(d: Domain[X], moe: X, rerun: X, pair: float, combine: float) -> X:
+    """The backward all-to-alls of ``moe`` MoE layers: the two transposes of each layer's
+    dispatch and combine, each combine-sized, and the forward pair again for the ``rerun``
+    layers whose forward recompute repeats."""
+    return d.add(d.per(moe, 2 * combine), d.per(rerun, pair))
+
+
 def stage_quantities(d: Domain[X], comm: StageComm) -> dict[str, X]:
     """Every quantity of one stage, each part, keyed by ``name``: the one statement of what
     a stage's time is made of (see the module docstring)."""
@@ -205,12 +222,10 @@ def stage_quantities(d: Domain[X], comm: StageComm) -> dict[str, X]:
     }
     moe = d.count(lambda r: r.moe_layers)
     rerun = d.count(lambda r: r.moe_rerun)  # MoE layers whose forward recompute repeats
-    for part in Part:
+    for part in PARTS:
         pair, combine = part.of(comm.forward_pair), part.of(comm.combine)
-        # Forward: a dispatch and a combine per MoE layer; backward: their two transposes,
-        # each combine-sized, and the forward pair again where recompute re-runs the layer.
-        out[name(Quantity.A2A_FWD, part)] = d.per(moe, pair)
-        out[name(Quantity.A2A_BWD, part)] = d.add(d.per(moe, 2 * combine), d.per(rerun, pair))
+        out[name(Quantity.A2A_FWD, part)] = a2a_forward(d, moe, pair)
+        out[name(Quantity.A2A_BWD, part)] = a2a_backward(d, moe, rerun, pair, combine)
         out[name(Quantity.P2P, part)] = d.const(part.of(comm.p2p))
         out[name(Quantity.P2P_BACK, part)] = d.const(part.of(comm.p2p_back))
         for quantity, (dense, expert) in COLLECTIVE_BYTES.items():

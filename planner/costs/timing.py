@@ -48,6 +48,7 @@ from planner.costs.comm import NO_TRANSFER, Network, Transfer, group, moe_dispat
 from planner.costs.compute import BlockTime, Rates, block_time, work_time
 from planner.costs.memory import StageMemory, block_costs, shard_of
 from planner.costs.quantities import (
+    BYTES,
     OFF,
     Bytes,
     FloatStage,
@@ -166,7 +167,7 @@ def stage_bytes(
     gradients of its trainable parameters and its working weights, dense and routed experts
     apart; shared tensors once."""
     gb, wb = DTYPE_BYTES[job.grad_dtype], DTYPE_BYTES[job.working_weight_dtype]
-    out = dict.fromkeys(Bytes, 0.0)
+    out = dict.fromkeys(BYTES, 0.0)
     for p in params.values():
         local = p.numel / shards(p, layout)
         if p.trainable:

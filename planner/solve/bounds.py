@@ -24,6 +24,8 @@ from planner.costs.quantities import (
     Bytes,
     Quantity,
     Row,
+    a2a_backward,
+    a2a_forward,
     rates,
     stage_quantities,
 )
@@ -382,22 +384,15 @@ def _cheapest(t: Tables, block: str, stage: int) -> dict[str, float]:
     return stage_quantities(_Least([o.row for o in t.kinds[block].options]), t.comm[stage])
 
 
-@dataclass(frozen=True)
-class _MoeLayer:
-    """A row of one MoE layer that recompute does not re-run, and nothing else."""
-
-    fwd: float = 0.0
-    bwd_input: float = 0.0
-    bwd_weight: float = 0.0
-    moe_layers: int = 1
-    moe_rerun: int = 0
-
-
 def _a2a_per_layer(t: Tables) -> tuple[float, float]:
     """One MoE layer's all-to-alls per micro-batch, forward and backward (without a re-run),
     each at the stage where it is cheapest."""
-    per_stage = [stage_quantities(_Least([_MoeLayer()]), c) for c in t.comm]
-    return min(q[Q.A2A_FWD] for q in per_stage), min(q[Q.A2A_BWD] for q in per_stage)
+    d = _Least(())
+    forward = min(a2a_forward(d, 1.0, c.forward_pair.seconds) for c in t.comm)
+    backward = min(
+        a2a_backward(d, 1.0, 0.0, c.forward_pair.seconds, c.combine.seconds) for c in t.comm
+    )
+    return forward, backward
 
 
 def _fixed_blocks(t: Tables, stage: int, stages: int) -> list[str]:

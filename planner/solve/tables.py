@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,11 +85,7 @@ class Config:
     def key(self, *, ignoring: frozenset[str] = frozenset()) -> tuple[object, ...]:
         """This configuration as (part of) a cache key: every field but those named in
         ``ignoring`` (what a cached piece does not depend on; ``planner.memo``)."""
-        unknown = ignoring - {f.name for f in dataclasses.fields(self)}
-        assert not unknown, f"not fields of Config: {sorted(unknown)}"
-        return tuple(
-            getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ignoring
-        )
+        return _fields_but(ignoring)(self)  # type: ignore[no-any-return]
 
     @property
     def pipeline(self) -> Schedule:
@@ -140,6 +138,15 @@ class Config:
             sequence_parallel=self.sequence_parallel,
             optimizer_offload=self.optimizer_offload,
         )
+
+
+@functools.cache
+def _fields_but(ignoring: frozenset[str]) -> Callable[[Config], Any]:
+    """A getter of every ``Config`` field but ``ignoring``, as a tuple."""
+    names = [f.name for f in dataclasses.fields(Config)]
+    unknown = ignoring - set(names)
+    assert not unknown, f"not fields of Config: {sorted(unknown)}"
+    return operator.attrgetter(*(n for n in names if n not in ignoring))
 
 
 def tie_break(c: Config) -> tuple[object, ...]:
@@ -267,10 +274,11 @@ def build(
     # a position whole nodes: then one position's collective costs serve them all.
     same = cluster.gpus_per_node % plane == 0 or plane % cluster.gpus_per_node == 0
     comm = []
+    comm_key = config.key(ignoring=_COMM_IGNORE)
     for s in range(stages):
         rank = 0 if same else first_rank(proto, s)
         position = _STAGE_COMM.get(
-            (model, job, network, rank, config.copies, config.key(ignoring=_COMM_IGNORE)),
+            (model, job, network, rank, config.copies, comm_key),
             functools.partial(position_comm, model, job, proto, network, shard, rank),
         )
         comm.append(stage_comm(position, *sends[s]))
