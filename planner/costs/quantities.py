@@ -222,21 +222,23 @@ def stage_quantities(d: Domain[X], comm: StageComm) -> dict[str, X]:
     }
     moe = d.count(lambda r: r.moe_layers)
     rerun = d.count(lambda r: r.moe_rerun)  # MoE layers whose forward recompute repeats
+    collectives = [(q, dense, expert, *rates(comm, q)) for q, (dense, expert) in _COLLECTIVES]
     for part in PARTS:
-        pair, combine = part.of(comm.forward_pair), part.of(comm.combine)
-        out[name(Quantity.A2A_FWD, part)] = a2a_forward(d, moe, pair)
-        out[name(Quantity.A2A_BWD, part)] = a2a_backward(d, moe, rerun, pair, combine)
-        out[name(Quantity.P2P, part)] = d.const(part.of(comm.p2p))
-        out[name(Quantity.P2P_BACK, part)] = d.const(part.of(comm.p2p_back))
-        for quantity, (dense, expert) in COLLECTIVE_BYTES.items():
-            on_dense, on_expert = rates(comm, quantity)
-            total = d.add(
-                d.over_bytes(dense, part.of(on_dense.per_byte)),
-                d.const(part.of(on_dense.latency)),
-            )
-            total = d.add(total, d.over_bytes(expert, part.of(on_expert.per_byte)))
-            out[name(quantity, part)] = d.add(total, d.if_expert(part.of(on_expert.latency)))
+        key, of = _KEYS[part], part.of
+        pair, combine = of(comm.forward_pair), of(comm.combine)
+        out[key[Quantity.A2A_FWD]] = a2a_forward(d, moe, pair)
+        out[key[Quantity.A2A_BWD]] = a2a_backward(d, moe, rerun, pair, combine)
+        out[key[Quantity.P2P]] = d.const(of(comm.p2p))
+        out[key[Quantity.P2P_BACK]] = d.const(of(comm.p2p_back))
+        for quantity, dense, expert, on_dense, on_expert in collectives:
+            total = d.add(d.over_bytes(dense, of(on_dense.per_byte)), d.const(of(on_dense.latency)))
+            total = d.add(total, d.over_bytes(expert, of(on_expert.per_byte)))
+            out[key[quantity]] = d.add(total, d.if_expert(of(on_expert.latency)))
     return out
+
+
+_COLLECTIVES = tuple(COLLECTIVE_BYTES.items())
+_KEYS = {part: {q: name(q, part) for q in Quantity} for part in PARTS}
 
 
 class FloatStage:
