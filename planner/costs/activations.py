@@ -101,6 +101,41 @@ def level_points(
     )
 
 
+Level = tuple[tuple[int, ...], int | None]  # micro-batches in flight per chunk, rebuilding chunk
+
+
+def activation_levels(
+    schedule: str,
+    pp: int,
+    num_microbatches: int,
+    virtual_stages: int,
+    rank: int,
+    chunks: Sequence[int],
+) -> list[Level]:
+    """The levels of ``rank``'s op order that can be its highest, each as micro-batches in
+    flight per chunk (in the order of ``chunks``) and the chunk whose backward is rebuilding
+    then (None: none): the points of ``level_points`` without those another implies (one
+    with as many of every chunk and the same rebuild, or for a level without a rebuild, any
+    rebuild), whatever each chunk's bytes. The solver states its memory over these."""
+    at = {c: i for i, c in enumerate(chunks)}
+    seen: set[Level] = set()
+    for flight, rebuilt, _, _ in level_points(schedule, pp, num_microbatches, virtual_stages, rank):
+        counts = [0] * len(chunks)
+        for c, n in flight:
+            counts[at[c]] = n
+        seen.add((tuple(counts), None if rebuilt < 0 else rebuilt))
+    keep: list[Level] = []
+    # Largest first: a level can only be implied by one at least as large in total.
+    for x in sorted(seen, key=lambda x: (-sum(x[0]), x[1] is None, x)):
+        implied = any(
+            (x[1] is None or y[1] == x[1]) and all(a >= b for a, b in zip(y[0], x[0], strict=True))
+            for y in keep
+        )
+        if not implied:
+            keep.append(x)
+    return sorted(keep, key=lambda x: (x[0], -1 if x[1] is None else x[1]))
+
+
 def rebuild_peak(
     blocks: Sequence[tuple[BlockCost, frozenset[str] | str]], kept: float = 0.0
 ) -> float:

@@ -282,13 +282,13 @@ def _in_flight_floor(schedule: str, pp: int, m: int, v: int, rank: int) -> float
     """The fewest micro-batches' saved activations a rank can hold at its peak, over every
     split of its layers between its chunks: min over fractions x of max over the levels its
     op order passes through of sum_c count_c x_c (bounded by ``_dual_bound``)."""
+    from planner.costs.activations import activation_levels
     from planner.layout import chunks_of
-    from planner.schedules import op_order
-    from planner.solve.tables import _levels
 
-    order = op_order(schedule, pp=pp, num_microbatches=m, rank=rank, virtual_stages=v)
     chunks = list(dict.fromkeys(chunks_of(schedule, pp, v, rank)))
-    levels = np.array([counts for counts, _ in _levels(order, chunks)], dtype=float)
+    levels = np.array(
+        [counts for counts, _ in activation_levels(schedule, pp, m, v, rank, chunks)], dtype=float
+    )
     if levels.size == 0:
         return 0.0
     return _dual_bound(levels, np.zeros(len(levels)), np.zeros(len(chunks)), 1.0)

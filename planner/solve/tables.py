@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from planner.costs.activations import activation_levels
 from planner.costs.blocks import BlockCost, Param, Shard, block_cost, block_names
 from planner.costs.comm import Network, Transfer
 from planner.costs.compute import Rates
@@ -49,7 +50,7 @@ from planner.costs.timing import (
 from planner.frameworks import Overlap
 from planner.layout import Layout, parse_recompute
 from planner.memo import Memo
-from planner.schedules import Op, Schedule, op_order, schedule_of
+from planner.schedules import Schedule, op_order, schedule_of
 from planner.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, TrainingJob
 
 GiB = float(2**30)
@@ -569,35 +570,8 @@ def _rank_order(schedule: str, pp: int, m: int, v: int, rank: int) -> RankOrder:
     chunks = list(dict.fromkeys(o.stage for o in order))
     prog = program(schedule, pp, m, v)
     tasks = Counter(prog.key[g] for g in prog.by_rank[rank])
-    return RankOrder(chunks=chunks, tasks=tasks, levels=_levels(order, chunks))
-
-
-def _levels(order: list[Op], chunks: list[int]) -> list[tuple[tuple[int, ...], int | None]]:
-    """The activation levels the order passes through, as per-chunk micro-batch counts (and
-    the chunk whose backward rebuilds at that moment), keeping only undominated ones: a level
-    is implied by another with as many of every chunk and the same rebuild (or, for a level
-    without a rebuild, any rebuild)."""
-    count = dict.fromkeys(chunks, 0)
-    seen: set[tuple[tuple[int, ...], int | None]] = set()
-    for op in order:
-        if op.kind == "F":
-            count[op.stage] += 1
-            seen.add((tuple(count[c] for c in chunks), None))
-        if op.kind in ("B", "BW"):
-            seen.add((tuple(count[c] for c in chunks), op.stage))
-        if op.kind in ("BW", "W"):
-            count[op.stage] -= 1
-
-    keep: list[tuple[tuple[int, ...], int | None]] = []
-    # Largest first: a level can only be implied by one at least as large in total.
-    for x in sorted(seen, key=lambda x: (-sum(x[0]), x[1] is None, x)):
-        implied = any(
-            (x[1] is None or y[1] == x[1]) and all(a >= b for a, b in zip(y[0], x[0], strict=True))
-            for y in keep
-        )
-        if not implied:
-            keep.append(x)
-    return sorted(keep, key=lambda x: (x[0], -1 if x[1] is None else x[1]))
+    levels = activation_levels(schedule, pp, m, v, rank, chunks)
+    return RankOrder(chunks=chunks, tasks=tasks, levels=levels)
 
 
 def _fixed(
