@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from planner import frameworks
-from planner.costs.comm import NO_TRANSFER
 from planner.costs.overlap import (
     Parts,
     TaskKey,
@@ -210,22 +209,7 @@ def shape_forms(schedule: str, pp: int, m: int, v: int) -> tuple[Form, ...]:
 def _work_only(stage: int, seconds: float) -> StageTime:
     """A stage whose forward, input- and weight-gradient work take ``seconds`` each and
     which sends and reduces nothing."""
-    return StageTime(
-        stage=stage,
-        fwd=seconds,
-        bwd_input=seconds,
-        bwd_weight=seconds,
-        recompute=0.0,
-        tp_fwd=0.0,
-        tp_bwd=0.0,
-        a2a_fwd=NO_TRANSFER,
-        a2a_bwd=NO_TRANSFER,
-        p2p=NO_TRANSFER,
-        p2p_back=NO_TRANSFER,
-        grad_sync=NO_TRANSFER,
-        zero_gather=NO_TRANSFER,
-        zero_reduce=NO_TRANSFER,
-    )
+    return StageTime.work_only(stage, seconds, seconds, seconds)
 
 
 def heavy_ranks(pp: int) -> list[int]:

@@ -24,7 +24,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import planner
-from planner.costs.comm import NO_TRANSFER
 from planner.costs.timing import StageTime
 from planner.estimate import step_run
 from planner.frameworks import framework
@@ -153,22 +152,7 @@ class Shape:
 
 def work_only(stage: int, f: float, b: float, w: float) -> StageTime:
     """A stage that computes and communicates nothing."""
-    return StageTime(
-        stage=stage,
-        fwd=f,
-        bwd_input=b,
-        bwd_weight=w,
-        recompute=0.0,
-        tp_fwd=0.0,
-        tp_bwd=0.0,
-        a2a_fwd=NO_TRANSFER,
-        a2a_bwd=NO_TRANSFER,
-        p2p=NO_TRANSFER,
-        p2p_back=NO_TRANSFER,
-        grad_sync=NO_TRANSFER,
-        zero_gather=NO_TRANSFER,
-        zero_reduce=NO_TRANSFER,
-    )
+    return StageTime.work_only(stage, f, b, w)
 
 
 F, B, W, OPT = 1.0, 1.5, 0.7, 0.3  # seconds: a rank's forward, input and weight gradients

@@ -110,6 +110,26 @@ class StageTime:
     def tp_comm(self) -> float:
         return self.tp_fwd + self.tp_bwd
 
+    @classmethod
+    def work_only(cls, stage: int, fwd: float, bwd_input: float, bwd_weight: float) -> StageTime:
+        """A stage that computes and sends, reduces and gathers nothing."""
+        return cls(
+            stage=stage,
+            fwd=fwd,
+            bwd_input=bwd_input,
+            bwd_weight=bwd_weight,
+            recompute=0.0,
+            tp_fwd=0.0,
+            tp_bwd=0.0,
+            a2a_fwd=NO_TRANSFER,
+            a2a_bwd=NO_TRANSFER,
+            p2p=NO_TRANSFER,
+            p2p_back=NO_TRANSFER,
+            grad_sync=NO_TRANSFER,
+            zero_gather=NO_TRANSFER,
+            zero_reduce=NO_TRANSFER,
+        )
+
 
 def stage_times(
     model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: Layout, network: Network
