@@ -15,8 +15,6 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
-MEMOS: list[Memo[object]] = []
-
 
 class Memo(Generic[T]):
     """A bounded cache (cleared whole when it reaches ``limit`` entries: a long sweep must
@@ -25,7 +23,6 @@ class Memo(Generic[T]):
     def __init__(self, name: str, limit: int = 20_000) -> None:
         self.name, self.limit = name, limit
         self._store: dict[Hashable, T] = {}
-        MEMOS.append(self)  # type: ignore[arg-type]
 
     def get(self, key: Hashable, make: Callable[[], T]) -> T:
         """The piece under ``key``, made by ``make`` the first time."""
@@ -36,15 +33,3 @@ class Memo(Generic[T]):
                 self._store.clear()
             value = self._store[key] = make()
             return value
-
-    def __len__(self) -> int:
-        return len(self._store)
-
-    def clear(self) -> None:
-        self._store.clear()
-
-
-def clear_all() -> None:
-    """Empty every cache (a test that changes a cached input's meaning starts afresh)."""
-    for memo in MEMOS:
-        memo.clear()

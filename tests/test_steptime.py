@@ -157,7 +157,7 @@ def test_a_dualpipe_pair_hides_each_chunks_communication_behind_the_other_only()
     from dataclasses import replace
 
     from planner.costs.comm import Network, Transfer
-    from planner.costs.overlap import OVERLAP_SM_SHARE, OVERLAPS, task_time, values
+    from planner.costs.overlap import OVERLAPS, task_time, values
     from planner.costs.timing import stage_times
 
     mixtral = planner.load_model("mixtral-8x7b")
@@ -179,7 +179,9 @@ def test_a_dualpipe_pair_hides_each_chunks_communication_behind_the_other_only()
 
     compute = st.fwd + st.bwd_input + st.bwd_weight
     light = 1e-4
-    assert pair(light, light) == pytest.approx(compute + OVERLAP_SM_SHARE * 2 * light)
+    # DeepSeek-V3 report section 3.2.2: the communication kernels hold 20 of the H800's 132
+    # SMs (the H100 here has as many) while the paired chunks compute.
+    assert pair(light, light) == pytest.approx(compute + 20 / 132 * 2 * light)
     heavy = 2 * compute
     # Each chunk waits for its own all-to-alls: the forward chunk's, the longer, binds.
     assert pair(heavy, light) == pytest.approx(st.fwd + heavy)

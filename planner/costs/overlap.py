@@ -45,10 +45,7 @@ PAIRED_COMM_SMS = 20
 # NCCL occupies whole SMs with its CTAs, 16 on a DGX-class node with 8 NICs (NVIDIA/nccl#689,
 # maintainer's answer).
 NCCL_SMS = 16
-# Their shares of a 132-SM GPU (H100, H800, H200); other GPUs' come from their SM count
-# (``overlap_of``: A100 108, B200 148).
-OVERLAP_SM_SHARE = PAIRED_COMM_SMS / 132
-NCCL_SM_SHARE = NCCL_SMS / 132
+# Their shares come from each GPU's SM count (``overlap_of``: H100 132, A100 108, B200 148).
 
 TaskKey = tuple[Any, ...]  # ("F"|"B"|"W"|"BW", stage) or ("pair", f, b, "B"|"BW")
 Q = Quantity

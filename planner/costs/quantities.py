@@ -48,10 +48,6 @@ class Quantity(enum.StrEnum):
     GRAD_SYNC = "grad_sync"  # the data-parallel gradient reduction, once per step
 
 
-COMPUTE = (Quantity.FWD, Quantity.BWD_INPUT, Quantity.BWD_WEIGHT)
-TRANSFERS = tuple(q for q in Quantity if q not in COMPUTE)
-
-
 class Part(enum.StrEnum):
     """Which figure of a transfer: its seconds, or a link's busy seconds."""
 

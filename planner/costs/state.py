@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from planner.costs.blocks import Param
-from planner.frameworks import FRAMEWORKS, framework
+from planner.frameworks import framework, names_with
 from planner.layout import Layout
 from planner.specs import DTYPE_BYTES, TrainingJob
 
@@ -50,7 +50,7 @@ def optimizer_offload_rule(job: TrainingJob, fraction: float, zero: int | None =
     fw = framework(job.framework)
     rule = fw.optimizer_offload
     if rule is None:
-        able = " or ".join(n for n, f in FRAMEWORKS.items() if f.optimizer_offload)
+        able = names_with(lambda f: f.optimizer_offload)
         return (
             f"framework {job.framework!r} has no optimizer-only offload (torchtitan's "
             f"enable_cpu_offload moves weights and gradients too); offload needs {able}"

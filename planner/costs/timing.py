@@ -37,6 +37,7 @@ cross-entropy's small tensor-parallel reductions, and the MoE router's auxiliary
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -196,23 +197,11 @@ def stage_bytes(
     return out
 
 
-@dataclass(frozen=True)
-class PositionComm:
-    """What a stage's transfers cost at a pipeline position, apart from its sends: one MoE
-    layer's forward all-to-alls and its combine, and the rates of its collectives (see
-    ``costs.quantities.StageComm``)."""
-
-    forward_pair: Transfer
-    combine: Transfer
-    grad_sync: tuple[Rate, Rate]
-    zero_gather: tuple[Rate, Rate]
-    zero_reduce: tuple[Rate, Rate]
-
-
 def position_comm(
     model: ModelSpec, job: TrainingJob, layout: Layout, network: Network, shard: Shard, rank: int
-) -> PositionComm:
-    """The transfers of a stage held at ``rank``'s pipeline position: its all-to-alls, and
+) -> StageComm:
+    """The transfers of a stage held at ``rank``'s pipeline position, its sends aside (none:
+    ``stage_comm`` adds them): its all-to-alls, and
     its gradient reduction (all-reduce under ZeRO-0, reduce-scatter under ZeRO-1; the updated
     parameters' all-gather is taken as overlapped with the next step's forward, as
     Megatron-LM's ``--overlap-param-gather``), ZeRO-3's gather and ZeRO-2/3's
@@ -221,26 +210,20 @@ def position_comm(
     dense, expert = dp_groups(layout, rank)
     z = layout.zero
     sync: Collective = "all_reduce" if z == 0 else "reduce_scatter"
-    return PositionComm(
+    return StageComm(
         forward_pair=dispatch + combine,
         combine=combine,
+        p2p=NO_TRANSFER,
+        p2p_back=NO_TRANSFER,
         grad_sync=_rates(network, sync, dense, expert) if z <= 1 else (OFF, OFF),
         zero_gather=_rates(network, "all_gather", dense, expert) if z >= 3 else (OFF, OFF),
         zero_reduce=_rates(network, "reduce_scatter", dense, expert) if z >= 2 else (OFF, OFF),
     )
 
 
-def stage_comm(position: PositionComm, p2p: Transfer, p2p_back: Transfer) -> StageComm:
-    """A stage's transfers: those of its position and its two sends."""
-    return StageComm(
-        forward_pair=position.forward_pair,
-        combine=position.combine,
-        p2p=p2p,
-        p2p_back=p2p_back,
-        grad_sync=position.grad_sync,
-        zero_gather=position.zero_gather,
-        zero_reduce=position.zero_reduce,
-    )
+def stage_comm(position: StageComm, p2p: Transfer, p2p_back: Transfer) -> StageComm:
+    """A stage's transfers: those of its position (``position_comm``) and its two sends."""
+    return dataclasses.replace(position, p2p=p2p, p2p_back=p2p_back)
 
 
 def stage_sends(

@@ -50,7 +50,6 @@ from planner.specs import ModelSpec
 COMMIT = "73a0e6979dd10b6b1904098eb3c8f62c18ab87ce"
 
 LAUNCHER = target("torchtitan")
-SCHEDULES = dict(LAUNCHER.schedule_names)  # ours -> job.toml's pipeline_parallel_schedule
 FLAVORS = {  # catalog name -> the torchtitan (model name, flavor) named after it, v0.2.2
     "llama3-8b": ("llama3", "8B"),
     "llama3-70b": ("llama3", "70B"),
@@ -86,7 +85,7 @@ def torchtitan(plan: Plan) -> Export:
     if runs.fp8_cache:
         differences.append("FP8 caching of activation inputs: torchtitan has none; costed without")
         runs = runs.model_copy(update={"fp8_cache": False})
-    if runs.schedule not in SCHEDULES:
+    if runs.schedule not in LAUNCHER.schedules:
         differences.append(
             f"schedule {runs.schedule}: torchtitan has no such schedule; runs 1F1B on the same "
             "stages"
@@ -190,7 +189,7 @@ def _parallelism(layout: Layout) -> dict[str, Any]:
     if layout.cp > 1:  # the sends the time model prices (torchtitan's default gathers)
         out["context_parallel_rotate_method"] = "alltoall"
     if layout.pp > 1:
-        out["pipeline_parallel_schedule"] = SCHEDULES[layout.schedule]
+        out["pipeline_parallel_schedule"] = LAUNCHER.own_name(layout.schedule)
         out["pipeline_parallel_microbatch_size"] = layout.micro_batch
         out["module_fqns_per_model_part"] = [_part(s.blocks) for s in layout.stages]
     return out

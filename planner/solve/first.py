@@ -16,7 +16,7 @@ from planner.costs.cap import usable_peak_bytes
 from planner.costs.memory import stage_memory
 from planner.errors import PlannerError
 from planner.estimate import Estimate, evaluate
-from planner.frameworks import FRAMEWORKS, framework
+from planner.frameworks import framework, names_with
 from planner.layout import Layout, parse_recompute
 from planner.solve.bounds import bound_tables, state_fits
 from planner.solve.budget import (
@@ -107,7 +107,7 @@ def offloaded_layouts(
     if not space.recompute or "offload" not in space.recompute:
         return []
     if not framework(job.framework).activation_offload:
-        able = " or ".join(n for n, f in FRAMEWORKS.items() if f.activation_offload)
+        able = names_with(lambda f: f.activation_offload)
         raise PlannerError(
             f"SearchSpace.recompute={space.recompute}: activation offload runs under "
             f"{able} only, not {job.framework!r}"

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from planner.costs.blocks import Shard, block_cost
 from planner.costs.state import optimizer_offload_rule
 from planner.errors import PlannerError
-from planner.frameworks import FRAMEWORKS, Launcher, framework, launcher
+from planner.frameworks import Launcher, framework, launcher, names_with
 from planner.layout import parse_recompute
 from planner.schedules import SCHEDULES
 from planner.solve.tables import Config, choice_name
@@ -177,7 +177,7 @@ def fp8_cache_choices(job: TrainingJob, space: SearchSpace) -> list[bool]:
     allowed = job.compute_dtype == "fp8" and framework(job.framework).fp8_cache
     asked = space.fp8_cache or [False]
     if True in asked and not allowed:
-        able = " or ".join(repr(n) for n, f in FRAMEWORKS.items() if f.fp8_cache)
+        able = names_with(lambda f: f.fp8_cache, quote=True)
         raise PlannerError(
             f"SearchSpace.fp8_cache={asked}: needs compute_dtype='fp8' and framework={able}; "
             f"the job has compute_dtype={job.compute_dtype!r}, framework={job.framework!r}"

@@ -37,7 +37,6 @@ from planner.costs.quantities import Bytes, StageComm
 from planner.costs.state import shards, state_bytes
 from planner.costs.timing import (
     BlockRow,
-    PositionComm,
     StepRates,
     TpComm,
     block_row,
@@ -326,7 +325,7 @@ _SENDS: Memo[list[tuple[Transfer, Transfer]]] = Memo("tables.sends")
 # A position's all-to-alls and collectives: its groups (the schedule only through the copies
 # of each stage it keeps, a key of its own) and the ZeRO stage, not the rest of the state.
 _COMM_IGNORE = _NOT_SHAPE | (_STATE - {"zero"})
-_STAGE_COMM: Memo[PositionComm] = Memo("tables.position_comm")
+_STAGE_COMM: Memo[StageComm] = Memo("tables.position_comm")
 # The fixed blocks' state and bytes: not the micro-batches or the recompute choices.
 _FIXED_IGNORE = frozenset({"micro_batch", "num_microbatches", "recompute_extra"})
 FixedTables = tuple[list[dict[str, float]], list[dict[Bytes, float]]]
