@@ -206,3 +206,18 @@ def test_tensor_parallel_overlap_follows_the_framework() -> None:
     # Megatron-LM overlaps only with sequence parallelism.
     megatron = JOB.model_copy(update={"framework": "megatron"})
     assert step(no_sp, megatron).breakdown["tp_comm"] > exposed["megatron"]
+
+
+def test_overlapped_communication_takes_a_share_of_the_gpus_own_sms() -> None:
+    """NCCL's 16 CTAs (NVIDIA/nccl#689) and DualPipe's 20 communication SMs (DeepSeek-V3
+    report section 3.2.2) are whole SMs: a share of 132 on an H100, of 108 on an A100
+    (A100 whitepaper: 108 SMs on the SXM4 part)."""
+    from planner.costs.overlap import nccl_share, overlap_of, paired_share
+
+    job = planner.TrainingJob(seq_len=4096, global_batch=64)
+    h100 = overlap_of(job, planner.load_cluster("h100", gpus=8))
+    a100 = overlap_of(job, planner.load_cluster("a100", gpus=8))
+    assert nccl_share(h100) == pytest.approx(16 / 132)
+    assert paired_share(h100) == pytest.approx(20 / 132)
+    assert nccl_share(a100) == pytest.approx(16 / 108)
+    assert paired_share(a100) == pytest.approx(20 / 108)
