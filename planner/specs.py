@@ -558,20 +558,38 @@ class SearchSpace(Spec):
         "never loses: the same bytes moved, fewer kept, and Megatron-LM's tensor-parallel "
         "overlap needs it; [False, True] searches both).",
     )
-    target: str = Field(
-        default="any",
-        description="Only plans this launcher can state exactly: any, or a framework with a "
-        "launcher (planner.frameworks.LAUNCHERS).",
+    target: str | list[str] | None = Field(
+        default=None,
+        description="The framework whose launcher runs the plan: only layouts it runs, "
+        "priced as it runs them. None: the job's framework (any layout for one without a "
+        "launcher); a name or a list of names from planner.frameworks.LAUNCHERS; 'any': each "
+        "of them. With several, each is searched (the time limit shared), the plan is the "
+        "fastest, and Plan.frameworks says what the best plan of each costs.",
     )
 
     @field_validator("target")
     @classmethod
-    def _known_target(cls, value: str) -> str:
-        if value != "any" and value not in LAUNCHERS:
-            raise PlannerError(
-                f"SearchSpace.target={value!r}: use one of any, {', '.join(LAUNCHERS)}"
-            )
+    def _known_target(cls, value: str | list[str] | None) -> str | list[str] | None:
+        names = [value] if isinstance(value, str) else value or []
+        if isinstance(value, list) and not value:
+            raise PlannerError("SearchSpace.target=[]: name at least one framework")
+        for name in names:
+            if name not in LAUNCHERS and not (name == "any" and isinstance(value, str)):
+                raise PlannerError(
+                    f"SearchSpace.target={value!r}: use one of any, {', '.join(LAUNCHERS)}"
+                )
         return value
+
+    def targets(self, job: TrainingJob) -> list[str | None]:
+        """The frameworks searched for ``job``, each a launcher's name (None: any layout,
+        for a job whose framework has none, like the eager ``torch`` runtime)."""
+        if self.target is None:
+            return [job.framework if job.framework in LAUNCHERS else None]
+        if self.target == "any":
+            return list(LAUNCHERS)
+        if isinstance(self.target, str):
+            return [self.target]
+        return list(dict.fromkeys(self.target))
 
     @model_validator(mode="after")
     def _positive(self) -> SearchSpace:

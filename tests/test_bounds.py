@@ -67,9 +67,11 @@ def test_bounds_never_exceed_the_exhaustive_optimum(
 ) -> None:
     model = planner.load_model(name).model_copy(update={"num_layers": layers})
     cluster = H100x8.model_copy(update={"hbm_bytes": hbm_gib * GiB})
+    # The eager runtime's framework runs every schedule the planner knows (no launcher
+    # narrows them); HBM sizes set for it.
     job = planner.TrainingJob(
-        seq_len=2048, global_batch=batch, grad_dtype="bf16"
-    )  # HBM sizes set for it
+        seq_len=2048, global_batch=batch, grad_dtype="bf16", framework="torch"
+    )
     space = planner.SearchSpace(
         tp=[1, 2], pp=[2, 4], zero=[1, 2, 3], micro_batch=[1, 2], schedules=schedules
     )
@@ -115,7 +117,9 @@ def test_fill_and_drain_holds_where_it_binds(schedule: str) -> None:
     the one-chunk schedules well above the busiest rank's work alone."""
     model = planner.load_model("llama3-8b").model_copy(update={"num_layers": 12})
     cluster = planner.load_cluster("h100", gpus=4)
-    job = planner.TrainingJob(seq_len=2048, global_batch=8 if schedule == "dualpipev" else 4)
+    job = planner.TrainingJob(
+        seq_len=2048, global_batch=8 if schedule == "dualpipev" else 4, framework="torch"
+    )  # a framework that runs every schedule
     space = planner.SearchSpace(
         tp=[1], pp=[4], zero=[1], micro_batch=[1], schedules=[schedule], recompute=["none"]
     )

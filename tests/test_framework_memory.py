@@ -96,7 +96,8 @@ def test_search_offers_fp8_caching_where_asked_and_where_it_exists() -> None:
     fp8 = planner.TrainingJob(seq_len=1024, global_batch=8, compute_dtype="fp8")
 
     def caches(job: planner.TrainingJob, asked: list[bool] | None) -> set[bool]:
-        space = planner.SearchSpace(tp=[1], pp=[1], zero=[1], micro_batch=[1], fp8_cache=asked)
+        zero = [0] if job.framework == "torchtitan" else [1]  # torchtitan has no ZeRO-1
+        space = planner.SearchSpace(tp=[1], pp=[1], zero=zero, micro_batch=[1], fp8_cache=asked)
         return {c.fp8_cache for c in enumerate_configs(small, cluster, job, space)}
 
     assert caches(fp8, None) == {False}  # off unless asked: it doubles the configurations

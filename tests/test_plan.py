@@ -73,9 +73,9 @@ def test_moe_and_pipeline_schedules_equal_exhaustive_search(
     schedules: list[str], pp: list[int], v: list[int], hbm_gib: int
 ) -> None:
     cluster = H100x8.model_copy(update={"hbm_bytes": hbm_gib * GiB})
-    job = planner.TrainingJob(
-        seq_len=2048, global_batch=32, grad_dtype="bf16"
-    )  # HBM sizes set for it
+    # The eager runtime's framework runs every schedule (no launcher narrows them); HBM
+    # sizes set for it.
+    job = planner.TrainingJob(seq_len=2048, global_batch=32, grad_dtype="bf16", framework="torch")
     space = planner.SearchSpace(
         tp=[1, 2],
         pp=pp,
@@ -574,7 +574,8 @@ def test_with_one_data_parallel_rank_zero_1_is_never_beaten(
         for c in enumerate_configs(model, cluster, job, planner.SearchSpace())
         if c.dp == 1 and c.tp == tp and c.ep == ep
     }
-    assert zeros == {1}
+    # torchtitan has no ZeRO-1 (FSDP2 shards gradients with the optimizer state): ZeRO-0.
+    assert zeros == ({0} if framework == "torchtitan" else {1})
 
 
 @pytest.mark.parametrize(("schedule", "v"), [("1f1b", 1), ("interleaved", 2), ("dualpipe", 1)])

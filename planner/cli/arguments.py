@@ -182,9 +182,12 @@ def _plan_args(cmd: argparse.ArgumentParser) -> None:
     )
     cmd.add_argument(
         "--target",
-        default="any",
+        nargs="+",
+        default=None,
         choices=["any", *LAUNCHERS],
-        help="only plans this launcher can state",
+        help="the framework(s) that run the plan: only layouts they run, priced as they run "
+        "them (default: --framework's, megatron); several or 'any': the best plan of each, "
+        "and the fastest of them",
     )
     cmd.add_argument("--time-limit", type=float, default=10.0, help="wall-clock seconds")
     cmd.add_argument("--json", action="store_true", help="print the plan as JSON")

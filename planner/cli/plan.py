@@ -15,6 +15,7 @@ from planner.cli.render import (
     print_runners_up,
     print_time,
 )
+from planner.errors import PlannerError
 from planner.plots import picture_paths
 from planner.solve import plan
 from planner.solve.result import Plan
@@ -61,8 +62,19 @@ def _search_space(args: argparse.Namespace) -> SearchSpace:
         sequence_parallel=(
             [v == "on" for v in args.sequence_parallel] if args.sequence_parallel else None
         ),
-        target=args.target,
+        target=_target(args.target),
     )
+
+
+def _target(names: list[str] | None) -> str | list[str] | None:
+    """``--target``'s names as ``SearchSpace.target``: none, one, 'any', or a list."""
+    if not names:
+        return None
+    if "any" in names:
+        if len(names) > 1:
+            raise PlannerError(f"--target {' '.join(names)}: 'any' stands alone")
+        return "any"
+    return names[0] if len(names) == 1 else names
 
 
 def _print_infeasible(result: Plan) -> None:

@@ -43,6 +43,22 @@ class Explanation(BaseModel):
     )
 
 
+class FrameworkBest(BaseModel):
+    """The best plan one framework runs, when a search covers several
+    (``SearchSpace.target``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    framework: str = Field(description="The framework (planner.frameworks.LAUNCHERS).")
+    status: Literal["optimal", "feasible", "infeasible", "unsettled"] = Field(
+        description="unsettled: no layout found in its share of the time, none proven."
+    )
+    step_time_s: float | None = Field(
+        default=None, description="Its best plan's evaluated step time (seconds)."
+    )
+    gap: float | None = Field(default=None, description="Its proven gap (fraction).")
+
+
 class Plan(BaseModel):
     """The planner's answer for one (model, cluster, job, search space)."""
 
@@ -73,6 +89,11 @@ class Plan(BaseModel):
         "budget: the plan may then depend on the machine's speed.",
     )
     explanation: Explanation | None = Field(default=None, description="Set when infeasible.")
+    frameworks: list[FrameworkBest] = Field(
+        default_factory=list,
+        description="With several target frameworks: the best plan of each (the plan is the "
+        "fastest of them, run by job.framework).",
+    )
     model: ModelSpec | None = Field(default=None, description="What was planned (the input).")
     cluster: ClusterSpec | None = Field(default=None, description="... on which cluster.")
     job: TrainingJob | None = Field(default=None, description="... for which training job.")

@@ -86,7 +86,7 @@ from planner.solve.lanesearch import (
     lane_open,
     lane_step,
 )
-from planner.solve.result import Alternative, Plan
+from planner.solve.result import Alternative, FrameworkBest, Plan
 from planner.solve.space import enumerate_configs, for_target
 from planner.solve.tables import (
     Config,
@@ -132,7 +132,24 @@ def plan(
     if processes is not None and processes < 1:
         raise PlannerError(f"processes={processes}: must be a positive process count")
     asked = space or SearchSpace()
-    space = for_target(asked)
+    names = asked.targets(job)
+    if len(names) > 1:
+        return _plan_each(
+            names,
+            model,
+            cluster,
+            job,
+            asked,
+            time_limit_s=time_limit_s,
+            top_k=top_k,
+            workers=workers,
+            seed=seed,
+            explain_infeasible=explain_infeasible,
+            processes=processes,
+            hints=hints,
+            clock_limit_s=clock_limit_s,
+        )
+    space = for_target(asked, job)
     job = _framework_for(job, space)
     configs = list(enumerate_configs(model, cluster, job, space))
     if job.ema and space.ema is None:
@@ -304,14 +321,91 @@ def plan(
 def _framework_for(job: TrainingJob, space: SearchSpace) -> TrainingJob:
     """The job under the software the space's target launcher runs: a plan for Megatron-LM
     is costed with what Megatron-LM overlaps, and so on."""
-    if space.target == "any" or job.framework == space.target:
+    if space.target is None or job.framework == space.target:
         return job
+    assert isinstance(space.target, str)  # one framework: for_target resolved it
     if "framework" in job.model_fields_set:
         raise PlannerError(
             f"TrainingJob.framework={job.framework!r}: SearchSpace.target={space.target!r} "
             f"runs the plan with {space.target}; leave the framework out or make them agree"
         )
     return job.with_framework(space.target)
+
+
+def _plan_each(
+    names: list[str | None],
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    job: TrainingJob,
+    asked: SearchSpace,
+    *,
+    time_limit_s: float,
+    clock_limit_s: float | None,
+    **options: Any,
+) -> Plan:
+    """The best plan of each framework in ``names`` (the time limit shared evenly), and of
+    them the fastest, which says in ``Plan.frameworks`` what each framework's best costs."""
+    if "framework" in job.model_fields_set:
+        raise PlannerError(
+            f"TrainingJob.framework={job.framework!r}: SearchSpace.target={asked.target!r} "
+            f"searches each of {', '.join(str(n) for n in names)}; leave the framework out"
+        )
+    started = time.perf_counter()
+    share = time_limit_s / len(names)
+    clock = None if clock_limit_s is None else clock_limit_s / len(names)
+    plans: list[Plan] = []
+    each: list[FrameworkBest] = []
+    errors: list[PlannerError] = []
+    for name in names:
+        try:
+            one = plan(
+                model,
+                cluster,
+                job,
+                asked.model_copy(update={"target": name}),
+                time_limit_s=share,
+                clock_limit_s=clock,
+                **options,
+            )
+        except PlannerError as exc:  # no layout in its share of the time, none proven
+            errors.append(exc)
+            each.append(FrameworkBest(framework=str(name), status="unsettled"))
+            continue
+        plans.append(one)
+        each.append(
+            FrameworkBest(
+                framework=str(name),
+                status=one.status,
+                step_time_s=one.estimate.step_time_s if one.estimate else None,
+                gap=one.gap,
+            )
+        )
+    if not plans:
+        raise errors[0]
+    feasible = [p for p in plans if p.estimate is not None]
+    best = min(feasible, key=lambda p: p.estimate.step_time_s) if feasible else plans[0]  # type: ignore[union-attr]
+    update: dict[str, Any] = {}
+    if best.objective_s is not None:
+        # The proof covers every framework: the least bound of them all (none where one
+        # framework's search settled nothing).
+        bounds = [p.lower_bound_s for p in feasible if p.lower_bound_s is not None]
+        lower = 0.0 if errors else min(bounds)
+        gap = max(0.0, (best.objective_s - lower) / best.objective_s)
+        update = {
+            "lower_bound_s": lower,
+            "gap": 0.0 if gap <= 1e-9 else gap,
+            "status": "optimal" if gap <= 1e-9 and best.status == "optimal" else "feasible",
+        }
+    return best.model_copy(
+        update=update
+        | {
+            "frameworks": each,
+            "space": asked,
+            "solve_time_s": time.perf_counter() - started,
+            "configurations": sum(p.configurations for p in plans),
+            "stopped_by_clock": any(p.stopped_by_clock for p in plans),
+        }
+    )
 
 
 def _replan(workers: int, seed: int) -> Replan:

@@ -26,11 +26,20 @@ DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
 DEFAULT_VIRTUAL = (2, 4)
 
 
-def for_target(space: SearchSpace) -> SearchSpace:
-    """``space`` narrowed to what its target launcher can state (``Framework.launcher``):
-    schedules, ZeRO stages, recompute choices (one for every layer), context parallelism
-    and sequence parallelism."""
-    rules = launcher(space.target)
+def for_target(space: SearchSpace, job: TrainingJob) -> SearchSpace:
+    """``space`` narrowed to what its one target launcher can state (``Framework.launcher``;
+    the job's framework's when the space names none): schedules, ZeRO stages, recompute
+    choices (one for every layer), context parallelism and sequence parallelism. Its
+    ``target`` is then that framework's name (None: a framework without a launcher, whose
+    layouts are not narrowed)."""
+    names = space.targets(job)
+    if len(names) != 1:
+        raise PlannerError(
+            f"SearchSpace.target={space.target!r}: one framework at a time here; "
+            f"planner.plan searches each of {names} in turn"
+        )
+    space = space.model_copy(update={"target": names[0]})
+    rules = target_rules(space)
     if rules is None:
         return space
     update: dict[str, object] = {}
@@ -48,20 +57,22 @@ def for_target(space: SearchSpace) -> SearchSpace:
             update[field] = [v for v in (mine or allowed) if v in allowed]
             if not update[field]:
                 raise PlannerError(
-                    f"SearchSpace.{field}={mine}: target {space.target} can state none of "
-                    f"them (it can state {allowed})"
+                    f"SearchSpace.{field}={mine}: {space.target} runs none of them (it runs "
+                    f"{allowed})"
                 )
     return space.model_copy(update=update)
 
 
 def target_rules(space: SearchSpace) -> Launcher | None:
-    """What the space's target launcher can state (None: any layout, ``target="any"``)."""
-    return launcher(space.target)
+    """What the space's one target launcher can state (None: no launcher, any layout)."""
+    if isinstance(space.target, list) or space.target == "any":
+        raise PlannerError(f"SearchSpace.target={space.target!r}: resolve it with for_target")
+    return launcher(space.target) if space.target is not None else None
 
 
 def enumerate_configs(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, space: SearchSpace):  # type: ignore[no-untyped-def]
     n = cluster.num_gpus
-    space = for_target(space)
+    space = for_target(space, job)
     rules = target_rules(space)
     pipeline_zero = rules.pipeline_zero if rules is not None else None
     tps = space.tp or [t for t in _divisors(cluster.gpus_per_node) if n % t == 0]
@@ -131,10 +142,11 @@ def _per_degrees(
     etp: int = 1,
 ) -> Iterator[Config]:
     zeros = space.zero or [1, 2, 3]
-    if dp * cp == 1 and (not model.num_experts or tp == ep * etp) and 1 in zeros:
+    if dp * cp == 1 and (not model.num_experts or tp == ep * etp) and min(zeros) <= 1:
         # Nothing to shard: every state is whole on its one data-parallel rank (the experts'
         # too, their data-parallel group being dp * cp * tp / ep), so ZeRO-2 and 3 hold the same
-        # state as ZeRO-1 plus their buckets and gathered copies, and add their collectives.
+        # state as ZeRO-1 (or ZeRO-0, where the framework has no ZeRO-1) plus their buckets
+        # and gathered copies, and add their collectives.
         zeros = [z for z in zeros if z <= 1]
     mbs = space.micro_batch or list(DEFAULT_MICRO_BATCHES)
     schedules = space.schedules or (list(DEFAULT_SCHEDULES) if pp > 1 else ["1f1b"])
