@@ -7,7 +7,11 @@ For each job it prints, with units:
   their relative difference, and its memory peak against the cap and HBM;
 - each expert layout (a published recipe's, ``planner.load_recipe``, or one derived from it):
   the same figures, from ``planner.simulate`` and ``planner.evaluate``; a layout whose
-  predicted peak is over the memory cap is marked as not fitting, and it is still simulated;
+  predicted peak is over the memory cap is marked as not fitting, and it is still simulated.
+  Both sides are framework-true: the plan takes only layouts the job's framework runs, and an
+  expert layout with a schedule that framework lacks is priced with the schedule it runs on
+  the same stages instead (DeepSeek-V3's DualPipe as 1F1B under Megatron-LM), said in its
+  ``assumed`` note;
 - the planner's best within that expert's own degrees (``planner.plan`` with ``tp``, ``pp``,
   ``dp``, ``ep`` and the schedule pinned in a ``SearchSpace``: "what is the best I can do with
   my degrees");
@@ -57,6 +61,7 @@ import yaml
 
 import planner
 from planner.estimate import model_flops_per_token
+from planner.frameworks import launcher
 
 GiB = 2**30
 AGREE = 0.01  # estimate vs simulation: the 1% target
@@ -455,6 +460,15 @@ def run_job(spec: Job, time_limit: float) -> dict[str, Any]:
             "assumed": expert.assumed,
         }
         layout = expert.layout
+        # Framework-true: the expert's layout as the job's framework runs it (a schedule it
+        # lacks becomes the one it runs on the same stages, Launcher.runs_instead).
+        runs = launcher(job.framework)
+        if runs is not None and layout.schedule not in runs.schedules:
+            instead = runs.runs_instead(layout.schedule)
+            row["assumed"] = (
+                f"{row['assumed']}; " if row["assumed"] else ""
+            ) + f"{job.framework} runs {instead} in place of {layout.schedule}"
+            layout = layout.model_copy(update={"schedule": instead})
         try:
             row.update(cost(model, cluster, job, layout))
         except planner.PlannerError as exc:

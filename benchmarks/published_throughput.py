@@ -77,6 +77,12 @@ class Costed:
     moe: bool
     assumed: list[str]
     run: Run
+    measured_mfu: float = 0.0  # model FLOPs (the planner's count) over BF16 peak, measured
+
+
+def ceiling_key(row: dict[str, str]) -> str:
+    """The class of a row's best published MFU: its GPU and GEMM precision (FP16 with BF16)."""
+    return f"{row['gpu']}/{'fp8' if row['precision'] == 'fp8' else 'bf16'}"
 
 
 def source_flops_per_token(row: dict[str, str], model: planner.ModelSpec, seq: int) -> float:
@@ -172,15 +178,24 @@ def cost(row: dict[str, str]) -> tuple[float, float, Costed]:
     if recompute == "unstated":
         assumed.append(f"recompute {fields['recompute']} (leanest that fits)")
     measured_run = Run(run.model, run.job, run.layout, measured, row["id"])
+    tokens = run.job.tokens_per_step
+    flops = model_flops_per_token(run.model, run.job.seq_len) * tokens
+    mfu = flops / (measured * int(row["num_gpus"]) * cluster.bf16_flops)
     return (
         measured,
         est.step_time_s,
-        Costed(est.fits, bool(run.model.num_experts), assumed, measured_run),
+        Costed(est.fits, bool(run.model.num_experts), assumed, measured_run, mfu),
     )
 
 
-def summary(errors: dict[str, list[float]], signed: dict[str, list[float]]) -> dict[str, Any]:
-    """Per-GPU and overall mean absolute and mean signed error (what --write stores)."""
+def summary(
+    errors: dict[str, list[float]],
+    signed: dict[str, list[float]],
+    ceilings: dict[str, list[tuple[int, float, str]]],
+) -> dict[str, Any]:
+    """Per-GPU and overall mean absolute and mean signed error, and each GPU and
+    precision's measured MFUs by GPU count (what --write stores: ``estimate.mfu_note``
+    compares a prediction with the best of them at its scale)."""
 
     def figures(key: str) -> dict[str, Any]:
         return {
@@ -194,6 +209,10 @@ def summary(errors: dict[str, list[float]], signed: dict[str, list[float]]) -> d
         "source": "benchmarks/published_throughput.py --write over benchmarks/published_runs.csv",
         "all": figures("all"),
         "by_gpu": {g: figures(g) for g in gpus},
+        "measured_mfu": {
+            key: [[n, round(m, 4), name] for n, m, name in sorted(ceilings[key])]
+            for key in sorted(ceilings)
+        },
     }
 
 
@@ -232,6 +251,7 @@ def main() -> None:
         rows = list(csv.DictReader(handle))
     errors: dict[str, list[float]] = defaultdict(list)
     signed: dict[str, list[float]] = defaultdict(list)
+    ceilings: dict[str, list[tuple[int, float, str]]] = defaultdict(list)
     skipped = []
     by_gpu: dict[str, list[Run]] = defaultdict(list)
     print(f"{'id':42} {'gpu':5} {'layout':34} {'measured s':>10} {'predicted s':>11} {'error':>7}")
@@ -247,6 +267,7 @@ def main() -> None:
             errors[key].append(abs(error))
             signed[key].append(error)
         by_gpu[row["gpu"]].append(est.run)
+        ceilings[ceiling_key(row)].append((int(row["num_gpus"]), est.measured_mfu, row["id"]))
         layout = (
             f"tp{row['tp']} pp{row['pp']} dp{row['dp']} ep{row['ep']} vp{row['vp']} "
             f"mb{row['micro_batch']} {row['schedule']}"
@@ -280,7 +301,7 @@ def main() -> None:
                 f"{found.fit_mape:.1%} fitted, {found.heldout_mape:.1%} held out ({shown})"
             )
     if args.write:
-        ACCURACY.write_text(json.dumps(summary(errors, signed), indent=1) + "\n")
+        ACCURACY.write_text(json.dumps(summary(errors, signed, ceilings), indent=1) + "\n")
         print(f"wrote {ACCURACY}")
     print(f"wall time {time.perf_counter() - started:.1f} s")
 

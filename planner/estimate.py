@@ -28,7 +28,8 @@ from planner.costs.memory import StageMemory, stage_memory
 from planner.costs.timing import StageTime, optimizer_time, stage_times
 from planner.data import package_file
 from planner.errors import PlannerError
-from planner.layout import Layout
+from planner.layout import Layout, parse_recompute
+from planner.schedules import ep_overlap_forbids, schedule_of
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 
 if TYPE_CHECKING:
@@ -68,6 +69,12 @@ class Estimate(BaseModel):
         "the same model over published runs on this GPU (planner/accuracy.json, written by "
         "benchmarks/published_throughput.py --write), or that none were compared.",
     )
+    mfu_note: str = Field(
+        default="",
+        description="Set when the predicted MFU exceeds every MFU measured on this GPU and "
+        "precision at this scale or larger in the validation corpus (planner/accuracy.json): "
+        "the step time is then likely optimistic.",
+    )
 
     @property
     def fits(self) -> bool:
@@ -100,6 +107,9 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: L
         tflops_per_gpu=flops_per_s / 1e12,
         tokens_per_s=tokens_per_s,
         expected_error=expected_error(cluster.name),
+        mfu_note=mfu_note(
+            cluster.name, job.compute_dtype, cluster.num_gpus, flops_per_s / cluster.bf16_flops
+        ),
     )
 
 
@@ -130,6 +140,24 @@ def expected_error(gpu: str) -> str:
     return (
         f"±{row['mape']:.0%}: mean absolute error over {row['rows']} published {gpu} runs "
         f"(predicted step {row['bias']:+.0%} on average; benchmarks/published_runs.csv)"
+    )
+
+
+def mfu_note(gpu: str, precision: str, gpus: int, mfu: float) -> str:
+    """A warning when ``mfu`` (model FLOPs over the BF16 peak) is above every MFU measured on
+    ``gpu`` in ``precision`` at half of ``gpus`` or more (MFU falls with scale, so a smaller
+    run's is no ceiling), or ""."""
+    key = f"{gpu}/{'fp8' if precision == 'fp8' else 'bf16'}"
+    runs = [r for r in _accuracy().get("measured_mfu", {}).get(key, []) if r[0] * 2 >= gpus]
+    if not runs:
+        return ""
+    n, best, name = max(runs, key=lambda r: r[1])
+    if mfu <= best:
+        return ""
+    return (
+        f"predicted MFU {mfu:.1%} exceeds the best measured on {gpu} in {precision} at "
+        f">= {gpus // 2} GPUs ({best:.1%}, {name}, {n} GPUs): the step time is likely "
+        f"optimistic"
     )
 
 
@@ -171,6 +199,25 @@ def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     return 6.0 * matmul + attention
 
 
+def ep_overlap_rule(model: ModelSpec, job: TrainingJob, layout: Layout) -> str:
+    """What a schedule that overlaps the expert all-to-alls (``Schedule.ep_overlap``)
+    needs of the model, job and layout that they break, or ""."""
+    if not schedule_of(layout.schedule).ep_overlap:
+        return ""
+    if not model.num_experts or layout.ep <= 1:
+        return "overlaps the expert all-to-alls, so it needs an MoE model with ep > 1"
+    if job.moe_dispatcher == "allgather":
+        return "overlaps all-to-alls; TrainingJob.moe_dispatcher='allgather' runs none"
+    for stage in layout.stages:
+        for placed in stage.blocks:
+            if ep_overlap_forbids(parse_recompute(placed.recompute)):
+                return (
+                    f"{placed.block} recomputes {placed.recompute!r}; the all-to-all overlap "
+                    f"runs with no full and no 'moe' recompute"
+                )
+    return ""
+
+
 def check_layout(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: Layout) -> int:
     """Raise a one-line ``PlannerError`` for a layout that cannot run; return the number of
     micro-batches per step."""
@@ -194,6 +241,9 @@ def check_layout(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layou
             f"Layout.num_microbatches={layout.num_microbatches}: global_batch/(dp*micro_batch)"
             f" is {m}"
         )
+    overlap_rule = ep_overlap_rule(model, job, layout)
+    if overlap_rule:
+        raise PlannerError(f"Layout.schedule={layout.schedule!r}: {overlap_rule}")
     placed = [b.block for stage in layout.stages for b in stage.blocks]
     expected = block_names(model)
     if placed != expected:

@@ -366,6 +366,8 @@ OPTIONAL_COLUMNS = {
     "split over tp",
     "compiled_loss": "true or false (default): the loss under torch.compile "
     "(TrainingJob.compiled_loss; torchtitan or torch)",
+    "dispatcher": "alltoall (default), allgather or deepep: how MoE tokens reach their "
+    "experts (TrainingJob.moe_dispatcher)",
     "step_s": "measured seconds per step (or metric + value)",
     "metric": "step_s or tokens_per_s_per_gpu, with value",
     "value": "the measured figure in metric's unit",
@@ -511,6 +513,7 @@ def layout_from_row(
             framework=framework,
             flash_attention=flash == "true",
             compiled_loss=compiled == "true",
+            moe_dispatcher=text("dispatcher", "alltoall").lower(),
         )
         schedule = text("schedule", "1f1b").lower()
         fields_: dict[str, Any] = {

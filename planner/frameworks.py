@@ -32,6 +32,9 @@ class Overlap:
 
     zero: bool  # ZeRO-3 gathers / ZeRO-2/3 reduce-scatters prefetched and overlapped
     grad_sync: bool  # the data-parallel reduction starts with the stage's last backward
+    # ZeRO-1/2's all-gather of the updated weights runs beside the next step's forward
+    # (``planner.timeline``), not in series after the optimizer step.
+    param_gather: bool = False
     # The GPU's SMs: the cluster's (``costs.overlap.overlap_of``); an entry's are
     # ``UNSTATED_SM_COUNT``, as are those of a cluster that does not state its own.
     sm_count: int = UNSTATED_SM_COUNT
@@ -111,14 +114,18 @@ class Framework:
     optimizer_offload: OptimizerOffload | None = None
     activation_offload: bool = False  # layer and fine-grained activation offload
     launcher: Launcher | None = None  # None: no launch config is written for it
+    # The MoE dispatchers it runs (``TrainingJob.moe_dispatcher``).
+    dispatchers: tuple[str, ...] = ("alltoall",)
 
 
 FRAMEWORKS: dict[str, Framework] = {
     # Megatron-LM. State: BF16 working weights, FP32 master weights and AdamW moments, and
     # gradients accumulated and reduced in an FP32 main-grad buffer (arguments.py turns on
     # accumulate_allreduce_grads_in_fp32 for --bf16 unless --grad-reduce-in-bf16).
-    # Overlap: --overlap-grad-reduce and --overlap-param-gather (distributed optimizer);
-    # --tp-comm-overlap (Transformer Engine userbuffers), which needs sequence parallelism.
+    # Overlap: --overlap-grad-reduce and --overlap-param-gather (distributed optimizer: the
+    # updated weights' all-gathers overlap the next step's forward, distrib_optimizer.py and
+    # distributed_data_parallel.py's forward pre-hooks at d98e8a64); --tp-comm-overlap
+    # (Transformer Engine userbuffers), which needs sequence parallelism.
     # Memory: Transformer Engine's FP8 linears quantise their input once and keep that copy;
     # TransformerConfig.activation_func_fp8_input_store caches the FP8 activation input; the
     # MoE layer applies the routing probabilities inside the expert. Offload: the
@@ -132,7 +139,7 @@ FRAMEWORKS: dict[str, Framework] = {
         weight_dtype="bf16",
         grad_dtype="fp32",
         master_dtype="fp32",
-        overlap=Overlap(zero=True, grad_sync=True),
+        overlap=Overlap(zero=True, grad_sync=True, param_gather=True),
         tp_overlap="userbuffers",
         tp_overlap_needs_sp=True,
         fp8_keeps_fp8_inputs=True,
@@ -150,15 +157,29 @@ FRAMEWORKS: dict[str, Framework] = {
         ),
         activation_offload=True,
         # --num-layers-per-virtual-pipeline-stage turns 1F1B into the interleaved schedule.
+        # --overlap-moe-expert-parallel-comm merges a forward with another micro-batch's
+        # backward (combined_1f1b.py), on the no-pipelining and the interleaved paths.
         launcher=Launcher(
-            schedule_names=(("1f1b", "1F1B"), ("interleaved", "interleaved 1F1B")),
+            schedule_names=(
+                ("1f1b", "1F1B"),
+                ("interleaved", "interleaved 1F1B"),
+                ("1f1b-ep-overlap", "1F1B with --overlap-moe-expert-parallel-comm"),
+                (
+                    "interleaved-ep-overlap",
+                    "interleaved 1F1B with --overlap-moe-expert-parallel-comm",
+                ),
+            ),
             nearest=(("dualpipev", "interleaved"),),
         ),
+        # --moe-token-dispatcher-type allgather | alltoall | flex, flex with
+        # --moe-flex-dispatcher-backend deepep (transformer_config.py at d98e8a64).
+        dispatchers=("alltoall", "allgather", "deepep"),
     ),
     # torchtitan (FSDP2). State: FP32 parameters, which are the master copy, cast to BF16
     # for compute and for FSDP2's all-gather (MixedPrecisionPolicy param_dtype=bfloat16);
     # gradients reduced and kept in FP32 (reduce_dtype=float32); FP32 AdamW moments.
-    # Overlap: FSDP2 prefetches its all-gathers and reduce-scatters in backward; async
+    # Overlap: FSDP2 prefetches its all-gathers (in forward too, the ZeRO-2 gather of the
+    # weights each step) and reduce-scatters in backward; async
     # tensor parallelism decomposes the collectives behind the partial matmuls on copy
     # engines. Memory: torchao's float8 linears keep the BF16 input and quantise it again
     # in backward; FSDP2 shards the parameters' storage whenever it shards anything, and
@@ -170,7 +191,7 @@ FRAMEWORKS: dict[str, Framework] = {
         weight_dtype="fp32",
         grad_dtype="fp32",
         master_dtype=None,
-        overlap=Overlap(zero=True, grad_sync=True),
+        overlap=Overlap(zero=True, grad_sync=True, param_gather=True),
         tp_overlap="async",
         compiles_loss=True,
         loss_copies_logits=True,
@@ -186,12 +207,18 @@ FRAMEWORKS: dict[str, Framework] = {
                 ("dualpipev", "DualPipeV"),
             ),
             zero=(0, 2, 3),
+            nearest=(("interleaved-ep-overlap", "interleaved"),),
             recompute=("none", "full"),
             sequence_parallel=(True,),  # its tensor parallelism shards the norms by sequence
         ),
+        # comm_backend "standard" (all-to-all) or "deepep" (torchtitan b5bcd76c
+        # torchtitan/models/common/config_utils.py).
+        dispatchers=("alltoall", "deepep"),
     ),
     # DeepSpeed. State: BF16 weights and gradients, FP32 master weights and moments (the
-    # ZeRO optimizer's FP32 partition). Overlap: ZeRO's overlap_comm; no tensor-parallel
+    # ZeRO optimizer's FP32 partition). Overlap: ZeRO's overlap_comm (the reduction beside the
+    # backward; the ZeRO-1/2 optimizer all-gathers the updated partitions at the end of its
+    # step, stage_1_and_2.py, in series); no tensor-parallel
     # overlap (AutoTP all-reduces whole activations). Memory: Transformer Engine's FP8
     # linears; reduce buckets of reduce_bucket_size elements; ZeRO-3 keeps up to
     # stage3_max_live_parameters gathered (deepspeed/runtime/zero/config.py defaults).

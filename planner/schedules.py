@@ -18,6 +18,7 @@ forward. Sources are cited with each schedule.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -198,7 +199,7 @@ def idle_terms(
             **unit,
         )
     entry = schedule_of(schedule)
-    if not entry.paired:
+    if not entry.paired or entry.ep_overlap:
         return linear, None
     return linear, (entry.depth * pp) // 2 - 1
 
@@ -446,6 +447,74 @@ def _interleaved_ops(p: int, m: int, r: int, v: int) -> list[Op]:
     return _interleaved_order(p, v, m, r)
 
 
+def _combined_order(p: int, m: int, r: int, v: int) -> list[Op]:
+    """Megatron-LM's expert-parallel all-to-all overlap (``--overlap-moe-expert-parallel-
+    comm``, megatron/core/pipeline_parallel/combined_1f1b.py at d98e8a64): the forward of one
+    micro-batch merged, layer by layer, with the backward of another, so each one's
+    all-to-alls hide behind the other's compute. It runs on the no-pipelining path (p = 1)
+    and the interleaved one (schedules.py), whose order it keeps with one more warm-up
+    forward (schedules.py:966-970): then every steady forward runs beside the backward after
+    it, as a pair."""
+    total = m * v
+
+    def op(kind: OpKind, j: int, paired: bool = False) -> Op:
+        chunk = _interleaved_chunk(j, p, v)
+        if kind == "BW":
+            chunk = v - 1 - chunk
+        return Op(kind, (j // (p * v)) * p + j % p, r + chunk * p, paired=paired)
+
+    warmup = min(_interleaved_warmup(p, v, m, r) + 1 if p > 1 else 1, total)
+    order = [op("F", j) for j in range(warmup)]
+    for j in range(total - warmup):
+        order += [op("F", warmup + j, paired=True), op("BW", j)]
+    return order + [op("BW", j) for j in range(total - warmup, total)]
+
+
+def memory_order(schedule: str, order: list[Op]) -> list[Op]:
+    """``order`` as its activations come and go: under the expert all-to-all overlap a
+    paired forward runs layer by layer beside the backward (combined_1f1b.py merges them
+    per layer, forward layers up while backward layers go down), so the backward's
+    activations leave as the forward's arrive: the backward is taken first. (What the pair
+    holds beyond the moment before it, one layer's activations in flight, is left out.)
+    DualPipe's pairs keep their order: its README counts the paired forward's chunk
+    whole (PP + 1 stages)."""
+    if not schedule_of(schedule).ep_overlap:
+        return order
+    out: list[Op] = []
+    i = 0
+    while i < len(order):
+        if order[i].paired:
+            out += [order[i + 1], order[i]]
+            i += 2
+        else:
+            out.append(order[i])
+            i += 1
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _order_peak(schedule: str, p: int, m: int, r: int, v: int) -> tuple[tuple[int, float], ...]:
+    """Micro-batches resident per stage at the first moment ``schedule``'s order on rank r
+    holds the most: from a forward until its backward is done, in ``memory_order``."""
+    held: dict[int, float] = {}
+    best: dict[int, float] = {}
+    for op in memory_order(schedule, SCHEDULES[schedule].order(p, m, r, v)):
+        if op.kind == "F":
+            held[op.stage] = held.get(op.stage, 0.0) + 1
+            if sum(held.values()) > sum(best.values()):
+                best = dict(held)
+        elif op.kind in ("BW", "W"):
+            held[op.stage] -= 1
+    return tuple(sorted(best.items()))
+
+
+def _combined_peak(p: int, m: int, v: int, rank: int, chunks: list[int]) -> dict[int, float]:
+    counts = dict.fromkeys(chunks, 0.0)
+    name = "interleaved-ep-overlap" if p > 1 or v > 1 else "1f1b-ep-overlap"
+    counts.update(dict(_order_peak(name, p, m, rank, v)))
+    return counts
+
+
 # -- the registry -------------------------------------------------------------------------
 
 Order = Callable[[int, int, int, int], list[Op]]  # (pp, m, rank, virtual_stages) -> ops
@@ -476,6 +545,12 @@ class Schedule:
     multiple_of_pp: bool = False  # micro-batches a multiple of pp
     min_microbatches_per_rank: int = 0  # micro-batches at least this times pp
     even_microbatches: bool = False
+    max_pp: int | None = None  # the largest pipeline degree it runs (None: any)
+    # It pairs the steady forwards and backwards to hide the expert all-to-alls: it needs
+    # an MoE model with ep > 1, a dispatcher that runs all-to-alls (not all-gathers), and
+    # no recompute of the full layer or of the MoE layer (Megatron-LM's
+    # transformer_config.py:3002-3071 at d98e8a64).
+    ep_overlap: bool = False
     searched: bool = True  # in the search's default list
     leanness: int = 0  # rank by micro-batches held at the peak (the first layouts' order)
     # torch.distributed.pipelining's class for it (planner.run), and whether that class is a
@@ -508,6 +583,8 @@ class Schedule:
         """Whether the search may run it at ``pp`` ranks, ``m`` micro-batches and ``v``
         chunks per rank."""
         if pp < self.min_pp or (self.even_pp and pp % 2):
+            return False
+        if self.max_pp is not None and pp > self.max_pp:
             return False
         return not self.microbatch_rule(pp, m)
 
@@ -549,6 +626,32 @@ SCHEDULES: dict[str, Schedule] = {
             leanness=1,
             torch_class="ScheduleInterleaved1F1B",
             torch_holds_sends=True,
+        ),
+        Schedule(
+            "1f1b-ep-overlap",
+            _combined_order,
+            _cyclic_chunks,
+            _cyclic_holder,
+            _combined_peak,
+            _flush_bubble,
+            paired=True,
+            max_pp=1,
+            ep_overlap=True,
+            leanness=0,
+        ),
+        Schedule(
+            "interleaved-ep-overlap",
+            _combined_order,
+            _cyclic_chunks,
+            _cyclic_holder,
+            _combined_peak,
+            _interleaved_bubble,
+            virtual_stages=None,
+            paired=True,
+            min_pp=2,
+            multiple_of_pp=True,
+            ep_overlap=True,
+            leanness=1,
         ),
         Schedule(
             "zb-h1",
@@ -597,6 +700,18 @@ SCHEDULES: dict[str, Schedule] = {
 SCHEDULE_NAMES: tuple[str, ...] = tuple(SCHEDULES)
 # What a layout that names no schedule runs: one copy of each stage, one chunk per rank.
 DEFAULT_SCHEDULE = "1f1b"
+
+
+# The recompute choices Megatron-LM refuses with its expert all-to-all overlap
+# (transformer_config.py:3002-3071 at d98e8a64: no full recompute, no "moe" module).
+EP_OVERLAP_FORBIDS = frozenset({"full", "moe"})
+
+
+def ep_overlap_forbids(choice: frozenset[str] | str) -> bool:
+    """Whether a block's recompute ``choice`` is one the all-to-all overlap refuses."""
+    if isinstance(choice, str):
+        return choice in EP_OVERLAP_FORBIDS
+    return bool(choice & EP_OVERLAP_FORBIDS)
 
 
 def schedule_of(name: str) -> Schedule:

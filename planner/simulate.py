@@ -28,6 +28,7 @@ from planner.costs.activations import rebuild_peak
 from planner.costs.memory import StageMemory, block_costs, shard_of
 from planner.estimate import step_run
 from planner.layout import Layout, parse_recompute
+from planner.schedules import schedule_of
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 from planner.timeline import Task
 
@@ -134,6 +135,9 @@ def _memory(
         choices = [(costs[b.block], parse_recompute(b.recompute)) for b in stage.blocks]
         saved.append(sum(c.saved_bytes(ch) for c, ch in choices))
         rebuild.append(round(rebuild_peak(choices)))
+    # Under the expert all-to-all overlap a pair's forward fills as its backward empties,
+    # layer by layer (``schedules.memory_order``): its activations count from the pair's end.
+    lockstep = schedule_of(layout.schedule).ep_overlap
     timelines, peaks = [], []
     for rank, mine in enumerate(tasks):
         b = memory[rank].buckets
@@ -142,7 +146,8 @@ def _memory(
         for task in mine:
             for op in task.ops:
                 if op.kind == "F":
-                    changes.append((task.start, 1, saved[op.stage]))
+                    when = task.end if lockstep and len(task.ops) == 2 else task.start
+                    changes.append((when, 1, saved[op.stage]))
                 if op.kind in ("B", "BW") and rebuild[op.stage]:
                     changes.append((task.start, 1, rebuild[op.stage]))
                     changes.append((task.end, 0, -rebuild[op.stage]))

@@ -392,6 +392,16 @@ class TrainingJob(Spec):
             )
         return self
 
+    @model_validator(mode="after")
+    def _dispatcher_framework(self) -> TrainingJob:
+        runs = framework(self.framework).dispatchers
+        if self.moe_dispatcher not in runs:
+            raise PlannerError(
+                f"TrainingJob.moe_dispatcher={self.moe_dispatcher!r}: framework="
+                f"{self.framework!r} runs {', '.join(runs)}"
+            )
+        return self
+
     def with_framework(self, name: str) -> TrainingJob:
         """This job run by framework ``name``: the dtypes it was given stay, the others become
         that framework's defaults; a compiled loss stays only where the framework compiles
@@ -465,6 +475,20 @@ class TrainingJob(Spec):
     # number), while a rank holding several experts averages part of it out. So 1.04 is the
     # least a balanced router shows, not a worst case. Applies only with ep > 1 (with ep = 1
     # a rank holds every expert and receives exactly its own tokens' copies).
+    # How the tokens reach their experts (Megatron-LM --moe-token-dispatcher-type, torchtitan
+    # comm_backend): NCCL all-to-all; an all-gather of every token of the expert-parallel
+    # group and a reduce-scatter back (Megatron-LM's allgather, its parser's default); or
+    # DeepEP's kernels (Megatron-LM flex with backend deepep, torchtitan deepep), which send
+    # a token across InfiniBand once per node it visits and forward it over NVLink (DeepEP
+    # csrc/kernels/legacy/layout.cu counts a token once per node; internode.cu's NVLink
+    # forwarder). Only DeepEP deduplicates: a plain all-to-all carries every copy.
+    moe_dispatcher: Literal["alltoall", "allgather", "deepep"] = Field(
+        default="alltoall",
+        description="How MoE tokens reach their experts: 'alltoall' (NCCL all-to-all, one "
+        "copy per routed expert), 'allgather' (every token of the expert-parallel group "
+        "gathered, outputs reduce-scattered) or 'deepep' (DeepEP kernels: one InfiniBand copy "
+        "per node a token visits, forwarded over NVLink). Each framework runs some of them.",
+    )
     moe_load_imbalance: float = Field(
         default=1.04,
         ge=1.0,

@@ -54,8 +54,7 @@ from planner.frameworks import Overlap
 from planner.schedules import Op, op_order
 
 FormKey = tuple[Any, ...]  # ("task", TaskKey) | ("prim", Prim) | ("opt", rank)
-SYNC = name(Quantity.GRAD_SYNC)
-SYNC_ON = {link: name(Quantity.GRAD_SYNC, link) for link in LINKS}
+GATHER = name(Quantity.PARAM_GATHER)
 Form = dict[FormKey, float]
 
 
@@ -345,7 +344,7 @@ class _Run:
         syncs: list[Sync] = []
         queue: list[tuple[int, Any]] = []  # per reduction: its stage and what it followed
         for stage, g in prog.last_grad[r]:
-            seconds = self.val[(SYNC, stage)]
+            seconds = self._stream_seconds(stage)
             if seconds <= 0:
                 continue
             begin, how = (
@@ -359,9 +358,12 @@ class _Run:
         if syncs and syncs[-1].start + syncs[-1].duration > last_end:
             opt_start = syncs[-1].start + syncs[-1].duration
             opt_how = ("sync", len(syncs) - 1)
-        best: tuple[float, Any] = (opt_start + optimizer, opt_how)
+        # ZeRO-1/2's weight all-gathers in series after the optimizer step, where the
+        # framework does not overlap them with the next step's forward.
+        tail = optimizer + (0.0 if self.overlap.param_gather else self._after_step(r))
+        best: tuple[float, Any] = (opt_start + tail, opt_how)
         if self.overlap.grad_sync and syncs:
-            window = self._windows(r, syncs, optimizer)
+            window = self._windows(r, syncs, tail)
             if window[0] > best[0] * (1 + 1e-12):
                 best = window
         return RankRun(
@@ -373,6 +375,26 @@ class _Run:
             form=self._form(best[1], r, queue),
         )
 
+    def _stream(self, stage: int, part: Part) -> dict[Prim, float]:
+        """What a stage's entry on the reduction stream is made of (``part`` of it): its
+        gradient reduction, and ZeRO-1/2's all-gather of its updated weights where the
+        framework overlaps that with the next step's forward. The gather is queued here,
+        behind the reduction, in place of beside the next step's first forward: the same
+        seconds, links and SMs, hidden behind the last backward instead of the first forward
+        (a forward is about half a backward, so this hides less than it would there)."""
+        out = {(name(Quantity.GRAD_SYNC, part), stage): 1.0}
+        if self.overlap.param_gather:
+            out[(name(Quantity.PARAM_GATHER, part), stage)] = 1.0
+        return out
+
+    def _stream_seconds(self, stage: int) -> float:
+        return sum(self.val[p] * c for p, c in self._stream(stage, Part.SECONDS).items())
+
+    def _after_step(self, r: int) -> float:
+        """Seconds of rank r's weight all-gathers after its optimizer step (ZeRO-1/2 where
+        the framework does not overlap them)."""
+        return sum(self.val[(GATHER, stage)] for stage, _ in self.prog.last_grad[r])
+
     def _tasks(self, r: int) -> list[Task]:
         prog, start, dur = self.prog, self.start, self.dur
         return [Task(r, prog.key[g], prog.ops[g], start[g], dur[g]) for g in prog.by_rank[r]]
@@ -383,7 +405,7 @@ class _Run:
         prog, start, dur, val = self.prog, self.start, self.dur, self.val
         tasks = prog.by_rank[r]
         index = {g: i for i, g in enumerate(tasks)}
-        firsts = [g for stage, g in prog.last_grad[r] if val[(SYNC, stage)] > 0]
+        firsts = [g for stage, g in prog.last_grad[r] if self._stream_seconds(stage) > 0]
         suffix = {key: [0.0] * (len(tasks) + 1) for key in (*LINKS, "time")}
         use: dict[tuple[TaskKey, str], float] = {}
         for i in range(len(tasks) - 1, -1, -1):
@@ -399,7 +421,8 @@ class _Run:
             queued = syncs if j == 0 else syncs[j - 1 :]
             stages = [s.stage for s in queued]
             budgets: dict[str, float] = {
-                link: suffix[link][i] + sum(val[(SYNC_ON[link], s)] for s in stages)
+                link: suffix[link][i]
+                + sum(val[p] * c for s in stages for p, c in self._stream(s, link).items())
                 for link in LINKS
             }
             if j:
@@ -416,6 +439,9 @@ class _Run:
         """The chain that ``how`` describes, as coefficients (see ``Timeline.forms``)."""
         form: Form = defaultdict(float)
         form[("opt", r)] += 1.0
+        if not self.overlap.param_gather:
+            for stage, _ in self.prog.last_grad[r]:
+                form[("prim", (GATHER, stage))] += 1.0
         if how[0] == "window":
             _, g, i, budget, stages = how
             for t in self.prog.by_rank[r][i:]:
@@ -427,13 +453,16 @@ class _Run:
                         form[("prim", p)] += c
             for s in stages:
                 if budget == "time":
-                    form[("prim", (SYNC, s))] += nccl_share(self.overlap)
+                    for p, c in self._stream(s, Part.SECONDS).items():
+                        form[("prim", p)] += c * nccl_share(self.overlap)
                 else:
-                    form[("prim", (SYNC_ON[Part(budget)], s))] += 1.0
+                    for p, c in self._stream(s, Part(budget)).items():
+                        form[("prim", p)] += c
             how = ("start", g)
         while how[0] == "sync":
             stage, before = queue[how[1]]
-            form[("prim", (SYNC, stage))] += 1.0
+            for p, c in self._stream(stage, Part.SECONDS).items():
+                form[("prim", p)] += c
             how = before
         kind, g = how
         if kind == "start":

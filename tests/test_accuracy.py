@@ -42,6 +42,7 @@ def test_stored_errors_are_todays() -> None:
     assert len(rows) >= 25
     errors: dict[str, list[float]] = defaultdict(list)
     signed: dict[str, list[float]] = defaultdict(list)
+    ceilings: dict[str, list[tuple[int, float, str]]] = defaultdict(list)
     for row in rows:
         try:
             measured, predicted, costed = bench.cost(row)
@@ -51,8 +52,11 @@ def test_stored_errors_are_todays() -> None:
         for key in ("all", row["gpu"], "moe" if costed.moe else "dense"):
             errors[key].append(abs(e))
             signed[key].append(e)
+        ceilings[bench.ceiling_key(row)].append(
+            (int(row["num_gpus"]), costed.measured_mfu, row["id"])
+        )
     stored = json.loads(ACCURACY.read_text())
-    assert stored == bench.summary(errors, signed)
+    assert stored == bench.summary(errors, signed, ceilings)
 
 
 def test_estimates_quote_the_error_for_their_gpu() -> None:

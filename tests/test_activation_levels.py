@@ -7,17 +7,19 @@ import pytest
 
 from planner.costs.activations import activation_levels
 from planner.layout import chunks_of
-from planner.schedules import SCHEDULES, op_order, schedule_of
+from planner.schedules import SCHEDULES, memory_order, op_order, schedule_of
 
 Level = tuple[tuple[int, ...], int | None]
 
 
 def _walk(schedule: str, pp: int, m: int, v: int, rank: int, chunks: list[int]) -> set[Level]:
-    """Every level of the op order, walked op by op: after each forward, and at the start of
-    each backward with its chunk rebuilding."""
+    """Every level of the op order, walked op by op as its activations come and go
+    (``memory_order``): after each forward, and at the start of each backward with its chunk
+    rebuilding."""
     count = dict.fromkeys(chunks, 0)
     seen: set[Level] = set()
-    for op in op_order(schedule, pp=pp, num_microbatches=m, rank=rank, virtual_stages=v):
+    order = op_order(schedule, pp=pp, num_microbatches=m, rank=rank, virtual_stages=v)
+    for op in memory_order(schedule, order):
         if op.kind == "F":
             count[op.stage] += 1
             seen.add((tuple(count[c] for c in chunks), None))
@@ -35,10 +37,10 @@ def _implies(y: Level, x: Level) -> bool:
 SHAPES = [
     (name, pp, m, v)
     for name in SCHEDULES
-    for pp in (2, 4)
+    for pp in (1, 2, 4)
     for m in (8, 12)
     for v in ([2, 3] if schedule_of(name).virtual_stages is None else [0])
-    if not schedule_of(name).microbatch_rule(pp, m)
+    if schedule_of(name).runs(pp, m, v or schedule_of(name).default_virtual_stages)
 ]
 
 

@@ -206,24 +206,42 @@ def test_moe_dispatch_bytes_deepseek_v3() -> None:
     assert moe_dispatch_bytes(model, busy) == 4096 / 2 * 8 * 7168 * 2 * 1.5
 
 
-def test_node_limited_routing_crosses_infiniband_once_per_node() -> None:
+def test_deepep_crosses_infiniband_once_per_node_and_nccl_once_per_expert() -> None:
     """DeepSeek-V3 (report section 3.2.2): 256 experts in 8 groups, each token within 4
-    groups; with EP 64 over 8 nodes each node holds one group. A token crosses IB once per
-    other node it visits: 7 x (1 - C(7,4)/C(8,4)) = 3.5 copies, not 8 x 7/8 = 7."""
+    groups; with EP 64 over 8 nodes each node holds one group. DeepEP's kernels send a token
+    across IB once per other node it visits: 7 x (1 - C(7,4)/C(8,4)) = 3.5 copies, not
+    8 x 7/8 = 7. A plain NCCL all-to-all sends every copy, whatever the router."""
     ds = planner.load_model("deepseek-v3")
     assert (ds.expert_groups, ds.groups_per_token) == (8, 4)
     net = Network.of(planner.load_cluster("h800", gpus=2048))
     nbytes = moe_dispatch_bytes(ds, Shard(seq_len=4096))
     group_of_64 = list(range(64))
-    limited = net.moe_all_to_all_time(nbytes, group_of_64, ds)
+    limited = net.moe_all_to_all_time(nbytes, group_of_64, ds, "deepep")
     assert limited == pytest.approx(nbytes / 8 * 3.5 / net.ib_bus_Bps + net.ib_latency_s)
+    plain = net.all_to_all_time(nbytes, group_of_64)
+    assert net.moe_all_to_all_time(nbytes, group_of_64, ds, "alltoall") == pytest.approx(plain)
+    # A plain top-k router under DeepEP: 8 of 256 experts, 32 on each node.
     free = ds.model_copy(update={"groups_per_token": None})
-    assert net.moe_all_to_all_time(nbytes, group_of_64, free) == pytest.approx(
-        net.all_to_all_time(nbytes, group_of_64)
+    hit = 7 * (1 - math.comb(224, 8) / math.comb(256, 8))
+    assert net.moe_all_to_all_time(nbytes, group_of_64, free, "deepep") == pytest.approx(
+        nbytes / 8 * hit / net.ib_bus_Bps + net.ib_latency_s
     )
-    one_node = list(range(8))  # inside a node the limit changes nothing
-    assert net.moe_all_to_all_time(nbytes, one_node, ds) == pytest.approx(
+    one_node = list(range(8))  # inside a node there is nothing to deduplicate
+    assert net.moe_all_to_all_time(nbytes, one_node, ds, "deepep") == pytest.approx(
         net.all_to_all_time(nbytes, one_node)
+    )
+
+
+def test_allgather_dispatch_gathers_one_copy_of_every_token_of_the_group() -> None:
+    """Megatron-LM's allgather dispatcher: every rank gathers the group's tokens (one copy
+    each, whatever k) and reduce-scatters the outputs back."""
+    mixtral = planner.load_model("mixtral-8x7b")
+    net = Network.of(planner.load_cluster("h100", gpus=16))
+    nbytes = moe_dispatch_bytes(mixtral, Shard(seq_len=4096))
+    group = list(range(0, 16, 2))  # 8 ranks over 2 nodes
+    tokens = nbytes / mixtral.experts_per_token
+    assert net.moe_all_to_all_time(nbytes, group, mixtral, "allgather") == pytest.approx(
+        net.all_gather_time(tokens * 8, group)
     )
 
 
@@ -269,7 +287,7 @@ def test_moe_dispatch_bandwidth_against_deepep_on_h800(ep: int, measured_GBps: f
     net = network("h800", 64)
     copies = 4096 * model.experts_per_token * model.hidden_size  # FP8: one byte each
     ranks = list(range(ep))
-    t = net.moe_all_to_all(copies, ranks, model)
+    t = net.moe_all_to_all(copies, ranks, model, "deepep")
     if ep == 8:
         moved = copies * (1 - 1 / ep)  # leaves the GPU over NVLink
         link = t.nvlink * net.nvlink_bus_Bps

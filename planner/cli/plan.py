@@ -118,5 +118,11 @@ def _print_plan(result: Plan, model: ModelSpec, job: TrainingJob) -> None:
         )
         + f", layers per stage {layers}."
     )
+    runs = (result.job or job).framework
+    out.print(f"Run by {runs}: only layouts it runs, priced as it runs them.")
+    for each in result.frameworks:  # several target frameworks: the best of each
+        figure = f"{each.step_time_s:.3f} s per step" if each.step_time_s else "no layout"
+        gap = f", gap {each.gap:.1%}" if each.gap else ""
+        out.print(f"  {each.framework}: {figure} ({each.status}{gap})")
     print_decisions(lay, est, result.job or job)
     print_runners_up(result)

@@ -124,9 +124,12 @@ def print_time(est: Estimate, framework: str) -> None:
         f"the tensor-parallel and expert all-to-all communication {framework} leaves exposed, "
         f"the context-parallel ring's sends attention does not hide, "
         f"pipeline sends and bubble, links and SMs shared by overlapped collectives, exposed "
-        f"gradient reduction and the optimizer step; ignores stragglers, failures, data "
-        f"loading and checkpointing. Expected error: {est.expected_error}."
+        f"gradient reduction, ZeRO-1/2's weight all-gather and the optimizer step; ignores "
+        f"stragglers, failures, data loading and checkpointing. Expected error: "
+        f"{est.expected_error}."
     )
+    if est.mfu_note:
+        console.print(f"[bold yellow]Warning[/]: {est.mfu_note}.")
 
 
 def print_decisions(layout: Layout, est: Estimate, job: TrainingJob) -> None:

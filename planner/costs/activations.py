@@ -16,7 +16,7 @@ from planner.costs.blocks import OFFLOAD, OFFLOAD_TAG, BlockCost, Shard
 from planner.costs.state import shards
 from planner.frameworks import framework, names_with
 from planner.layout import Layout
-from planner.schedules import op_order
+from planner.schedules import memory_order, op_order
 from planner.specs import DTYPE_BYTES, ModelSpec, TrainingJob
 
 
@@ -66,12 +66,15 @@ def level_points(
     and at each backward's start with its rebuild. Bytes are never negative, so of two
     points with the same in-flight counts and rebuild the later one is at least as high
     (the done counts only grow): only the last of each is kept."""
-    order = op_order(
+    order = memory_order(
         schedule,
-        pp=pp,
-        num_microbatches=num_microbatches,
-        rank=rank,
-        virtual_stages=virtual_stages,
+        op_order(
+            schedule,
+            pp=pp,
+            num_microbatches=num_microbatches,
+            rank=rank,
+            virtual_stages=virtual_stages,
+        ),
     )
     chunks = sorted({op.stage for op in order})
     at = {c: i for i, c in enumerate(chunks)}

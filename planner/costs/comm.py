@@ -270,21 +270,45 @@ class Network:
         latency = self.ib_latency_s if len(counts) > 1 else self.nvlink_latency_s
         return Transfer(max(on, off) + latency, off, on)
 
-    def moe_all_to_all_time(self, nbytes: float, ranks: Sequence[int], model: ModelSpec) -> float:
+    def moe_all_to_all_time(
+        self, nbytes: float, ranks: Sequence[int], model: ModelSpec, dispatcher: str = "alltoall"
+    ) -> float:
         """One MoE dispatch (or combine) of ``nbytes`` (``moe_dispatch_bytes``: k copies of
-        each token) over the EP group ``ranks``. With group-limited routing whose groups sit
-        on separate nodes (DeepSeek-V3: 8 groups, at most 4 per token, EP 64 over 8 nodes), a
-        token crosses InfiniBand once per distinct node it visits and is forwarded to the
-        node's GPUs over NVLink (DeepSeek-V3 report section 3.2.2): the InfiniBand bytes are
-        one copy per other node hit, not one per expert. Otherwise a plain all-to-all."""
-        return self.moe_all_to_all(nbytes, ranks, model).seconds
+        each token) over the EP group ``ranks`` by ``dispatcher`` (``moe_all_to_all``)."""
+        return self.moe_all_to_all(nbytes, ranks, model, dispatcher).seconds
 
-    def moe_all_to_all(self, nbytes: float, ranks: Sequence[int], model: ModelSpec) -> Transfer:
-        """``moe_all_to_all_time`` with the links it keeps busy (both at once)."""
+    def moe_all_to_all(
+        self, nbytes: float, ranks: Sequence[int], model: ModelSpec, dispatcher: str = "alltoall"
+    ) -> Transfer:
+        """``moe_all_to_all_time`` with the links it keeps busy (both at once).
+
+        - ``alltoall``: every copy of a token crosses to its expert's rank (a plain
+          all-to-all), whatever the router.
+        - ``deepep``: DeepEP's kernels send a token across InfiniBand once per other node
+          holding one of its experts and forward it to that node's GPUs over NVLink
+          (DeepSeek-V3 report section 3.2.2; DeepEP layout.cu counts a token once per node),
+          so the InfiniBand bytes are one copy per other node hit. The nodes a token hits
+          follow from its router: ``groups_per_token`` of ``expert_groups`` groups where the
+          router limits them (DeepSeek-V3: 4 of 8, EP 64 over 8 nodes), else k of the
+          experts, spread evenly over the nodes. DeepEP's measured rates are near the links'
+          (H800: 153-158 GB/s over NVLink, 43-58 GB/s per 400 Gb/s NIC; DeepEP README), so
+          the links' achieved rates stand.
+        - ``allgather``: Megatron-LM's allgather dispatcher: each rank gathers every token of
+          the group (one copy each, whatever k) and keeps those its experts take; the
+          combine is the matching reduce-scatter."""
         members = set(ranks)
+        if dispatcher == "allgather":
+            if nbytes <= 0 or len(members) <= 1:
+                return NO_TRANSFER
+            one_copy = nbytes / model.experts_per_token
+            return self.all_gather(one_copy * len(members), ranks)
         _, nodes = self._spread(members)
+        if dispatcher != "deepep" or nbytes <= 0 or nodes == 1:
+            return self.all_to_all(nbytes, ranks)
         groups, limit = model.expert_groups, model.groups_per_token
-        if nbytes <= 0 or nodes == 1 or limit is None or groups % nodes:
+        if limit is None or groups % nodes:  # no node-limited groups: each expert its own
+            groups, limit = model.num_experts, model.experts_per_token
+        if groups % nodes:
             return self.all_to_all(nbytes, ranks)
         # Groups are spread evenly over the nodes; a token picks ``limit`` of ``groups``.
         per = groups // nodes

@@ -91,6 +91,7 @@ def prims(st: StageTime) -> dict[str, float]:
         (Q.ZERO_GATHER, st.zero_gather),
         (Q.ZERO_REDUCE, st.zero_reduce),
         (Q.GRAD_SYNC, st.grad_sync),
+        (Q.PARAM_GATHER, st.param_gather),
     ):
         for part in PARTS:
             out[name(quantity, part)] = part.of(t)

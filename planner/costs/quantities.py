@@ -2,8 +2,9 @@
 
 A stage (one chunk of a layout) runs, per micro-batch, its blocks' forward, input-gradient and
 weight-gradient work, its MoE layers' all-to-alls and its pipeline sends; per step, its
-gradient reduction; and under ZeRO-2/3, per micro-batch, its gathers and reduce-scatters
-(``planner.costs.timing`` says what each holds). ``Quantity`` names them, one vocabulary
+gradient reduction and (ZeRO-1/2) the all-gather of its updated weights; and under ZeRO-2/3,
+per micro-batch, its gathers and reduce-scatters (``planner.costs.timing`` says what each
+holds). ``Quantity`` names them, one vocabulary
 for every consumer; ``Part`` says which figure of a transfer: its seconds, or how long it
 keeps the GPU's InfiniBand share or its NVLink ports busy.
 
@@ -34,7 +35,8 @@ from planner.costs.comm import NO_TRANSFER, Transfer
 
 
 class Quantity(enum.StrEnum):
-    """A stage's quantity (seconds per micro-batch; ``GRAD_SYNC`` per step)."""
+    """A stage's quantity (seconds per micro-batch; ``GRAD_SYNC`` and ``PARAM_GATHER`` per
+    step)."""
 
     FWD = "fwd"  # forward work, with the exposed tensor- and context-parallel communication
     BWD_INPUT = "bwd_input"  # input-gradient work, with the recompute before it
@@ -46,6 +48,7 @@ class Quantity(enum.StrEnum):
     ZERO_GATHER = "zero_gather"  # ZeRO-3's parameter all-gather
     ZERO_REDUCE = "zero_reduce"  # ZeRO-2/3's gradient reduce-scatter
     GRAD_SYNC = "grad_sync"  # the data-parallel gradient reduction, once per step
+    PARAM_GATHER = "param_gather"  # ZeRO-1/2's all-gather of the updated weights, per step
 
 
 class Part(enum.StrEnum):
@@ -117,15 +120,16 @@ _GIB = float(2**30)
 class StageComm:
     """What a stage's transfers cost at its pipeline position, whatever blocks it holds:
     one MoE layer's forward all-to-alls (dispatch and combine) and its combine per
-    micro-batch, the two sends, and the rates of the gradient reduction, the ZeRO-3 gather
-    and the ZeRO-2/3 reduce-scatter over the dense and the expert groups (``OFF`` where the
-    ZeRO stage has none)."""
+    micro-batch, the two sends, and the rates of the gradient reduction, ZeRO-1/2's gather
+    of the updated weights, the ZeRO-3 gather and the ZeRO-2/3 reduce-scatter over the dense
+    and the expert groups (``OFF`` where the ZeRO stage has none)."""
 
     forward_pair: Transfer
     combine: Transfer
     p2p: Transfer
     p2p_back: Transfer
     grad_sync: tuple[Rate, Rate]
+    param_gather: tuple[Rate, Rate]
     zero_gather: tuple[Rate, Rate]
     zero_reduce: tuple[Rate, Rate]
 
@@ -181,6 +185,7 @@ class Domain(Protocol, Generic[X]):
 # Each collective quantity: the bytes it moves of the dense and of the expert parameters.
 COLLECTIVE_BYTES = {
     Quantity.GRAD_SYNC: (Bytes.DENSE_GRAD, Bytes.EXPERT_GRAD),
+    Quantity.PARAM_GATHER: (Bytes.DENSE_WEIGHT, Bytes.EXPERT_WEIGHT),
     Quantity.ZERO_GATHER: (Bytes.DENSE_WEIGHT, Bytes.EXPERT_WEIGHT),
     Quantity.ZERO_REDUCE: (Bytes.DENSE_GRAD, Bytes.EXPERT_GRAD),
 }
@@ -190,6 +195,8 @@ def rates(comm: StageComm, quantity: Quantity) -> tuple[Rate, Rate]:
     """The (dense, expert) rates of a collective quantity."""
     if quantity is Quantity.GRAD_SYNC:
         return comm.grad_sync
+    if quantity is Quantity.PARAM_GATHER:
+        return comm.param_gather
     if quantity is Quantity.ZERO_GATHER:
         return comm.zero_gather
     return comm.zero_reduce

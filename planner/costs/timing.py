@@ -18,9 +18,11 @@ Per stage (one chunk of the layout, on one rank of its pipeline position):
 - ``p2p`` / ``p2p_back``: sending this stage's output to the next stage / its input gradient
   to the previous one;
 - ``grad_sync``: the data-parallel gradient reduction of the stage's parameters once per step
-  (all-reduce under ZeRO-0, reduce-scatter under ZeRO-1; the updated parameters' all-gather
-  is assumed overlapped with the next step's forward, as Megatron-LM's
-  ``--overlap-param-gather``);
+  (all-reduce under ZeRO-0, reduce-scatter under ZeRO-1);
+- ``param_gather``: under ZeRO-1 and 2, the all-gather of the stage's updated working weights
+  over the same groups, once per step (``planner.timeline`` says where it runs: overlapped
+  where the framework overlaps it, Megatron-LM's ``--overlap-param-gather`` and FSDP2's
+  prefetch; after the optimizer step otherwise, as DeepSpeed's ZeRO-1/2 optimizer runs it);
 - ``zero_gather`` / ``zero_reduce``: per micro-batch ZeRO-3 parameter all-gathers (each of
   forward and backward) and ZeRO-2/3 gradient reduce-scatters.
 
@@ -100,6 +102,7 @@ class StageTime:
     p2p: Transfer  # send of the forward output to the next stage
     p2p_back: Transfer  # send of the input gradient to the previous stage
     grad_sync: Transfer
+    param_gather: Transfer
     zero_gather: Transfer
     zero_reduce: Transfer
     cp_fwd: float = 0.0  # exposed context-parallel ring inside ``fwd``
@@ -127,6 +130,7 @@ class StageTime:
             p2p=NO_TRANSFER,
             p2p_back=NO_TRANSFER,
             grad_sync=NO_TRANSFER,
+            param_gather=NO_TRANSFER,
             zero_gather=NO_TRANSFER,
             zero_reduce=NO_TRANSFER,
         )
@@ -170,6 +174,7 @@ def stage_times(
                 p2p=transfer(values, Quantity.P2P),
                 p2p_back=transfer(values, Quantity.P2P_BACK),
                 grad_sync=transfer(values, Quantity.GRAD_SYNC),
+                param_gather=transfer(values, Quantity.PARAM_GATHER),
                 zero_gather=transfer(values, Quantity.ZERO_GATHER),
                 zero_reduce=transfer(values, Quantity.ZERO_REDUCE),
                 cp_fwd=total.cp_fwd,
@@ -202,10 +207,9 @@ def position_comm(
 ) -> StageComm:
     """The transfers of a stage held at ``rank``'s pipeline position, its sends aside (none:
     ``stage_comm`` adds them): its all-to-alls, and
-    its gradient reduction (all-reduce under ZeRO-0, reduce-scatter under ZeRO-1; the updated
-    parameters' all-gather is taken as overlapped with the next step's forward, as
-    Megatron-LM's ``--overlap-param-gather``), ZeRO-3's gather and ZeRO-2/3's
-    reduce-scatter, over the dense and the expert groups."""
+    its gradient reduction (all-reduce under ZeRO-0, reduce-scatter under ZeRO-1), ZeRO-1/2's
+    all-gather of the updated weights, ZeRO-3's gather and ZeRO-2/3's reduce-scatter, over
+    the dense and the expert groups."""
     dispatch, combine = expert_all_to_alls(model, job, layout, network, shard, rank)
     dense, expert = dp_groups(layout, rank)
     z = layout.zero
@@ -216,6 +220,7 @@ def position_comm(
         p2p=NO_TRANSFER,
         p2p_back=NO_TRANSFER,
         grad_sync=_rates(network, sync, dense, expert) if z <= 1 else (OFF, OFF),
+        param_gather=_rates(network, "all_gather", dense, expert) if z in (1, 2) else (OFF, OFF),
         zero_gather=_rates(network, "all_gather", dense, expert) if z >= 3 else (OFF, OFF),
         zero_reduce=_rates(network, "reduce_scatter", dense, expert) if z >= 2 else (OFF, OFF),
     )
@@ -272,8 +277,9 @@ def expert_all_to_alls(
     act_bytes = shard.act_bytes  # type: ignore[attr-defined]
     share = (1 + 4 / 128) / act_bytes if job.compute_dtype == "fp8" else 1.0
     ep_group = group(layout, "ep", rank)
-    combine = network.moe_all_to_all(nbytes, ep_group, model)
-    dispatch = network.moe_all_to_all(nbytes * share, ep_group, model)
+    how = job.moe_dispatcher
+    combine = network.moe_all_to_all(nbytes, ep_group, model, how)
+    dispatch = network.moe_all_to_all(nbytes * share, ep_group, model, how)
     if layout.etp > 1:
         etp_group = group(layout, "etp", rank)
         dispatch = dispatch + network.all_gather(nbytes * share * layout.etp, etp_group)

@@ -23,7 +23,10 @@ What maps exactly:
   (``planner.export.megatron_model``); a feature no flag states is a difference;
 - the overlap the time model assumes for Megatron-LM (``TrainingJob.framework``):
   ``--tp-comm-overlap`` with sequence parallelism, ``--overlap-grad-reduce`` and
-  ``--overlap-param-gather``.
+  ``--overlap-param-gather``; the expert all-to-all overlap of the ``*-ep-overlap``
+  schedules, ``--overlap-moe-expert-parallel-comm``;
+- the MoE dispatcher (``TrainingJob.moe_dispatcher``): ``--moe-token-dispatcher-type``
+  alltoall or allgather, or flex with ``--moe-flex-dispatcher-backend deepep``.
 
 What does not: Megatron-LM picks 1F1B or interleaved 1F1B from the degrees and has no ZB-H1 or
 DualPipe schedule (DualPipe runs as 1F1B on the same stages, DualPipeV as interleaved 1F1B
@@ -57,6 +60,15 @@ from planner.specs import TrainingJob
 COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
 
 
+# TrainingJob.moe_dispatcher in Megatron-LM's flags (transformer_config.py at d98e8a64:
+# moe_token_dispatcher_type allgather | alltoall | flex, flex's backend deepep by default).
+DISPATCHER_ARGS = {
+    "alltoall": ["--moe-token-dispatcher-type", "alltoall"],
+    "allgather": ["--moe-token-dispatcher-type", "allgather"],
+    "deepep": ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"],
+}
+
+
 def megatron(plan: Plan) -> Export:
     """Megatron-LM arguments for ``plan`` (see the module docstring)."""
     model, _, job, planned = inputs(plan)
@@ -75,6 +87,9 @@ def megatron(plan: Plan) -> Export:
     if model.num_experts:
         args += ["--expert-model-parallel-size", str(runs.ep)]
         args += ["--expert-tensor-parallel-size", str(runs.etp)]
+        args += DISPATCHER_ARGS[job.moe_dispatcher]
+        if schedule_of(runs.schedule).ep_overlap:
+            args.append("--overlap-moe-expert-parallel-comm")
     if runs.tp > 1 and runs.sequence_parallel:
         args.append("--sequence-parallel")
         # The time model hides tensor-parallel collectives as Transformer Engine's

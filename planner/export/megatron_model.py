@@ -271,7 +271,7 @@ def _moe(model: ModelSpec, differences: list[str]) -> list[str]:
                 f"group score from the best {model.group_score_experts or '(not recorded)'} "
                 f"expert(s) of a group: Megatron-LM sums the best top-k / group-top-k = {summed}"
             )
-    return [*args, "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"]
+    return [*args, "--moe-grouped-gemm"]
 
 
 def _router(model: ModelSpec, differences: list[str]) -> list[str]:

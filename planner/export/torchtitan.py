@@ -142,7 +142,13 @@ def torchtitan(plan: Plan) -> Export:
         f"# {model.name}: {runs.world_size} GPUs (torchtitan job config, keys as "
         f"of {COMMIT[:8]}, v0.2.2)\n" + dumps(sections)
     )
-    return finish("torchtitan", plan, runs, {"torchtitan.toml": text}, differences)
+    notes = []
+    if job.moe_dispatcher == "deepep":
+        notes.append(
+            "DeepEP is chosen in the model's config, not in this TOML: moe_comm_backend="
+            "'deepep' (torchtitan's model config registries)"
+        )
+    return finish("torchtitan", plan, runs, {"torchtitan.toml": text}, differences, notes=notes)
 
 
 def model_flavor(model: ModelSpec, seq_len: int) -> tuple[str, str, str | None]:

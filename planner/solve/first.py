@@ -56,6 +56,8 @@ def first_fit(
     seen: set[tuple[object, ...]] = set()
     programs: set[tuple[str, int, int, int]] = set()
     for config in sorted(configs, key=order):
+        if config.pipeline.ep_overlap and "full" in allowed:
+            continue  # it refuses full recompute: the plain schedule of the same degrees
         shape = (config.tp, config.cp, config.pp, config.dp, config.ep, config.etp)
         if shape in seen:  # one try per degrees: the leanest of them
             continue

@@ -149,7 +149,12 @@ def _per_degrees(
         # and gathered copies, and add their collectives.
         zeros = [z for z in zeros if z <= 1]
     mbs = space.micro_batch or list(DEFAULT_MICRO_BATCHES)
-    schedules = space.schedules or (list(DEFAULT_SCHEDULES) if pp > 1 else ["1f1b"])
+    schedules = space.schedules or (
+        list(DEFAULT_SCHEDULES) if pp > 1 else ["1f1b", "1f1b-ep-overlap"]
+    )
+    # The all-to-all overlap needs all-to-alls to hide: routed experts over ep > 1 ranks,
+    # sent by a dispatcher that runs all-to-alls.
+    overlap = bool(model.num_experts) and ep > 1 and job.moe_dispatcher != "allgather"
     emas = space.ema or (["host"] if job.ema else ["hbm"])
     caches = fp8_cache_choices(job, space)
     offloads = optimizer_offload_choices(job, space)
@@ -163,6 +168,8 @@ def _per_degrees(
         entry = SCHEDULES.get(schedule)
         if entry is None:
             raise PlannerError(f"SearchSpace.schedules: unknown schedule {schedule!r}")
+        if entry.ep_overlap and not overlap:
+            continue
         if job.global_batch % (dp * mb):
             continue
         m = job.global_batch // (dp * mb)

@@ -49,7 +49,7 @@ from planner.costs.timing import (
 from planner.frameworks import Overlap
 from planner.layout import Layout, parse_recompute
 from planner.memo import Memo
-from planner.schedules import Schedule, op_order, schedule_of
+from planner.schedules import Schedule, ep_overlap_forbids, op_order, schedule_of
 from planner.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, TrainingJob
 
 GiB = float(2**30)
@@ -247,6 +247,7 @@ def build(
             cluster.model_dump_json(),
             None if choices is None else frozenset(choices),
             config.key(ignoring=_KINDS_IGNORE),
+            config.pipeline.ep_overlap,
         ),
         lambda: _kinds(
             model,
@@ -259,6 +260,7 @@ def build(
             fixed,
             choices,
             config.recompute_extra,
+            forbid=config.pipeline.ep_overlap,
         ),
     )
     first_fixed = ["embedding"]
@@ -404,6 +406,8 @@ def _kinds(
     fixed: list[str],
     choices: list[str] | None,
     extra: frozenset[str] = frozenset(),
+    *,
+    forbid: bool = False,
 ) -> dict[str, Kind]:
     rates = Rates.of(cluster, job)
     representative: dict[str, str] = {}
@@ -426,6 +430,7 @@ def _kinds(
             allowed,
             fixed=k in fixed,
             extra=extra if allowed is None else frozenset(),
+            forbid=forbid,
         )
         for k, n in representative.items()
     }
@@ -463,12 +468,13 @@ def _kind(
     *,
     fixed: bool,
     extra: frozenset[str] = frozenset(),
+    forbid: bool = False,
 ) -> Kind:
     cost = block_cost(model, block, shard)
     listed = frozenset(allowed) if allowed is not None else None
     options = _OPTIONS.get(
-        (model, block, shard, name, rates, tp, listed, fixed, extra),
-        lambda: _options(name, cost, rates, tp, allowed, fixed=fixed, extra=extra),
+        (model, block, shard, name, rates, tp, listed, fixed, extra, forbid),
+        lambda: _options(name, cost, rates, tp, allowed, fixed=fixed, extra=extra, forbid=forbid),
     )
     params = cost.params
     st = state_bytes(params, job=job, layout=proto, ema_on_gpu=proto.ema == "hbm")
@@ -496,9 +502,12 @@ def _options(
     *,
     fixed: bool,
     extra: frozenset[str] = frozenset(),
+    forbid: bool = False,
 ) -> list[Option]:
     """A block's undominated recompute options (cached: many configurations share them):
-    its menu, with the listed choices (``allowed``) only, or with ``extra`` choices too."""
+    its menu, with the listed choices (``allowed``) only, or with ``extra`` choices too;
+    ``forbid``: without those a schedule that overlaps the expert all-to-alls refuses
+    (``schedules.ep_overlap_forbids``)."""
     menu = cost.menu()
     # a listed module set applies to every block, in its menu or not
     named = allowed if allowed is not None else extra
@@ -509,6 +518,8 @@ def _options(
     options = []
     for choice in menu:
         label = choice_name(choice)
+        if forbid and ep_overlap_forbids(choice):
+            continue
         # A search space's recompute list binds the layers; the embedding, MTP and head
         # blocks may always stay as they are.
         if allowed is not None and label not in allowed and not (fixed and label == "none"):

@@ -1,0 +1,229 @@
+"""Does the time model order measured MoE layouts as reality did?
+
+A *ladder* (``benchmarks/moe_ladders.csv``) is one MoE model on one cluster for one job,
+measured by one team under several parallel layouts. For each ladder this prints every
+layout's measured figure, its predicted step time (``planner.evaluate``) and MFU, the error of
+the prediction where the measured figure converts to a step time, and whether the predicted
+order of the layouts is the measured one (Kendall's tau over the pairs, and the pairs the
+model orders backwards). The summary counts the ladders ordered exactly.
+
+Conventions:
+
+- A measured MFU or TFLOP/s per GPU becomes a step time with the planner's own FLOP count
+  (``planner.estimate.model_flops_per_token``); the sources count their FLOPs their own way
+  (Megatron-LM's ``num_floating_point_operations``; the MoE Parallel Folding paper's MFU), so
+  the absolute errors carry that difference. Within a ladder every row has the same model
+  and job, so the order does not depend on it.
+- What a row leaves out is taken as the framework runs it by default, and printed: a blank
+  micro-batch is 1, an unstated dispatcher NCCL all-to-all, an ``fsdp`` row ZeRO-3 (Megatron
+  FSDP) without pipelining. An unstated recompute is the least the layout needs to fit: none,
+  then selective, then full (the first whose predicted peak is under the memory cap).
+- A row whose layout the planner refuses (a degree that does not divide) is listed with the
+  reason and left out of its ladder's order.
+
+Run: ``.venv/bin/python benchmarks/moe_ladders.py [--only LADDER ...] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import planner
+from planner.estimate import model_flops_per_token
+
+HERE = Path(__file__).resolve().parent
+LADDERS = HERE / "moe_ladders.csv"
+UNSTATED_RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass
+class Row:
+    ladder: str
+    id: str
+    layout: str
+    measured: float  # the source's figure
+    metric: str
+    measured_step_s: float | None
+    predicted_step_s: float | None
+    predicted_mfu: float | None
+    error: float | None  # predicted / measured step - 1
+    assumed: str
+    skipped: str = ""
+
+
+def _int(text: str, default: int) -> int:
+    return int(text) if text.strip() else default
+
+
+def _layout(model: planner.ModelSpec, r: dict[str, str], recompute: str) -> planner.Layout:
+    tp, pp, dp = _int(r["tp"], 1), _int(r["pp"], 1), _int(r["dp"], 1)
+    vp, ep, etp, cp = _int(r["vp"], 1), _int(r["ep"], 1), _int(r["etp"], 1), _int(r["cp"], 1)
+    fsdp = r["schedule"] == "fsdp"
+    schedule = "1f1b" if fsdp else r["schedule"]
+    if schedule == "1f1b" and vp > 1:
+        schedule = "interleaved"
+    if "a2aoverlap" in r["id"]:  # Megatron-LM's --overlap-moe-expert-parallel-comm
+        schedule = {"interleaved": "interleaved-ep-overlap", "1f1b": "1f1b-ep-overlap"}[schedule]
+    return planner.Layout.uniform(
+        model,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        cp=cp,
+        ep=ep,
+        etp=etp,
+        zero=3 if fsdp else 1,
+        micro_batch=_int(r["micro_batch"], 1),
+        schedule=schedule,
+        virtual_stages=vp if vp > 1 else None,
+        recompute=recompute,
+    )
+
+
+def _measured_step(
+    model: planner.ModelSpec, r: dict[str, str], cluster: planner.ClusterSpec
+) -> float | None:
+    value, gpus = float(r["value"]), int(r["num_gpus"])
+    tokens = int(r["global_batch"]) * int(r["seq_len"])
+    flops = model_flops_per_token(model, int(r["seq_len"])) * tokens
+    if r["metric"] == "mfu":
+        return flops / (value * cluster.bf16_flops * gpus)
+    if r["metric"] == "tflops_per_gpu":
+        return flops / (value * 1e12 * gpus)
+    if r["metric"] == "tokens_per_s_per_gpu":
+        return tokens / (value * gpus)
+    if r["metric"] == "step_time_s":
+        return value
+    return None
+
+
+def cost(r: dict[str, str]) -> Row:
+    model = planner.load_model(r["model"])
+    cluster = planner.load_cluster(r["gpu"], gpus=int(r["num_gpus"]))
+    dispatcher = r["dispatcher"] if r["dispatcher"] in ("alltoall", "allgather", "deepep") else ""
+    job = planner.TrainingJob(
+        seq_len=int(r["seq_len"]),
+        global_batch=int(r["global_batch"]),
+        compute_dtype="fp8" if r["precision"] == "fp8" else "bf16",
+        framework="megatron",
+        moe_dispatcher=dispatcher or "alltoall",
+    )
+    assumed = []
+    if not r["micro_batch"].strip():
+        assumed.append("micro-batch 1")
+    if not dispatcher:
+        assumed.append("NCCL all-to-all")
+    base = Row(r["ladder"], r["id"], "", float(r["value"]), r["metric"], None, None, None, None, "")
+    measured = _measured_step(model, r, cluster)
+    stated = r["recompute"].split("(")[0].strip()
+    tries = UNSTATED_RECOMPUTE if stated in ("", "unstated") else (stated,)
+    est, recompute = None, tries[0]
+    for recompute in tries:
+        try:
+            layout = _layout(model, r, recompute)
+            est = planner.evaluate(model, cluster, job, layout)
+        except planner.PlannerError as exc:
+            base.skipped = str(exc)
+            return base
+        if est.fits or len(tries) == 1:
+            break
+    assert est is not None
+    if len(tries) > 1:
+        assumed.append(f"recompute {recompute}")
+    if not est.fits:
+        assumed.append("DOES NOT FIT the memory cap")
+    name = f"tp{layout.tp} pp{layout.pp} dp{layout.dp} ep{layout.ep} etp{layout.etp}"
+    name += f" cp{layout.cp} v{layout.virtual_stages} z{layout.zero} {layout.schedule}"
+    return Row(
+        r["ladder"],
+        r["id"],
+        name,
+        float(r["value"]),
+        r["metric"],
+        measured,
+        est.step_time_s,
+        est.mfu,
+        est.step_time_s / measured - 1 if measured else None,
+        ", ".join(assumed),
+    )
+
+
+def kendall(measured: list[float], predicted: list[float]) -> tuple[float, list[tuple[int, int]]]:
+    """Kendall's tau of two orders of step times, and the pairs ordered backwards (ties in
+    the measurement are not counted)."""
+    agree = disagree = 0
+    backwards = []
+    for i, j in itertools.combinations(range(len(measured)), 2):
+        m = measured[i] - measured[j]
+        p = predicted[i] - predicted[j]
+        if m == 0:
+            continue
+        if m * p > 0:
+            agree += 1
+        else:
+            disagree += 1
+            backwards.append((i, j))
+    pairs = agree + disagree
+    return ((agree - disagree) / pairs if pairs else 1.0), backwards
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", nargs="+", default=None, help="ladder names")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    rows = list(csv.DictReader(LADDERS.open()))
+    ladders: dict[str, list[dict[str, str]]] = {}
+    for r in rows:
+        if args.only is None or r["ladder"] in args.only:
+            ladders.setdefault(r["ladder"], []).append(r)
+    out, exact, counted, errors = [], 0, 0, []
+    for name, members in ladders.items():
+        costed = [cost(r) for r in members]
+        ok = [c for c in costed if not c.skipped and c.measured_step_s and c.predicted_step_s]
+        measured = [c.measured_step_s for c in ok]
+        predicted = [c.predicted_step_s for c in ok]
+        tau, backwards = kendall(measured, predicted)  # type: ignore[arg-type]
+        if len(ok) >= 2:
+            counted += 1
+            exact += not backwards
+        errors += [c.error for c in ok if c.error is not None]
+        out.append({"ladder": name, "tau": tau, "rows": [asdict(c) for c in costed]})
+        if args.json:
+            continue
+        print(f"\n{name}: Kendall tau {tau:+.2f}, {len(backwards)} pair(s) backwards")
+        order = sorted(range(len(ok)), key=lambda i: measured[i])  # type: ignore[arg-type, return-value]
+        for rank, i in enumerate(order, 1):
+            c = ok[i]
+            print(
+                f"  {rank}. {c.layout:58s} measured {c.measured:8.3f} {c.metric:22s} "
+                f"= {c.measured_step_s:7.3f} s; predicted {c.predicted_step_s:7.3f} s "
+                f"({c.error:+.1%}), MFU {c.predicted_mfu:.1%}"
+                + (f"  [{c.assumed}]" if c.assumed else "")
+            )
+        for c in costed:
+            if c.skipped:
+                print(f"  -  {c.id}: not costed: {c.skipped}")
+        for i, j in backwards:
+            print(f"  backwards: {ok[i].layout} vs {ok[j].layout}")
+    if args.json:
+        json.dump(out, sys.stdout, indent=1)
+        return 0
+    mean = sum(abs(e) for e in errors) / len(errors) if errors else float("nan")
+    sign = sum(errors) / len(errors) if errors else float("nan")
+    print(
+        f"\n{exact} of {counted} ladders ordered exactly as measured; step-time error over "
+        f"{len(errors)} rows: mean |error| {mean:.1%}, mean signed {sign:+.1%} (the planner's "
+        "FLOP count converts measured MFU and TFLOP/s to seconds)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
