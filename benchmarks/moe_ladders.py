@@ -70,20 +70,24 @@ def _layout(model: planner.ModelSpec, r: dict[str, str], recompute: str) -> plan
         schedule = "interleaved"
     if "a2aoverlap" in r["id"]:  # Megatron-LM's --overlap-moe-expert-parallel-comm
         schedule = {"interleaved": "interleaved-ep-overlap", "1f1b": "1f1b-ep-overlap"}[schedule]
-    return planner.Layout.uniform(
-        model,
-        tp=tp,
-        pp=pp,
-        dp=dp,
-        cp=cp,
-        ep=ep,
-        etp=etp,
-        zero=3 if fsdp else 1,
-        micro_batch=_int(r["micro_batch"], 1),
-        schedule=schedule,
-        virtual_stages=vp if vp > 1 else None,
-        recompute=recompute,
-    )
+    fields = {
+        "tp": tp,
+        "dp": dp,
+        "cp": cp,
+        "ep": ep,
+        "etp": etp,
+        "zero": 3 if fsdp else 1,
+        "micro_batch": _int(r["micro_batch"], 1),
+        "schedule": schedule,
+        "recompute": recompute,
+    }
+    stages = pp * vp
+    if model.num_layers < stages:  # the embedding and the head take a stage of their own
+        counts = [0] + [1] * (stages - 2) + [0]
+        if sum(counts) != model.num_layers:
+            raise planner.PlannerError(f"{model.num_layers} layers cannot fill {stages} stages")
+        return planner.Layout.from_counts(model, counts=counts, pp=pp, virtual_stages=vp, **fields)
+    return planner.Layout.uniform(model, pp=pp, virtual_stages=vp if vp > 1 else None, **fields)
 
 
 def _measured_step(
@@ -121,7 +125,9 @@ def cost(r: dict[str, str]) -> Row:
         assumed.append("NCCL all-to-all")
     base = Row(r["ladder"], r["id"], "", float(r["value"]), r["metric"], None, None, None, None, "")
     measured = _measured_step(model, r, cluster)
-    stated = r["recompute"].split("(")[0].strip()
+    stated = r["recompute"].strip()
+    if stated.startswith("selective(") and stated.endswith(")"):  # Megatron-LM's modules
+        stated = stated.removeprefix("selective(").removesuffix(")")
     tries = UNSTATED_RECOMPUTE if stated in ("", "unstated") else (stated,)
     est, recompute = None, tries[0]
     for recompute in tries:

@@ -237,11 +237,13 @@ def quick_layout(
         return None
     allowed = {choice_name(parse_recompute(r)) for r in space.recompute or []}
     ordered = _ladder(t, allowed)
+    rules = target_rules(space)
+    if rules is not None:  # a launcher states one choice for every layer
+        ordered = [c for c in ordered if len({c[k] for k in set(t.layer_kinds)}) == 1]
     # Two partitions: even layer counts, and stages even in time with the embedding's and
     # head's own work counted (``warm.balanced``), unless the target launcher runs even
     # layer counts only.
     partitions = [even_counts(model, config)]
-    rules = target_rules(space)
     if rules is None or not rules.even_stages:
         partitions.append(balanced(t, lambda o: o.time))
     cap = usable_peak_bytes(cluster, job)
@@ -279,6 +281,8 @@ def quick_layout(
                             high[r] = mid
                         else:
                             low[r] = mid + 1
+            if rules is not None:  # one choice for every layer: the leanest any rank needs
+                high = [max(high)] * config.pp
             stage_choice = [ordered[max(high[r] for r in holders[c])] for c in range(config.stages)]
             layout = config.layout(model, list(counts), _by_stage(t, list(counts), stage_choice))
             budget.charge(costing_charge(model, config))
