@@ -21,7 +21,13 @@ Conventions:
 - A row whose layout the planner refuses (a degree that does not divide) is listed with the
   reason and left out of its ladder's order.
 
-Run: ``.venv/bin/python benchmarks/moe_ladders.py [--only LADDER ...] [--json]``.
+``--pairs`` prints instead the published measurements of Megatron-LM's expert all-to-all
+overlap (``--overlap-moe-expert-parallel-comm``) on and off for one layout, the model's
+ratio of the two, and the share of a pair's all-to-alls hidden (``Overlap.pair_hidden``)
+fitted to each measurement, to all of them, and to all but each one (leave one source out):
+where the registry's value for Megatron-LM comes from.
+
+Run: ``.venv/bin/python benchmarks/moe_ladders.py [--only LADDER ...] [--json] [--pairs]``.
 """
 
 from __future__ import annotations
@@ -179,11 +185,153 @@ def kendall(measured: list[float], predicted: list[float]) -> tuple[float, list[
     return ((agree - disagree) / pairs if pairs else 1.0), backwards
 
 
+def qwen3_30b_a3b() -> planner.ModelSpec:
+    """Qwen3-30B-A3B, from its Megatron-LM arguments in Megatron-MoE-ModelZoo
+    (model_configs/benchmarking/Qwen3-30B-A3B.yaml at e865051: 48 layers, hidden 2048, 32
+    heads, 4 query groups, kv-channels 128, 128 experts of 768, top 8); the rest (vocabulary,
+    untied embeddings, q/k norms, no shared expert) as its family's Qwen3-235B-A22B."""
+    return planner.load_model("qwen3-235b-a22b").model_copy(
+        update={
+            "name": "qwen3-30b-a3b",
+            "num_layers": 48,
+            "hidden_size": 2048,
+            "num_attention_heads": 32,
+            "num_kv_heads": 4,
+            "head_dim": 128,
+            "ffn_hidden_size": 6144,
+            "moe_ffn_hidden_size": 768,
+        }
+    )
+
+
+@dataclass
+class Pair:
+    """One layout measured with the expert all-to-all overlap off and on (seconds)."""
+
+    name: str
+    model: planner.ModelSpec
+    cluster: planner.ClusterSpec
+    job: planner.TrainingJob
+    off: planner.Layout
+    on: planner.Layout
+    measured_off: float
+    measured_on: float
+    source: str
+
+
+def pairs() -> list[Pair]:
+    q235 = planner.load_model("qwen3-235b-a22b")
+    q30 = qwen3_30b_a3b()
+
+    def big(schedule: str) -> planner.Layout:
+        return planner.Layout.uniform(
+            q235,
+            tp=2,
+            pp=8,
+            dp=16,
+            ep=32,
+            virtual_stages=4,
+            schedule=schedule,
+            recompute="layernorm+moe_act",
+        )
+
+    def small(schedule: str) -> planner.Layout:
+        return planner.Layout.uniform(q30, dp=16, ep=16, schedule=schedule)
+
+    return [
+        Pair(
+            "qwen3-235b-a22b, 256 H100, tp2 pp8 vp4 ep32, DeepEP",
+            q235,
+            planner.load_cluster("h100", gpus=256),
+            planner.TrainingJob(seq_len=4096, global_batch=2048, moe_dispatcher="deepep"),
+            big("interleaved"),
+            big("interleaved-ep-overlap"),
+            19.7,
+            17.6,
+            "yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md (H100 table, "
+            "'Cross-node EP strategy' rows, '+1f1b overlap')",
+        ),
+        Pair(
+            "qwen3-30b-a3b, 16 H100, ep16, NCCL all-to-all",
+            q30,
+            planner.load_cluster("h100", gpus=16),
+            planner.TrainingJob(seq_len=4096, global_batch=1024),
+            small("1f1b"),
+            small("1f1b-ep-overlap"),
+            41.25,
+            31.31,
+            "NVIDIA-NeMo/Megatron-Bridge docs/training/communication-overlap.md at 319a6eb1 "
+            "(H100 x16, EP16, alltoall; sequence, micro and global batch not stated: 4,096, 1 "
+            "and 1,024 taken, the ratio hardly depends on them)",
+        ),
+    ]
+
+
+def _ratio(pair: Pair, hidden: float) -> tuple[float, float, float]:
+    """The model's on / off step ratio with ``hidden`` of a pair's all-to-alls hidden, and
+    the two step times (seconds)."""
+    import dataclasses
+
+    from planner import frameworks
+
+    entry = frameworks.FRAMEWORKS["megatron"]
+    frameworks.FRAMEWORKS["megatron"] = dataclasses.replace(
+        entry, overlap=dataclasses.replace(entry.overlap, pair_hidden=hidden)
+    )
+    try:
+        off = planner.evaluate(pair.model, pair.cluster, pair.job, pair.off).step_time_s
+        on = planner.evaluate(pair.model, pair.cluster, pair.job, pair.on).step_time_s
+    finally:
+        frameworks.FRAMEWORKS["megatron"] = entry
+    return on / off, off, on
+
+
+def fit_hidden(chosen: list[Pair]) -> float:
+    """The share hidden, on a 0.01 grid in [0, 1], whose on/off ratios are nearest the
+    measured ones over ``chosen`` (least squares)."""
+    grid = [i / 100 for i in range(101)]
+    curves = {p.name: [_ratio(p, h)[0] for h in grid] for p in chosen}
+
+    def loss(i: int) -> float:
+        return sum((curves[p.name][i] - p.measured_on / p.measured_off) ** 2 for p in chosen)
+
+    return grid[min(range(len(grid)), key=loss)]
+
+
+def print_pairs() -> None:
+    from planner.frameworks import framework
+
+    shipped = framework("megatron").overlap.pair_hidden
+    every = pairs()
+    print(f"Megatron-LM's expert all-to-all overlap, on / off (registry: {shipped:.2f} hidden)")
+    for p in every:
+        ratio, off, on = _ratio(p, shipped)
+        own = fit_hidden([p])
+        rest = [q for q in every if q is not p]
+        held = fit_hidden(rest) if rest else float("nan")
+        held_ratio = _ratio(p, held)[0]
+        measured = p.measured_on / p.measured_off
+        print(
+            f"  {p.name}: measured {p.measured_off:.2f} -> {p.measured_on:.2f} s "
+            f"(x{measured:.3f}); predicted {off:.2f} -> {on:.2f} s (x{ratio:.3f}, "
+            f"{ratio / measured - 1:+.1%}); fitted alone {own:.2f}; fitted on the others "
+            f"{held:.2f}, which predicts x{held_ratio:.3f} ({held_ratio / measured - 1:+.1%})"
+        )
+        print(f"    source: {p.source}")
+    print(f"  fitted on all: {fit_hidden(every):.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="+", default=None, help="ladder names")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--pairs", action="store_true", help="the expert all-to-all overlap's on/off pairs"
+    )
     args = parser.parse_args(argv)
+    if args.pairs:
+        print_pairs()
+        return 0
     rows = list(csv.DictReader(LADDERS.open()))
     ladders: dict[str, list[dict[str, str]]] = {}
     for r in rows:

@@ -35,6 +35,11 @@ class Overlap:
     # ZeRO-1/2's all-gather of the updated weights runs beside the next step's forward
     # (``planner.timeline``), not in series after the optimizer step.
     param_gather: bool = False
+    # Of a paired forward and backward (DualPipe, Megatron-LM's expert all-to-all overlap),
+    # the share of their all-to-alls and sends hidden behind the other chunk's compute: 1
+    # where the runtime overlaps them as DeepSeek-V3's report states (section 3.2.1), 0 where
+    # it runs the pair's two halves in turn (``costs.overlap``).
+    pair_hidden: float = 1.0
     # The GPU's SMs: the cluster's (``costs.overlap.overlap_of``); an entry's are
     # ``UNSTATED_SM_COUNT``, as are those of a cluster that does not state its own.
     sm_count: int = UNSTATED_SM_COUNT
@@ -139,7 +144,15 @@ FRAMEWORKS: dict[str, Framework] = {
         weight_dtype="bf16",
         grad_dtype="fp32",
         master_dtype="fp32",
-        overlap=Overlap(zero=True, grad_sync=True, param_gather=True),
+        # Pairs (--overlap-moe-expert-parallel-comm): 0.49 of their all-to-alls hidden, a
+        # joint fit to the two published on/off measurements of Megatron-LM's own team
+        # (benchmarks/moe_ladders.py --pairs): Qwen3-235B-A22B on 256 H100, EP32 DeepEP,
+        # 19.7 -> 17.6 s (Megatron-MoE-ModelZoo best_practice/qwen3/readme.md), held out
+        # -4.6%; Qwen3-30B-A3B on 16 H100, EP16 all-to-all, 41.25 -> 31.31 s (Megatron-Bridge
+        # docs/training/communication-overlap.md), held out +8.8%. The combined 1F1B
+        # interleaves the two halves layer by layer, so the all-to-alls that wait on their
+        # own layer's compute stay exposed.
+        overlap=Overlap(zero=True, grad_sync=True, param_gather=True, pair_hidden=0.49),
         tp_overlap="userbuffers",
         tp_overlap_needs_sp=True,
         fp8_keeps_fp8_inputs=True,
@@ -191,7 +204,11 @@ FRAMEWORKS: dict[str, Framework] = {
         weight_dtype="fp32",
         grad_dtype="fp32",
         master_dtype=None,
-        overlap=Overlap(zero=True, grad_sync=True, param_gather=True),
+        # Pairs: torch.distributed.pipelining runs an OVERLAP_F_B action's forward and
+        # backward in turn unless a custom function is registered for it (schedules.py,
+        # _PipelineScheduleRuntime; torch 2.13), and torchtitan registers none outside its
+        # experiments: DualPipeV's pairs hide nothing.
+        overlap=Overlap(zero=True, grad_sync=True, param_gather=True, pair_hidden=0.0),
         tp_overlap="async",
         compiles_loss=True,
         loss_copies_logits=True,
@@ -231,7 +248,7 @@ FRAMEWORKS: dict[str, Framework] = {
         weight_dtype="bf16",
         grad_dtype="bf16",
         master_dtype="fp32",
-        overlap=Overlap(zero=True, grad_sync=True),
+        overlap=Overlap(zero=True, grad_sync=True, pair_hidden=0.0),
         tp_overlap="none",
         fp8_keeps_fp8_inputs=True,
         fixed_reduce_buckets=True,
@@ -257,7 +274,7 @@ FRAMEWORKS: dict[str, Framework] = {
         weight_dtype="fp32",
         grad_dtype="fp32",
         master_dtype=None,
-        overlap=Overlap(zero=False, grad_sync=False),
+        overlap=Overlap(zero=False, grad_sync=False, pair_hidden=0.0),  # torch's runtime
         tp_overlap="none",
         compiles_loss=True,
     ),

@@ -148,12 +148,17 @@ def test_full_recompute_repeats_the_whole_forward_with_its_tp_collectives() -> N
     assert st.recompute == pytest.approx(st.fwd)
 
 
-def test_a_dualpipe_pair_hides_each_chunks_communication_behind_the_other_only() -> None:
+@pytest.mark.parametrize("hidden", [1.0, 0.49, 0.0])
+def test_a_dualpipe_pair_hides_each_chunks_communication_behind_the_other_only(
+    hidden: float,
+) -> None:
     """A DualPipe pair runs one micro-batch's forward chunk beside another's backward chunk
     (DeepSeek-V3 report section 3.2.1): with little communication the pair takes the two
     chunks' compute, slowed while the communication kernels hold 20 of the 132 SMs (section
-    3.2.2); with much, each chunk's own communication stays in series with its own compute,
-    so the pair lasts at least the longer chunk-plus-its-communication."""
+    3.2.2), and the share of the communication the runtime does not hide
+    (``Overlap.pair_hidden``: all of it where the pair's halves run in turn); with much,
+    each chunk's own communication stays in series with its own compute, so the pair lasts
+    at least the longer chunk-plus-its-communication."""
     from dataclasses import replace
 
     from planner.costs.comm import Network, Transfer
@@ -175,17 +180,22 @@ def test_a_dualpipe_pair_hides_each_chunks_communication_behind_the_other_only()
             p2p_back=none,
         )
         changed = [t if x.stage == 1 else x for x in times]
-        return task_time(("pair", 1, 1, "BW"), values(changed), OVERLAPS["megatron"])
+        runtime = replace(OVERLAPS["megatron"], pair_hidden=hidden)
+        return task_time(("pair", 1, 1, "BW"), values(changed), runtime)
 
     compute = st.fwd + st.bwd_input + st.bwd_weight
     light = 1e-4
     # DeepSeek-V3 report section 3.2.2: the communication kernels hold 20 of the H800's 132
     # SMs (the H100 here has as many) while the paired chunks compute.
-    assert pair(light, light) == pytest.approx(compute + 20 / 132 * 2 * light)
+    exposed = hidden * 20 / 132 + (1 - hidden)
+    assert pair(light, light) == pytest.approx(compute + exposed * 2 * light)
     heavy = 2 * compute
-    # Each chunk waits for its own all-to-alls: the forward chunk's, the longer, binds.
-    assert pair(heavy, light) == pytest.approx(st.fwd + heavy)
-    assert pair(light, heavy) == pytest.approx(st.bwd_input + st.bwd_weight + heavy)
+    if hidden == 1.0:
+        # Each chunk waits for its own all-to-alls: the forward chunk's, the longer, binds.
+        assert pair(heavy, light) == pytest.approx(st.fwd + heavy)
+        assert pair(light, heavy) == pytest.approx(st.bwd_input + st.bwd_weight + heavy)
+    if hidden == 0.0:  # the halves in turn: everything in series
+        assert pair(heavy, light) == pytest.approx(compute + heavy + light)
 
 
 def test_tensor_parallel_overlap_follows_the_framework() -> None:

@@ -154,7 +154,9 @@ def _pair_terms(f: int, b: int, kind: str, overlap: Overlap) -> list[Term]:
     # The two chunks' compute, slowed while their communication holds SMs, and the ZeRO
     # collectives' SMs (or their whole length, when not overlapped).
     compute = comp_f | comp_b
-    compute |= {p: paired_share(overlap) for p in comm_f | comm_b}
+    # The part hidden holds SMs for its duration; the rest runs in series with the compute.
+    hidden = overlap.pair_hidden
+    compute |= {p: hidden * paired_share(overlap) + (1 - hidden) for p in comm_f | comm_b}
     compute |= {(name(n), s): nccl_share(overlap) if overlap.zero else 1.0 for n, s in over}
     terms = [
         Term(tuple(compute.items())),  # the first term: see ``task_terms``
