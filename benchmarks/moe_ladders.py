@@ -17,7 +17,10 @@ Conventions:
 - What a row leaves out is taken as the framework runs it by default, and printed: a blank
   micro-batch is 1, an unstated dispatcher NCCL all-to-all, an ``fsdp`` row ZeRO-3 (Megatron
   FSDP) without pipelining. An unstated recompute is the least the layout needs to fit: none,
-  then selective, then full (the first whose predicted peak is under the memory cap).
+  then selective, then full (the first whose predicted peak is under the memory cap). Unstated
+  virtual stages with pp > 1 (the MoE Parallel Folding paper's tables give none, and call
+  their layouts "optimal configurations") are the fastest of 1, 2, 4 and 8 that fits and
+  divides the layers (``interleaved`` when more than 1), the same rule for every such row.
 - A row whose layout the planner refuses (a degree that does not divide) is listed with the
   reason and left out of its ladder's order.
 
@@ -70,6 +73,21 @@ def _int(text: str, default: int) -> int:
 def _layout(model: planner.ModelSpec, r: dict[str, str], recompute: str) -> planner.Layout:
     tp, pp, dp = _int(r["tp"], 1), _int(r["pp"], 1), _int(r["dp"], 1)
     vp, ep, etp, cp = _int(r["vp"], 1), _int(r["ep"], 1), _int(r["etp"], 1), _int(r["cp"], 1)
+    return _shaped(model, r, recompute, tp, pp, dp, vp, ep, etp, cp)
+
+
+def _shaped(
+    model: planner.ModelSpec,
+    r: dict[str, str],
+    recompute: str,
+    tp: int,
+    pp: int,
+    dp: int,
+    vp: int,
+    ep: int,
+    etp: int,
+    cp: int,
+) -> planner.Layout:
     fsdp = r["schedule"] == "fsdp"
     schedule = "1f1b" if fsdp else r["schedule"]
     if schedule == "1f1b" and vp > 1:
@@ -135,17 +153,33 @@ def cost(r: dict[str, str]) -> Row:
     if stated.startswith("selective(") and stated.endswith(")"):  # Megatron-LM's modules
         stated = stated.removeprefix("selective(").removesuffix(")")
     tries = UNSTATED_RECOMPUTE if stated in ("", "unstated") else (stated,)
+    pp = _int(r["pp"], 1)
+    virtuals = [1] if r["vp"].strip() or pp == 1 else [1, 2, 4, 8]
     est, recompute = None, tries[0]
     for recompute in tries:
-        try:
-            layout = _layout(model, r, recompute)
-            est = planner.evaluate(model, cluster, job, layout)
-        except planner.PlannerError as exc:
-            base.skipped = str(exc)
-            return base
+        found: list[tuple[float, planner.Layout, planner.Estimate]] = []
+        for v in virtuals:
+            if virtuals != [1] and model.num_layers % (pp * v):
+                continue
+            row = r
+            if len(virtuals) > 1:
+                row = {**r, "vp": str(v), "schedule": "interleaved" if v > 1 else r["schedule"]}
+            try:
+                layout = _layout(model, row, recompute)
+                est = planner.evaluate(model, cluster, job, layout)
+            except planner.PlannerError as exc:
+                if v == 1:
+                    base.skipped = str(exc)
+                    return base
+                continue
+            found.append((0.0 if est.fits else 1.0, layout, est))
+        fastest = min(found, key=lambda f: (f[0], f[2].step_time_s))
+        _, layout, est = fastest
         if est.fits or len(tries) == 1:
             break
     assert est is not None
+    if len(virtuals) > 1:
+        assumed.append(f"{layout.virtual_stages} virtual stages (fastest that fits)")
     if len(tries) > 1:
         assumed.append(f"recompute {recompute}")
     if not est.fits:
