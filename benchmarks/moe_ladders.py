@@ -19,8 +19,9 @@ Conventions:
   FSDP) without pipelining. An unstated recompute is the least the layout needs to fit: none,
   then selective, then full (the first whose predicted peak is under the memory cap). Unstated
   virtual stages with pp > 1 (the MoE Parallel Folding paper's tables give none, and call
-  their layouts "optimal configurations") are the fastest of 1, 2, 4 and 8 that fits and
-  divides the layers (``interleaved`` when more than 1), the same rule for every such row.
+  their layouts "optimal configurations") are the fastest that fits of 1 to 8 chunks per rank
+  that divide its layers evenly (``interleaved`` when more than 1), the same rule for every
+  such row.
 - A row whose layout the planner refuses (a degree that does not divide) is listed with the
   reason and left out of its ladder's order.
 
@@ -154,13 +155,16 @@ def cost(r: dict[str, str]) -> Row:
         stated = stated.removeprefix("selective(").removesuffix(")")
     tries = UNSTATED_RECOMPUTE if stated in ("", "unstated") else (stated,)
     pp = _int(r["pp"], 1)
-    virtuals = [1] if r["vp"].strip() or pp == 1 else [1, 2, 4, 8]
+    per_rank = model.num_layers // pp
+    virtuals = (
+        [1]
+        if r["vp"].strip() or pp == 1
+        else [v for v in range(1, 9) if model.num_layers % (pp * v) == 0 and v <= per_rank]
+    )
     est, recompute = None, tries[0]
     for recompute in tries:
         found: list[tuple[float, planner.Layout, planner.Estimate]] = []
         for v in virtuals:
-            if virtuals != [1] and model.num_layers % (pp * v):
-                continue
             row = r
             if len(virtuals) > 1:
                 row = {**r, "vp": str(v), "schedule": "interleaved" if v > 1 else r["schedule"]}

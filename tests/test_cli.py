@@ -190,6 +190,17 @@ def test_plan_prints_layout_memory_time_and_proof() -> None:
     assert "runners-up" in out.stdout and "vs plan" in out.stdout
 
 
+def test_plan_under_several_frameworks_prints_the_best_of_each() -> None:
+    out = run(*PLAN, "--pp", "1", "--target", "megatron", "torchtitan")
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert "megatron: " in text and "torchtitan: " in text and "s per step" in text
+    runs = text.split("Run by ")[1].split(":")[0]
+    assert runs in ("megatron", "torchtitan")
+    alone = run(*PLAN, "--target", "any", "megatron")
+    assert alone.returncode == 2 and "'any' stands alone" in alone.stderr
+
+
 def test_infeasible_plan_is_explained_not_a_traceback() -> None:
     args = list(PLAN)
     args[args.index("--model") + 1] = "llama3-70b"
