@@ -5,7 +5,7 @@ H100) and each framework with a launcher that can train it, this plans the job u
 framework (``TrainingJob.framework``; the search then takes only layouts that framework runs)
 at the CLI's default time limit, exports the plan to the same framework, and prints whether
 the export states it exactly, what differs if not, and the plan's step time and gap. It also
-runs ``SearchSpace(target="any")`` once per job: the best plan of each framework, side by
+runs ``SearchSpace(framework="any")`` once per job: the best plan of each framework, side by
 side.
 
 Run: ``.venv/bin/python benchmarks/framework_exports.py [--time-limit SECONDS] [--only NAME]``.
@@ -75,7 +75,7 @@ def main() -> int:
             model,
             cluster,
             job,
-            planner.SearchSpace(target=list(FRAMEWORKS)),
+            planner.SearchSpace(framework=list(FRAMEWORKS)),
             time_limit_s=args.time_limit * len(FRAMEWORKS),
         )
         took = time.perf_counter() - started

@@ -60,7 +60,7 @@ class OptimizerOffload:
 
 @dataclass(frozen=True)
 class Launcher:
-    """What the framework's launcher can state (``SearchSpace.target``; ``planner.export``):
+    """What the framework's launcher can state (``SearchSpace.framework``; ``planner.export``):
     each tuple lists the values it accepts (None: any the planner searches)."""
 
     # The schedules it runs, each with its own name for it, and for the others the one it

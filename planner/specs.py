@@ -582,38 +582,58 @@ class SearchSpace(Spec):
         "never loses: the same bytes moved, fewer kept, and Megatron-LM's tensor-parallel "
         "overlap needs it; [False, True] searches both).",
     )
-    target: str | list[str] | None = Field(
+    framework: str | list[str] | None = Field(
         default=None,
-        description="The framework whose launcher runs the plan: only layouts it runs, "
-        "priced as it runs them. None: the job's framework (any layout for one without a "
-        "launcher); a name or a list of names from planner.frameworks.LAUNCHERS; 'any': each "
-        "of them. With several, each is searched (the time limit shared), the plan is the "
-        "fastest, and Plan.frameworks says what the best plan of each costs.",
+        description="The framework that runs the plan: only layouts it runs, priced as it runs "
+        "them. None: the job's framework (any layout for one without a launcher); a name or a "
+        "list of names from planner.frameworks.LAUNCHERS; 'any': each of them. With several, "
+        "each is searched (the time limit shared), the plan is the fastest, its job carries the "
+        "framework chosen, and Plan.frameworks says what the best plan of each costs. Also "
+        "accepted as target= (an export's word for it).",
     )
 
-    @field_validator("target")
+    @model_validator(mode="before")
     @classmethod
-    def _known_target(cls, value: str | list[str] | None) -> str | list[str] | None:
+    def _target_is_framework(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "target" in data:
+            data = dict(data)
+            target = data.pop("target")
+            if data.get("framework", target) != target:
+                raise PlannerError(
+                    f"SearchSpace.target={target!r} and framework={data['framework']!r}: "
+                    "the same setting; give one"
+                )
+            data["framework"] = target
+        return data
+
+    @field_validator("framework")
+    @classmethod
+    def _known_framework(cls, value: str | list[str] | None) -> str | list[str] | None:
         names = [value] if isinstance(value, str) else value or []
         if isinstance(value, list) and not value:
-            raise PlannerError("SearchSpace.target=[]: name at least one framework")
+            raise PlannerError("SearchSpace.framework=[]: name at least one framework")
         for name in names:
             if name not in LAUNCHERS and not (name == "any" and isinstance(value, str)):
                 raise PlannerError(
-                    f"SearchSpace.target={value!r}: use one of any, {', '.join(LAUNCHERS)}"
+                    f"SearchSpace.framework={value!r}: use one of any, {', '.join(LAUNCHERS)}"
                 )
         return value
 
-    def targets(self, job: TrainingJob) -> list[str | None]:
+    @property
+    def target(self) -> str | list[str] | None:
+        """``framework`` by the word exports use for it."""
+        return self.framework
+
+    def frameworks_for(self, job: TrainingJob) -> list[str | None]:
         """The frameworks searched for ``job``, each a launcher's name (None: any layout,
         for a job whose framework has none, like the eager ``torch`` runtime)."""
-        if self.target is None:
+        if self.framework is None:
             return [job.framework if job.framework in LAUNCHERS else None]
-        if self.target == "any":
+        if self.framework == "any":
             return list(LAUNCHERS)
-        if isinstance(self.target, str):
-            return [self.target]
-        return list(dict.fromkeys(self.target))
+        if isinstance(self.framework, str):
+            return [self.framework]
+        return list(dict.fromkeys(self.framework))
 
     @model_validator(mode="after")
     def _positive(self) -> SearchSpace:

@@ -90,7 +90,7 @@ def costed_job(
     launcher, the job run with that launcher's framework, as the plan was costed (a plan for
     DeepSpeed is priced with what DeepSpeed overlaps and holds); a plan that records any
     other job is a problem."""
-    names = (space or planner.SearchSpace()).targets(job)
+    names = (space or planner.SearchSpace()).frameworks_for(job)
     if len(names) > 1 and result.job is not None:  # the plan is run by the fastest of them
         if result.job.framework not in names:
             return job, [f"plan records framework {result.job.framework!r}, not one of {names}"]

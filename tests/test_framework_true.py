@@ -46,7 +46,7 @@ def test_several_targets_give_the_best_of_each() -> None:
     model = planner.load_model("llama3-8b").model_copy(update={"num_layers": 4})
     cluster = planner.load_cluster("h100", gpus=8)
     job = planner.TrainingJob(seq_len=2048, global_batch=16)
-    space = planner.SearchSpace(target=["megatron", "torchtitan"], tp=[1, 2], pp=[1, 2])
+    space = planner.SearchSpace(framework=["megatron", "torchtitan"], tp=[1, 2], pp=[1, 2])
     plan = planner.plan(model, cluster, job, space, time_limit_s=4)
     assert [b.framework for b in plan.frameworks] == ["megatron", "torchtitan"]
     best = min(b.step_time_s for b in plan.frameworks if b.step_time_s is not None)
@@ -56,8 +56,12 @@ def test_several_targets_give_the_best_of_each() -> None:
     # An explicit framework and several targets contradict each other.
     with pytest.raises(planner.PlannerError, match="leave the framework out"):
         planner.plan(model, cluster, job.with_framework("deepspeed"), space, time_limit_s=1)
-    with pytest.raises(planner.PlannerError, match=r"SearchSpace.target=\[\]"):
-        planner.SearchSpace(target=[])
+    with pytest.raises(planner.PlannerError, match=r"SearchSpace.framework=\[\]"):
+        planner.SearchSpace(framework=[])
+    # target= is the same setting under the word exports use
+    assert planner.SearchSpace(target="deepspeed").framework == "deepspeed"
+    with pytest.raises(planner.PlannerError, match="the same setting; give one"):
+        planner.SearchSpace(target="deepspeed", framework="megatron")
 
 
 def test_a_dispatcher_the_framework_lacks_is_refused() -> None:

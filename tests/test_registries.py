@@ -44,7 +44,7 @@ def test_unknown_names_are_one_line_errors() -> None:
         planner.TrainingJob(seq_len=8, global_batch=1, framework="mxnet")
     with pytest.raises(PlannerError, match=r"^Layout.schedule='zb-v': use one of gpipe, 1f1b"):
         planner.Layout(schedule="zb-v", stages=[])
-    with pytest.raises(PlannerError, match=r"^SearchSpace.target='torch': use one of any, "):
+    with pytest.raises(PlannerError, match=r"^SearchSpace.framework='torch': use one of any, "):
         planner.SearchSpace(target="torch")
     with pytest.raises(PlannerError, match=r"^target='torch': torch has no launcher"):
         target("torch")

@@ -62,12 +62,12 @@ def _search_space(args: argparse.Namespace) -> SearchSpace:
         sequence_parallel=(
             [v == "on" for v in args.sequence_parallel] if args.sequence_parallel else None
         ),
-        target=_target(args.target),
+        framework=_target(args.target),
     )
 
 
 def _target(names: list[str] | None) -> str | list[str] | None:
-    """``--target``'s names as ``SearchSpace.target``: none, one, 'any', or a list."""
+    """``--target``'s names as ``SearchSpace.framework``: none, one, 'any', or a list."""
     if not names:
         return None
     if "any" in names:

@@ -54,7 +54,7 @@ def deepspeed(plan: Plan) -> Export:
         raise PlannerError(
             f"Layout.cp={runs.cp}: DeepSpeed has no ring context parallelism (its Ulysses "
             f"sequence parallelism splits attention heads by all-to-all); plan with "
-            f"SearchSpace(target='deepspeed') for a layout it can state"
+            f"SearchSpace(framework='deepspeed') for a layout it can state"
         )
     if runs.tp > 1 and runs.sequence_parallel:
         differences.append(

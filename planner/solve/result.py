@@ -45,7 +45,7 @@ class Explanation(BaseModel):
 
 class FrameworkBest(BaseModel):
     """The best plan one framework runs, when a search covers several
-    (``SearchSpace.target``)."""
+    (``SearchSpace.framework``)."""
 
     model_config = ConfigDict(frozen=True)
 

@@ -132,7 +132,7 @@ def plan(
     if processes is not None and processes < 1:
         raise PlannerError(f"processes={processes}: must be a positive process count")
     asked = space or SearchSpace()
-    names = asked.targets(job)
+    names = asked.frameworks_for(job)
     if len(names) > 1:
         return _plan_each(
             names,
@@ -321,15 +321,15 @@ def plan(
 def _framework_for(job: TrainingJob, space: SearchSpace) -> TrainingJob:
     """The job under the software the space's target launcher runs: a plan for Megatron-LM
     is costed with what Megatron-LM overlaps, and so on."""
-    if space.target is None or job.framework == space.target:
+    if space.framework is None or job.framework == space.framework:
         return job
-    assert isinstance(space.target, str)  # one framework: for_target resolved it
+    assert isinstance(space.framework, str)  # one framework: for_target resolved it
     if "framework" in job.model_fields_set:
         raise PlannerError(
-            f"TrainingJob.framework={job.framework!r}: SearchSpace.target={space.target!r} "
-            f"runs the plan with {space.target}; leave the framework out or make them agree"
+            f"TrainingJob.framework={job.framework!r}: SearchSpace.framework={space.framework!r} "
+            f"runs the plan with {space.framework}; leave the framework out or make them agree"
         )
-    return job.with_framework(space.target)
+    return job.with_framework(space.framework)
 
 
 def _plan_each(
@@ -347,7 +347,7 @@ def _plan_each(
     them the fastest, which says in ``Plan.frameworks`` what each framework's best costs."""
     if "framework" in job.model_fields_set:
         raise PlannerError(
-            f"TrainingJob.framework={job.framework!r}: SearchSpace.target={asked.target!r} "
+            f"TrainingJob.framework={job.framework!r}: SearchSpace.framework={asked.framework!r} "
             f"searches each of {', '.join(str(n) for n in names)}; leave the framework out"
         )
     started = time.perf_counter()
@@ -362,7 +362,7 @@ def _plan_each(
                 model,
                 cluster,
                 job,
-                asked.model_copy(update={"target": name}),
+                asked.model_copy(update={"framework": name}),
                 time_limit_s=share,
                 clock_limit_s=clock,
                 **options,

@@ -30,15 +30,15 @@ def for_target(space: SearchSpace, job: TrainingJob) -> SearchSpace:
     """``space`` narrowed to what its one target launcher can state (``Framework.launcher``;
     the job's framework's when the space names none): schedules, ZeRO stages, recompute
     choices (one for every layer), context parallelism and sequence parallelism. Its
-    ``target`` is then that framework's name (None: a framework without a launcher, whose
+    ``framework`` is then that name (None: a framework without a launcher, whose
     layouts are not narrowed)."""
-    names = space.targets(job)
+    names = space.frameworks_for(job)
     if len(names) != 1:
         raise PlannerError(
-            f"SearchSpace.target={space.target!r}: one framework at a time here; "
+            f"SearchSpace.framework={space.framework!r}: one framework at a time here; "
             f"planner.plan searches each of {names} in turn"
         )
-    space = space.model_copy(update={"target": names[0]})
+    space = space.model_copy(update={"framework": names[0]})
     rules = target_rules(space)
     if rules is None:
         return space
@@ -57,7 +57,7 @@ def for_target(space: SearchSpace, job: TrainingJob) -> SearchSpace:
             update[field] = [v for v in (mine or allowed) if v in allowed]
             if not update[field]:
                 raise PlannerError(
-                    f"SearchSpace.{field}={mine}: {space.target} runs none of them (it runs "
+                    f"SearchSpace.{field}={mine}: {space.framework} runs none of them (it runs "
                     f"{allowed})"
                 )
     return space.model_copy(update=update)
@@ -65,9 +65,9 @@ def for_target(space: SearchSpace, job: TrainingJob) -> SearchSpace:
 
 def target_rules(space: SearchSpace) -> Launcher | None:
     """What the space's one target launcher can state (None: no launcher, any layout)."""
-    if isinstance(space.target, list) or space.target == "any":
-        raise PlannerError(f"SearchSpace.target={space.target!r}: resolve it with for_target")
-    return launcher(space.target) if space.target is not None else None
+    if isinstance(space.framework, list) or space.framework == "any":
+        raise PlannerError(f"SearchSpace.framework={space.framework!r}: resolve it with for_target")
+    return launcher(space.framework) if space.framework is not None else None
 
 
 def enumerate_configs(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, space: SearchSpace):  # type: ignore[no-untyped-def]
