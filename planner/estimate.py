@@ -178,7 +178,7 @@ def step_run(
         times,
         [optimizer_time(s, cluster) for s in memory],
         num_microbatches=m,
-        overlap=overlap_of(job, cluster),
+        overlap=overlap_of(job, cluster, layout.schedule),
     )
     return memory, times, step
 

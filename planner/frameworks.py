@@ -40,6 +40,11 @@ class Overlap:
     # where the runtime overlaps them as DeepSeek-V3's report states (section 3.2.1), 0 where
     # it runs the pair's two halves in turn (``costs.overlap``).
     pair_hidden: float = 1.0
+    # The schedules whose pipeline sends it posts asynchronously: the sender computes on,
+    # the receiver waits for the data just before the op that needs it (``planner.timeline``).
+    async_send_schedules: tuple[str, ...] = ()
+    # Resolved for one schedule by ``costs.overlap.overlap_of``.
+    async_sends: bool = False
     # The GPU's SMs: the cluster's (``costs.overlap.overlap_of``); an entry's are
     # ``UNSTATED_SM_COUNT``, as are those of a cluster that does not state its own.
     sm_count: int = UNSTATED_SM_COUNT
@@ -152,7 +157,17 @@ FRAMEWORKS: dict[str, Framework] = {
         # docs/training/communication-overlap.md), held out +8.8%. The combined 1F1B
         # interleaves the two halves layer by layer, so the all-to-alls that wait on their
         # own layer's compute stay exposed.
-        overlap=Overlap(zero=True, grad_sync=True, param_gather=True, pair_hidden=0.49),
+        # Sends: --overlap-p2p-communication is on unless --no-overlap-p2p-communication
+        # (arguments.py:3118-3120 at d98e8a64), and forced off without virtual stages
+        # (arguments.py:1010-1018): the interleaved schedules post their sends and receives
+        # asynchronously.
+        overlap=Overlap(
+            zero=True,
+            grad_sync=True,
+            param_gather=True,
+            pair_hidden=0.49,
+            async_send_schedules=("interleaved", "interleaved-ep-overlap"),
+        ),
         tp_overlap="userbuffers",
         tp_overlap_needs_sp=True,
         fp8_keeps_fp8_inputs=True,

@@ -157,18 +157,25 @@ def run_values(
     dur = [lengths[k] for k in prog.key]
     start = [0.0] * len(dur)
     via = [-1] * len(dur)
+    lag: list[Prim | None] = [None] * len(dur)  # the send on the edge from via[g], if waited
     for g in prog.topo:
-        best, arg = 0.0, -1
-        for p in prog.preds[g]:
+        best, arg, sent = 0.0, -1, None
+        for p, send in zip(prog.preds[g], prog.sends[g], strict=True):
             e = start[p] + dur[p]
+            if overlap.async_sends and send is not None:
+                e += val[send]  # the receiver waits for the asynchronous send
+            else:
+                send = None
             if e > best:
-                best, arg = e, p
-        start[g], via[g] = best, arg
-    run = _Run(prog, val, dur, start, via, overlap, detail)
+                best, arg, sent = e, p, send
+        start[g], via[g], lag[g] = best, arg, sent
+    run = _Run(prog, val, dur, start, via, overlap, detail, lag)
     ranks = [run.finish(r, optimizer[r]) for r in range(shape.pp)]
     critical = max(range(shape.pp), key=lambda r: (ranks[r].end, -r))
     step = ranks[critical].end
-    breakdown = _breakdown(ranks[critical], times, step) if times is not None else {}
+    breakdown = (
+        _breakdown(ranks[critical], times, step, overlap.async_sends) if times is not None else {}
+    )
     return Timeline(ranks, step, critical, breakdown, num_microbatches)
 
 
@@ -233,6 +240,9 @@ class Program:
     ops: list[tuple[Op, ...]]
     rank: list[int]
     preds: list[list[int]]  # the rank's previous task and the tasks whose results it needs
+    # per pred: the send that carries its result to another rank (a quantity of the
+    # producing stage), None for the rank's own previous task and same-rank results
+    sends: list[list[Prim | None]]
     topo: list[int]  # an order in which every task comes after its preds
     by_rank: list[list[int]]
     last_grad: list[list[tuple[int, int]]]  # per rank: (stage, task) of its last gradient op
@@ -268,12 +278,16 @@ def program(schedule: str, pp: int, m: int, v: int) -> Program:
     owner = {_dep_key(op): g for g, group in enumerate(ops) for op in group}
     last = pp * v - 1
     preds: list[list[int]] = []
+    sends: list[list[Prim | None]] = []
     for g, group in enumerate(ops):
-        mine = [owner[d] for op in group for d in _inputs(op, last)]
-        preds.append([p for p in mine if p != g])
+        needs = [(owner[d], _send(d, g, owner, rank)) for op in group for d in _inputs(op, last)]
+        kept = [(p, sent) for p, sent in needs if p != g]
+        preds.append([p for p, _ in kept])
+        sends.append([sent for _, sent in kept])
     for tasks in by_rank:
         for a, b in itertools.pairwise(tasks):
             preds[b].insert(0, a)
+            sends[b].insert(0, None)
     last_grad = []
     for tasks in by_rank:
         grads: dict[int, int] = {}
@@ -282,7 +296,22 @@ def program(schedule: str, pp: int, m: int, v: int) -> Program:
                 if op.kind in ("BW", "W"):
                     grads[op.stage] = g
         last_grad.append(sorted(grads.items(), key=lambda kv: kv[1]))
-    return Program(key, ops, rank, preds, _topo(preds, by_rank), by_rank, last_grad, frozenset(key))
+    return Program(
+        key, ops, rank, preds, sends, _topo(preds, by_rank), by_rank, last_grad, frozenset(key)
+    )
+
+
+def _send(
+    dep: tuple[str, int, int, int], g: int, owner: dict[Any, int], rank: list[int]
+) -> Prim | None:
+    """The send that carries result ``dep`` to task ``g`` when they sit on two ranks: a
+    forward's output (the producing stage's ``p2p``) or an input gradient (its
+    ``p2p_back``)."""
+    producer = owner[dep]
+    if rank[producer] == rank[g] or dep[0] == "W":
+        return None
+    quantity = Quantity.P2P if dep[0] == "F" else Quantity.P2P_BACK
+    return (name(quantity), dep[2])
 
 
 def _topo(preds: list[list[int]], by_rank: list[list[int]]) -> list[int]:
@@ -334,6 +363,7 @@ class _Run:
     via: list[int]
     overlap: Overlap
     detail: bool
+    lag: list[Prim | None]
 
     def finish(self, r: int, optimizer: float) -> RankRun:
         """Queue rank r's reductions, then its optimizer step; set its end."""
@@ -465,10 +495,14 @@ class _Run:
                 form[("prim", p)] += c
             how = before
         kind, g = how
-        if kind == "start":
+        if kind == "start":  # up to g's start: the chain into it, with the send it waited for
+            if self.lag[g] is not None:
+                form[("prim", self.lag[g])] += 1.0
             g = self.via[g]
         while g >= 0:
             form[("task", self.prog.key[g])] += 1.0
+            if self.lag[g] is not None:
+                form[("prim", self.lag[g])] += 1.0
             g = self.via[g]
         return dict(form)
 
@@ -492,12 +526,14 @@ PARTS = (
 )
 
 
-def _breakdown(run: RankRun, times: list[StageTime], step: float) -> dict[str, float]:
+def _breakdown(
+    run: RankRun, times: list[StageTime], step: float, async_sends: bool = False
+) -> dict[str, float]:
     """The critical rank's step by part: its tasks' parts, the wait between them (bubble),
     and what follows its last task (exposed reduction, then the optimizer step)."""
     busy = Parts()
     for t in run.tasks:
-        busy = busy + task_parts(t.key, times, t.duration)
+        busy = busy + task_parts(t.key, times, t.duration, async_sends=async_sends)
     last = run.tasks[-1].end
     tail = step - last
     return {

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import planner
-from planner.costs.overlap import OVERLAPS, task_time, values
+from planner.costs.overlap import overlap_of, task_time, values
 from planner.estimate import step_run
 from planner.layout import Layout
 from planner.schedules import op_order
@@ -41,8 +41,12 @@ def _layout(
     )
 
 
-def _longest_path_starts(layout: Layout, m: int, lengths: dict[Any, float]) -> dict[Any, float]:
-    """Start of every (rank, index) task by an independent longest-path computation."""
+def _longest_path_starts(
+    layout: Layout, m: int, lengths: dict[Any, float], sends: dict[Any, float] | None = None
+) -> dict[Any, float]:
+    """Start of every (rank, index) task by an independent longest-path computation;
+    ``sends``: seconds of each (kind, stage) result's asynchronous send to another rank,
+    which the receiving task waits for (none when the framework sends in series)."""
     graph: nx.DiGraph[Any] = nx.DiGraph()
     owner: dict[tuple[str, int, int, int], tuple[int, int]] = {}
     tasks: dict[tuple[int, int], tuple[Any, ...]] = {}
@@ -81,10 +85,21 @@ def _longest_path_starts(layout: Layout, m: int, lengths: dict[Any, float]) -> d
                     needs.append(("B", mb, s + 1, d))
             for need in needs:
                 if owner[need] != (r, n):
-                    graph.add_edge(owner[need], (r, n))
+                    lag = 0.0
+                    if sends is not None and owner[need][0] != r:
+                        lag = sends[(need[0], need[2])]
+                    if graph.has_edge(owner[need], (r, n)):
+                        lag = max(lag, graph.edges[owner[need], (r, n)].get("lag", 0.0))
+                    graph.add_edge(owner[need], (r, n), lag=lag)
     starts: dict[Any, float] = {}
     for node in nx.topological_sort(graph):
-        starts[node] = max((starts[p] + lengths[p] for p in graph.predecessors(node)), default=0.0)
+        starts[node] = max(
+            (
+                starts[p] + lengths[p] + graph.edges[p, node].get("lag", 0.0)
+                for p in graph.predecessors(node)
+            ),
+            default=0.0,
+        )
     return starts
 
 
@@ -123,11 +138,15 @@ def _case(case: dict[str, Any]) -> tuple[planner.ModelSpec, planner.TrainingJob,
 @given(CASES)
 def test_every_task_starts_at_the_longest_chain_to_it(case: dict[str, Any]) -> None:
     model, job, layout = _case(case)
-    _, _, run = step_run(model, H100, job, layout)
+    _, times, run = step_run(model, H100, job, layout)
     lengths = {
         (r, n): t.duration for r, rank in enumerate(run.ranks) for n, t in enumerate(rank.tasks)
     }
-    starts = _longest_path_starts(layout, run.num_microbatches, lengths)
+    sends = None
+    if overlap_of(job, H100, layout.schedule).async_sends:  # Megatron-LM's interleaved sends
+        sends = {("F", t.stage): t.p2p.seconds for t in times}
+        sends |= {("B", t.stage): t.p2p_back.seconds for t in times}
+    starts = _longest_path_starts(layout, run.num_microbatches, lengths, sends)
     for r, rank in enumerate(run.ranks):
         for n, t in enumerate(rank.tasks):
             assert t.start == pytest.approx(starts[(r, n)], abs=1e-12), (r, n, t.name)
@@ -144,7 +163,7 @@ def test_every_chain_bounds_every_layout_of_the_shape(a: dict[str, Any], b: dict
     _, _, other_layout = _case(b)
     _, times_a, run_a = step_run(model, H100, job, first)
     _, times_b, run_b = step_run(model, H100, job, other_layout)
-    overlap = OVERLAPS[job.framework]
+    overlap = overlap_of(job, H100, first.schedule)  # the schedule's: its sends may not wait
 
     def price(times: Any, run: Any) -> Any:
         val = values(times)

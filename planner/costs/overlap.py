@@ -56,10 +56,15 @@ Q = Quantity
 OVERLAPS: dict[str, Overlap] = {name: f.overlap for name, f in FRAMEWORKS.items()}
 
 
-def overlap_of(job: TrainingJob, cluster: ClusterSpec) -> Overlap:
-    """What ``job``'s framework runs beside compute on ``cluster``'s GPUs."""
+def overlap_of(job: TrainingJob, cluster: ClusterSpec, schedule: str | None = None) -> Overlap:
+    """What ``job``'s framework runs beside compute on ``cluster``'s GPUs, under
+    ``schedule`` (whether its pipeline sends are asynchronous)."""
     base = framework(job.framework).overlap
-    return dataclasses.replace(base, sm_count=cluster.sm_count or base.sm_count)
+    return dataclasses.replace(
+        base,
+        sm_count=cluster.sm_count or base.sm_count,
+        async_sends=schedule in base.async_send_schedules,
+    )
 
 
 def nccl_share(overlap: Overlap) -> float:
@@ -117,6 +122,7 @@ def _series(kind: str, s: int) -> tuple[dict[Quantity, int], list[Quantity]]:
 
 
 _COMM = (Q.A2A_FWD, Q.A2A_BWD, Q.P2P, Q.P2P_BACK)
+_SENDS = (Q.P2P, Q.P2P_BACK)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -127,7 +133,10 @@ def task_terms(key: TaskKey, overlap: Overlap) -> list[Term]:
         return _pair_terms(key[1], key[2], key[3], overlap)
     kind, s = key
     series, over = _series(kind, s)
-    main: dict[Prim, float] = {(name(n), s): float(c) for n, c in series.items()}
+    # Asynchronous sends leave the compute stream's series (the receiver waits for them,
+    # ``planner.timeline``); they still cross the links.
+    waits = {n: c for n, c in series.items() if not (overlap.async_sends and n in _SENDS)}
+    main: dict[Prim, float] = {(name(n), s): float(c) for n, c in waits.items()}
     terms = []
     if overlap.zero:
         for n in over:
@@ -149,8 +158,9 @@ def _pair_terms(f: int, b: int, kind: str, overlap: Overlap) -> list[Term]:
     sent = [(n, f) for n in fwd if n in _COMM] + [(n, b) for n in bwd if n in _COMM]
     comp_f = {(name(Q.FWD), f): 1.0}
     comp_b = {(name(n), b): 1.0 for n in bwd if n not in _COMM}
-    comm_f = {(name(n), f): 1.0 for n in fwd if n in _COMM}
-    comm_b = {(name(n), b): 1.0 for n in bwd if n in _COMM}
+    waited = [n for n in _COMM if not (overlap.async_sends and n in _SENDS)]
+    comm_f = {(name(n), f): 1.0 for n in fwd if n in waited}
+    comm_b = {(name(n), b): 1.0 for n in bwd if n in waited}
     # The two chunks' compute, slowed while their communication holds SMs, and the ZeRO
     # collectives' SMs (or their whole length, when not overlapped).
     compute = comp_f | comp_b
@@ -235,10 +245,14 @@ class Parts:
         )
 
 
-def task_parts(key: TaskKey, times: list[StageTime], duration: float) -> Parts:
+def task_parts(
+    key: TaskKey, times: list[StageTime], duration: float, *, async_sends: bool = False
+) -> Parts:
     """``duration`` of a task split into ``Parts``: its compute, recompute and exposed
     tensor-parallel communication; then, for a single op, the all-to-alls and sends it
-    waits for and the rest as ZeRO; for a pair, the rest as communication."""
+    waits for (asynchronous sends none) and the rest as ZeRO; for a pair, the rest as
+    communication."""
+    waits = 0.0 if async_sends else 1.0
     ops = [("F", key[1]), (key[3], key[2])] if key[0] == "pair" else [key]
     compute = recompute = tp = a2a = p2p = cp = off = 0.0
     for kind, s in ops:
@@ -249,7 +263,7 @@ def task_parts(key: TaskKey, times: list[StageTime], duration: float) -> Parts:
             cp += st.cp_fwd
             off += st.offload_fwd
             a2a += st.a2a_fwd.seconds
-            p2p += st.p2p.seconds
+            p2p += waits * st.p2p.seconds
         else:
             if kind in ("B", "BW"):
                 compute += st.bwd_input - st.recompute - st.tp_bwd - st.cp_bwd - st.offload_bwd
@@ -258,7 +272,7 @@ def task_parts(key: TaskKey, times: list[StageTime], duration: float) -> Parts:
                 cp += st.cp_bwd
                 off += st.offload_bwd
                 a2a += st.a2a_bwd.seconds
-                p2p += st.p2p_back.seconds
+                p2p += waits * st.p2p_back.seconds
             if kind in ("W", "BW"):
                 compute += st.bwd_weight
     work = compute + recompute + tp + cp + off

@@ -136,7 +136,7 @@ def _rank_groups(
         for stage in stages:
             names = _fixed_blocks(t, stage, config.stages)
             seconds += count * sum(min(work(o) for o in t.kinds[b].options) for b in names)
-            if not dual:
+            if not dual and not t.overlap.async_sends:
                 seconds += count * (t.comm[stage].p2p.seconds + t.comm[stage].p2p_back.seconds)
         fixed.append(seconds)
     return groups, count, fixed, work
@@ -528,8 +528,10 @@ def _communication(t: Tables) -> tuple[int, float, float, float, float]:
     count = Counter(t.layer_kinds + t.first_fixed + t.last_fixed)
     moe = sum(n * t.kinds[b].cost.moe_layers for b, n in count.items())
     a2a_f, a2a_b = _a2a_per_layer(t)
-    p2p = sum(c.p2p.seconds for c in t.comm)
-    back = sum(c.p2p_back.seconds for c in t.comm)
+    # Asynchronous sends (``Overlap.async_sends``) are not in series with any task.
+    waits = 0.0 if t.overlap.async_sends else 1.0
+    p2p = waits * sum(c.p2p.seconds for c in t.comm)
+    back = waits * sum(c.p2p_back.seconds for c in t.comm)
     return moe, a2a_f, a2a_b, p2p, back
 
 

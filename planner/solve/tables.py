@@ -308,7 +308,7 @@ def build(
         fixed_bytes=fixed_bytes,
         buffers=buffers,
         step=StepRates.of(cluster),
-        overlap=overlap_of(job, cluster),
+        overlap=overlap_of(job, cluster, config.schedule),
     )
 
 
