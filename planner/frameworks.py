@@ -149,12 +149,12 @@ FRAMEWORKS: dict[str, Framework] = {
         weight_dtype="bf16",
         grad_dtype="fp32",
         master_dtype="fp32",
-        # Pairs (--overlap-moe-expert-parallel-comm): 0.49 of their all-to-alls hidden, a
+        # Pairs (--overlap-moe-expert-parallel-comm): 0.50 of their all-to-alls hidden, a
         # joint fit to the two published on/off measurements of Megatron-LM's own team
         # (benchmarks/moe_ladders.py --pairs): Qwen3-235B-A22B on 256 H100, EP32 DeepEP,
         # 19.7 -> 17.6 s (Megatron-MoE-ModelZoo best_practice/qwen3/readme.md), held out
-        # -4.6%; Qwen3-30B-A3B on 16 H100, EP16 all-to-all, 41.25 -> 31.31 s (Megatron-Bridge
-        # docs/training/communication-overlap.md), held out +8.8%. The combined 1F1B
+        # -3.1%; Qwen3-30B-A3B on 16 H100, EP16 all-to-all, 41.25 -> 31.31 s (Megatron-Bridge
+        # docs/training/communication-overlap.md), held out +5.9%. The combined 1F1B
         # interleaves the two halves layer by layer, so the all-to-alls that wait on their
         # own layer's compute stay exposed.
         # Sends: --overlap-p2p-communication is on unless --no-overlap-p2p-communication
@@ -165,7 +165,7 @@ FRAMEWORKS: dict[str, Framework] = {
             zero=True,
             grad_sync=True,
             param_gather=True,
-            pair_hidden=0.49,
+            pair_hidden=0.50,
             async_send_schedules=("interleaved", "interleaved-ep-overlap"),
         ),
         tp_overlap="userbuffers",

@@ -5,7 +5,10 @@ compute stream, one task at a time (a DualPipe pair is one task). A task starts 
 is free and its inputs have arrived: a forward needs the previous stage's output, a backward
 the next stage's input gradient (a weight-gradient op its own input-gradient op). The send
 that carries them is inside the producing task (``planner.costs.overlap``), so the data is
-there when that task ends. Task lengths come from ``planner.costs.overlap``.
+there when that task ends; where the framework sends asynchronously
+(``Overlap.async_sends``: Megatron-LM's interleaved schedules) the send leaves the producing
+task and the receiving task starts no sooner than the producer's end plus the send, a chain
+that then holds the send's quantity. Task lengths come from ``planner.costs.overlap``.
 
 A second stream per rank carries the data-parallel gradient reduction: each stage's starts
 with the stage's last gradient-producing task (when the framework overlaps it: bucketed
