@@ -57,7 +57,7 @@ import numpy as np
 
 import planner
 from planner.errors import PlannerError
-from planner.estimate import ACCURACY, model_flops_per_token
+from planner.estimate import ACCURACY, mfu_class, model_flops_per_token
 from planner.export.megatron_model import hf_repo
 from planner.fit import Run, fit_runs, gpt_model, run_from_row
 
@@ -81,8 +81,8 @@ class Costed:
 
 
 def ceiling_key(row: dict[str, str]) -> str:
-    """The class of a row's best published MFU: its GPU and GEMM precision (FP16 with BF16)."""
-    return f"{row['gpu']}/{'fp8' if row['precision'] == 'fp8' else 'bf16'}"
+    """The class of a row's measured MFU (``planner.estimate.mfu_class``)."""
+    return mfu_class(row["gpu"], row["precision"])
 
 
 def source_flops_per_token(row: dict[str, str], model: planner.ModelSpec, seq: int) -> float:

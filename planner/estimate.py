@@ -143,12 +143,21 @@ def expected_error(gpu: str) -> str:
     )
 
 
+def mfu_class(gpu: str, precision: str) -> str:
+    """The class a measured MFU is compared within (``measured_mfu`` in
+    ``planner/accuracy.json``): the GPU and its GEMM precision, FP16 with BF16."""
+    return f"{gpu}/{'fp8' if precision == 'fp8' else 'bf16'}"
+
+
 def mfu_note(gpu: str, precision: str, gpus: int, mfu: float) -> str:
     """A warning when ``mfu`` (model FLOPs over the BF16 peak) is above every MFU measured on
     ``gpu`` in ``precision`` at half of ``gpus`` or more (MFU falls with scale, so a smaller
     run's is no ceiling), or ""."""
-    key = f"{gpu}/{'fp8' if precision == 'fp8' else 'bf16'}"
-    runs = [r for r in _accuracy().get("measured_mfu", {}).get(key, []) if r[0] * 2 >= gpus]
+    runs = [
+        r
+        for r in _accuracy().get("measured_mfu", {}).get(mfu_class(gpu, precision), [])
+        if r[0] * 2 >= gpus
+    ]
     if not runs:
         return ""
     n, best, name = max(runs, key=lambda r: r[1])
@@ -199,15 +208,25 @@ def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     return 6.0 * matmul + attention
 
 
-def ep_overlap_rule(model: ModelSpec, job: TrainingJob, layout: Layout) -> str:
-    """What a schedule that overlaps the expert all-to-alls (``Schedule.ep_overlap``)
-    needs of the model, job and layout that they break, or ""."""
-    if not schedule_of(layout.schedule).ep_overlap:
-        return ""
-    if not model.num_experts or layout.ep <= 1:
+def ep_overlap_unmet(model: ModelSpec, job: TrainingJob, ep: int) -> str:
+    """What a schedule that overlaps the expert all-to-alls (``Schedule.ep_overlap``) needs
+    of the model, the job and the expert-parallel degree that they lack, or "": all-to-alls
+    to hide."""
+    if not model.num_experts or ep <= 1:
         return "overlaps the expert all-to-alls, so it needs an MoE model with ep > 1"
     if job.moe_dispatcher == "allgather":
         return "overlaps all-to-alls; TrainingJob.moe_dispatcher='allgather' runs none"
+    return ""
+
+
+def ep_overlap_rule(model: ModelSpec, job: TrainingJob, layout: Layout) -> str:
+    """What a schedule that overlaps the expert all-to-alls needs of the model, job and
+    layout that they break (``ep_overlap_unmet``, and no full or MoE recompute), or ""."""
+    if not schedule_of(layout.schedule).ep_overlap:
+        return ""
+    unmet = ep_overlap_unmet(model, job, layout.ep)
+    if unmet:
+        return unmet
     for stage in layout.stages:
         for placed in stage.blocks:
             if ep_overlap_forbids(parse_recompute(placed.recompute)):

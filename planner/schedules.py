@@ -478,8 +478,11 @@ def memory_order(schedule: str, order: list[Op]) -> list[Op]:
     holds beyond the moment before it, one layer's activations in flight, is left out.)
     DualPipe's pairs keep their order: its README counts the paired forward's chunk
     whole (PP + 1 stages)."""
-    if not schedule_of(schedule).ep_overlap:
-        return order
+    return _backward_first(order) if schedule_of(schedule).ep_overlap else order
+
+
+def _backward_first(order: list[Op]) -> list[Op]:
+    """``order`` with each paired forward after the backward beside it."""
     out: list[Op] = []
     i = 0
     while i < len(order):
@@ -493,12 +496,12 @@ def memory_order(schedule: str, order: list[Op]) -> list[Op]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _order_peak(schedule: str, p: int, m: int, r: int, v: int) -> tuple[tuple[int, float], ...]:
-    """Micro-batches resident per stage at the first moment ``schedule``'s order on rank r
+def _combined_counts(p: int, m: int, r: int, v: int) -> tuple[tuple[int, float], ...]:
+    """Micro-batches resident per stage at the first moment the combined order on rank r
     holds the most: from a forward until its backward is done, in ``memory_order``."""
     held: dict[int, float] = {}
     best: dict[int, float] = {}
-    for op in memory_order(schedule, SCHEDULES[schedule].order(p, m, r, v)):
+    for op in _backward_first(_combined_order(p, m, r, v)):
         if op.kind == "F":
             held[op.stage] = held.get(op.stage, 0.0) + 1
             if sum(held.values()) > sum(best.values()):
@@ -509,10 +512,7 @@ def _order_peak(schedule: str, p: int, m: int, r: int, v: int) -> tuple[tuple[in
 
 
 def _combined_peak(p: int, m: int, v: int, rank: int, chunks: list[int]) -> dict[int, float]:
-    counts = dict.fromkeys(chunks, 0.0)
-    name = "interleaved-ep-overlap" if p > 1 or v > 1 else "1f1b-ep-overlap"
-    counts.update(dict(_order_peak(name, p, m, rank, v)))
-    return counts
+    return dict.fromkeys(chunks, 0.0) | dict(_combined_counts(p, m, rank, v))
 
 
 # -- the registry -------------------------------------------------------------------------

@@ -164,13 +164,10 @@ def run_values(
     for g in prog.topo:
         best, arg, sent = 0.0, -1, None
         for p, send in zip(prog.preds[g], prog.sends[g], strict=True):
-            e = start[p] + dur[p]
-            if overlap.async_sends and send is not None:
-                e += val[send]  # the receiver waits for the asynchronous send
-            else:
-                send = None
+            waited = send if overlap.async_sends else None  # an asynchronous send's wait
+            e = start[p] + dur[p] + (val[waited] if waited is not None else 0.0)
             if e > best:
-                best, arg, sent = e, p, send
+                best, arg, sent = e, p, waited
         start[g], via[g], lag[g] = best, arg, sent
     run = _Run(prog, val, dur, start, via, overlap, detail, lag)
     ranks = [run.finish(r, optimizer[r]) for r in range(shape.pp)]
@@ -310,8 +307,7 @@ def _send(
     """The send that carries result ``dep`` to task ``g`` when they sit on two ranks: a
     forward's output (the producing stage's ``p2p``) or an input gradient (its
     ``p2p_back``)."""
-    producer = owner[dep]
-    if rank[producer] == rank[g] or dep[0] == "W":
+    if rank[owner[dep]] == rank[g]:
         return None
     quantity = Quantity.P2P if dep[0] == "F" else Quantity.P2P_BACK
     return (name(quantity), dep[2])

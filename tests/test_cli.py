@@ -201,6 +201,18 @@ def test_plan_under_several_frameworks_prints_the_best_of_each() -> None:
     assert alone.returncode == 2 and "'any' stands alone" in alone.stderr
 
 
+def test_the_moe_dispatcher_is_a_job_flag_a_recipe_sets_itself() -> None:
+    flags = ["--model", "mixtral-8x7b", "--cluster", "h100", "--gpus", "16"]
+    job = ["--seq-len", "2048", "--global-batch", "64", "--time-limit", "2"]
+    out = run("plan", *flags, *job, "--moe-dispatcher", "deepep", "--framework", "deepspeed")
+    assert out.returncode == 2
+    assert out.stderr.strip().endswith(
+        "TrainingJob.moe_dispatcher='deepep': framework='deepspeed' runs alltoall"
+    )
+    out = run("plan", "--recipe", "mixtral-8x7b-megatron", "--moe-dispatcher", "deepep")
+    assert out.returncode == 2 and "--moe-dispatcher: --recipe=mixtral-8x7b-megatron" in out.stderr
+
+
 def test_infeasible_plan_is_explained_not_a_traceback() -> None:
     args = list(PLAN)
     args[args.index("--model") + 1] = "llama3-70b"

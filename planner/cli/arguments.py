@@ -326,3 +326,10 @@ def _precision_args(cmd: argparse.ArgumentParser) -> None:
         choices=FRAMEWORK_NAMES,
         help="training software: what overlaps with compute (default megatron, or --target's)",
     )
+    cmd.add_argument(
+        "--moe-dispatcher",
+        default=None,
+        choices=["alltoall", "allgather", "deepep"],
+        help="how MoE tokens reach their experts (default alltoall: NCCL all-to-all; deepep "
+        "crosses InfiniBand once per node a token visits)",
+    )

@@ -27,12 +27,22 @@ def training_job(args: argparse.Namespace, seq_len: int, global_batch: int) -> T
         **({"grad_dtype": args.grad_dtype} if args.grad_dtype else {}),
         **({"framework": args.framework} if getattr(args, "framework", None) else {}),
         **({"compiled_loss": True} if getattr(args, "compiled_loss", False) else {}),
+        **(
+            {"moe_dispatcher": args.moe_dispatcher} if getattr(args, "moe_dispatcher", None) else {}
+        ),
     )
 
 
 def _recipe(args: argparse.Namespace) -> Recipe | None:
     """The recipe ``--recipe`` names, if any; the job flags must then be left out."""
     given = [f"--{f.replace('_', '-')}" for f in JOB_FLAGS if getattr(args, f) is not None]
+    # The job's software settings are the recipe's too (the precisions have defaults, so
+    # they cannot tell given from left out).
+    given += [
+        f"--{f.replace('_', '-')}"
+        for f in ("framework", "moe_dispatcher")
+        if getattr(args, f, None) is not None
+    ]
     if args.recipe is None:
         missing = [f"--{f.replace('_', '-')}" for f in JOB_FLAGS if getattr(args, f) is None]
         if missing:

@@ -125,6 +125,12 @@ _COMM = (Q.A2A_FWD, Q.A2A_BWD, Q.P2P, Q.P2P_BACK)
 _SENDS = (Q.P2P, Q.P2P_BACK)
 
 
+def _waited(quantity: Quantity, overlap: Overlap) -> bool:
+    """Whether the compute stream waits for ``quantity`` in series: all but asynchronous
+    sends (``Overlap.async_sends``; they still cross the links)."""
+    return not (overlap.async_sends and quantity in _SENDS)
+
+
 @functools.lru_cache(maxsize=65536)
 def task_terms(key: TaskKey, overlap: Overlap) -> list[Term]:
     """The terms whose largest is the task's length (see the module docstring); the first
@@ -135,8 +141,9 @@ def task_terms(key: TaskKey, overlap: Overlap) -> list[Term]:
     series, over = _series(kind, s)
     # Asynchronous sends leave the compute stream's series (the receiver waits for them,
     # ``planner.timeline``); they still cross the links.
-    waits = {n: c for n, c in series.items() if not (overlap.async_sends and n in _SENDS)}
-    main: dict[Prim, float] = {(name(n), s): float(c) for n, c in waits.items()}
+    main: dict[Prim, float] = {
+        (name(n), s): float(c) for n, c in series.items() if _waited(n, overlap)
+    }
     terms = []
     if overlap.zero:
         for n in over:
@@ -158,9 +165,8 @@ def _pair_terms(f: int, b: int, kind: str, overlap: Overlap) -> list[Term]:
     sent = [(n, f) for n in fwd if n in _COMM] + [(n, b) for n in bwd if n in _COMM]
     comp_f = {(name(Q.FWD), f): 1.0}
     comp_b = {(name(n), b): 1.0 for n in bwd if n not in _COMM}
-    waited = [n for n in _COMM if not (overlap.async_sends and n in _SENDS)]
-    comm_f = {(name(n), f): 1.0 for n in fwd if n in waited}
-    comm_b = {(name(n), b): 1.0 for n in bwd if n in waited}
+    comm_f = {(name(n), f): 1.0 for n in fwd if n in _COMM and _waited(n, overlap)}
+    comm_b = {(name(n), b): 1.0 for n in bwd if n in _COMM and _waited(n, overlap)}
     # The two chunks' compute, slowed while their communication holds SMs, and the ZeRO
     # collectives' SMs (or their whole length, when not overlapped).
     compute = comp_f | comp_b

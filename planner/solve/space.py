@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from planner.costs.blocks import Shard, block_cost
 from planner.costs.state import optimizer_offload_rule
 from planner.errors import PlannerError
+from planner.estimate import ep_overlap_unmet
 from planner.frameworks import Launcher, framework, launcher, names_with
 from planner.layout import parse_recompute
 from planner.schedules import SCHEDULES
@@ -152,9 +153,7 @@ def _per_degrees(
     schedules = space.schedules or (
         list(DEFAULT_SCHEDULES) if pp > 1 else ["1f1b", "1f1b-ep-overlap"]
     )
-    # The all-to-all overlap needs all-to-alls to hide: routed experts over ep > 1 ranks,
-    # sent by a dispatcher that runs all-to-alls.
-    overlap = bool(model.num_experts) and ep > 1 and job.moe_dispatcher != "allgather"
+    overlap = not ep_overlap_unmet(model, job, ep)  # all-to-alls to hide
     emas = space.ema or (["host"] if job.ema else ["hbm"])
     caches = fp8_cache_choices(job, space)
     offloads = optimizer_offload_choices(job, space)
