@@ -124,9 +124,26 @@ def test_hierarchical_all_reduce_and_reduce_scatter() -> None:
     ranks = group(layout(tp=2, dp=8), "dp", 0)  # 4 GPUs on each of 2 nodes
     intra = 3 / 4 * GiB / net.nvlink_bus_Bps + 3 * net.nvlink_latency_s
     inter = 1 / 2 * (GiB / 4) / net.ib_bus_Bps + net.ib_latency_s
-    assert net.reduce_scatter_time(GiB, ranks) == pytest.approx(intra + inter)
-    assert net.all_gather_time(GiB, ranks) == pytest.approx(intra + inter)
+    # the all-reduce's halves take a tree's depth of latency across the 2 nodes (1 level)
     assert net.all_reduce_time(GiB, ranks) == pytest.approx(2 * (intra + inter))
+    # reduce-scatter and all-gather run as one ring of 8 ranks: 7 steps, 1 of them across
+    # the network, so 3 more NVLink steps than the in-node phase's 3
+    ring = intra + inter + 3 * net.nvlink_latency_s
+    assert net.reduce_scatter_time(GiB, ranks) == pytest.approx(ring)
+    assert net.all_gather_time(GiB, ranks) == pytest.approx(ring)
+
+
+def test_reduce_scatter_across_many_nodes_pays_a_ring_of_latencies() -> None:
+    """NCCL's ring: n - 1 steps, N - 1 of them across the network (its tuner's
+    ``(nsteps - nInterSteps) * intraLat + nInterSteps * interLat``); an all-reduce's tree
+    pays log2(N) network levels per half."""
+    net = network("h100", 1024)
+    ranks = group(layout(dp=1024), "dp", 0)  # 8 GPUs on each of 128 nodes
+    bandwidth = 7 / 8 * GiB / net.nvlink_bus_Bps + 127 / 128 * (GiB / 8) / net.ib_bus_Bps
+    ring = (1024 - 128) * net.nvlink_latency_s + 127 * net.ib_latency_s
+    tree = 7 * net.nvlink_latency_s + 7 * net.ib_latency_s
+    assert net.reduce_scatter_time(GiB, ranks) == pytest.approx(bandwidth + ring)
+    assert net.all_reduce_time(GiB, ranks) == pytest.approx(2 * (bandwidth + tree))
 
 
 def test_single_member_and_empty_buffers_cost_nothing() -> None:

@@ -93,8 +93,11 @@ def test_stage_table_prices_each_communication() -> None:
     # Ranks 0 and 32 sit on different nodes: the send keeps the InfiniBand share busy.
     assert t0[0].p2p.ib == pytest.approx(hop) and t0[0].p2p.nvlink == 0
     t1 = stage_times(LLAMA, H100, JOB, layout.model_copy(update={"zero": 1}), net)
-    # dp=32 spans 4 nodes: hierarchical, and still an all-reduce is two reduce-scatters.
-    assert t0[0].grad_sync.seconds == pytest.approx(2 * t1[0].grad_sync.seconds)
+    # dp=32 spans 4 nodes: hierarchical, and an all-reduce moves the bytes of two
+    # reduce-scatters; the reduce-scatter alone runs as a ring, whose latency per step makes
+    # it a little longer than half the all-reduce (a tree across nodes).
+    assert t0[0].grad_sync.seconds == pytest.approx(2 * t1[0].grad_sync.seconds, rel=1e-3)
+    assert t1[0].grad_sync.seconds > t0[0].grad_sync.seconds / 2
     assert t1[0].grad_sync.ib > 0 and t1[0].grad_sync.nvlink > 0
 
     mixtral = planner.load_model("mixtral-8x7b")

@@ -17,10 +17,12 @@ a ring all-reduce over n ranks moves ``2(n-1)/n`` of the buffer through each ran
 reduce-scatter and all-gather ``(n-1)/n`` of the full buffer, at the achieved bus bandwidth
 ``link bandwidth * cluster.achieved["nvlink" | "ib"]``. Latency (alpha) is one path latency
 per ring step inside a node (``n-1`` steps for reduce-scatter / all-gather, twice that for
-all-reduce) and one per tree level ``ceil(log2 nodes)`` across nodes (twice for all-reduce:
-reduce then broadcast). A group spanning nodes runs hierarchically, with g members on the
-busiest of its N nodes: reduce-scatter over NVLink inside the node, then the inter-node
-collective of ``nbytes / g`` over N nodes at each GPU's IB share, then all-gather over NVLink.
+all-reduce) and, across nodes, one per tree level ``ceil(log2 nodes)`` for all-reduce (twice:
+reduce then broadcast) and one per ring step for reduce-scatter and all-gather, which NCCL
+runs only as rings (``Network.reduce_scatter``). A group spanning nodes runs
+hierarchically, with g members on the busiest of its N nodes: reduce-scatter over NVLink
+inside the node, then the inter-node collective of ``nbytes / g`` over N nodes at each
+GPU's IB share, then all-gather over NVLink.
 
 Every group of one kind is assumed to run its collective at the same time (all dp groups
 reduce gradients together, all EP groups dispatch together), so each GPU gets its own share
@@ -225,20 +227,31 @@ class Network:
     def all_reduce(self, nbytes: float, ranks: Sequence[int]) -> Transfer:
         """``all_reduce_time`` with the links it keeps busy: a reduce-scatter and an
         all-gather, one after the other."""
-        half = self.reduce_scatter(nbytes, ranks)
+        half = self.reduce_scatter(nbytes, ranks, ring=False)
         return Transfer(2 * half.seconds, 2 * half.ib, 2 * half.nvlink)
 
     def reduce_scatter_time(self, nbytes: float, ranks: Sequence[int]) -> float:
         """Reduce-scatter of a full (unsharded) ``nbytes`` buffer per rank."""
         return self.reduce_scatter(nbytes, ranks).seconds
 
-    def reduce_scatter(self, nbytes: float, ranks: Sequence[int]) -> Transfer:
+    def reduce_scatter(self, nbytes: float, ranks: Sequence[int], *, ring: bool = True) -> Transfer:
         """``reduce_scatter_time`` with the links it keeps busy: NVLink for the in-node
-        phase, InfiniBand for the phase across nodes (they run one after the other)."""
+        phase, InfiniBand for the phase across nodes (they run one after the other).
+
+        Across nodes NCCL runs reduce-scatter and all-gather as a ring (it has no tree for
+        them; ``ring``): n - 1 steps, nodes - 1 of them across the network, each paying its
+        link's latency, so a group of n ranks on N nodes pays (n - N) NVLink and (N - 1)
+        network latencies (NCCL's own tuner, ``src/graph/tuning.cc``: ``(nsteps -
+        nInterSteps) * intraLat + nInterSteps * interLat``, nsteps = n - 1, nInterSteps =
+        N - 1). An all-reduce's halves (``ring=False``) take the tree's depth instead."""
         per_node, nodes = self._spread(ranks)
         if nbytes <= 0 or per_node * nodes == 1:
             return NO_TRANSFER
         intra, inter = self._intra(nbytes, per_node), self._inter(nbytes / per_node, nodes)
+        if ring and nodes > 1:
+            tree = math.ceil(math.log2(nodes))
+            inter += (nodes - 1 - tree) * self.ib_latency_s
+            inter += (nodes - 1) * (per_node - 1) * self.nvlink_latency_s
         return Transfer(intra + inter, inter, intra)
 
     def all_gather_time(self, nbytes: float, ranks: Sequence[int]) -> float:
