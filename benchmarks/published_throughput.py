@@ -135,7 +135,8 @@ def cost(row: dict[str, str]) -> tuple[float, float, Costed]:
         assumed.append("Megatron-LM before --tp-comm-overlap: TP exposed, as deepspeed")
         framework = "deepspeed"
     fields["framework"] = framework
-    fields["zero"] = "3" if row["schedule"] == "fsdp" else str(ZERO[framework])
+    # A row that states its ZeRO stage (column zero) keeps it; sequence_parallel passes as is
+    fields["zero"] = row.get("zero") or ("3" if row["schedule"] == "fsdp" else str(ZERO[framework]))
     pp = int(row["pp"])
     schedule = row["schedule"]
     if schedule == "fsdp":

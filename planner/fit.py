@@ -389,13 +389,31 @@ GPT_KEYS = {
     "bias": "0: no linear biases (default 1)",
     "tied": "0: untied embedding and head (default 1)",
     "dropout": "hidden and attention dropout (default 0)",
+    # Mixture of experts (Megatron-LM's --num-experts and --moe-* arguments)
+    "experts": "routed experts per MoE layer (default 0: dense)",
+    "topk": "routed experts each token visits (needed with experts)",
+    "moeffn": "routed expert width (default ffn)",
+    "shared": "width of the shared expert MLP, --moe-shared-expert-intermediate-size "
+    "(default 0: none)",
+    "sgate": "1: a sigmoid gate scales the shared expert (default 0)",
+    "dense": "leading layers with a dense MLP (default 0)",
+    "moefreq": "every k-th layer after those is MoE, by layer index (default 1)",
+    "sigmoid": "1: sigmoid router scores (default 0: softmax)",
+    "ebias": "1: per-expert routing bias, aux-loss-free balancing (default 0)",
+    "groups": "groups the routed experts are split into (default 1)",
+    "gtopk": "most groups one token's experts come from (default: no limit)",
+    "rscale": "factor on the chosen experts' weights (default 1)",
 }
+MOE_KEYS = tuple(GPT_KEYS)[tuple(GPT_KEYS).index("experts") + 1 :]  # they need experts=N
+FLOAT_KEYS = ("dropout", "rscale")
 
 
 def gpt_model(spec: str) -> ModelSpec:
     """A Megatron-LM GPT from ``gpt:hidden=H;layers=L;heads=A;vocab=V[;key=value...]``
     (``GPT_KEYS``): by default LayerNorm, GeLU MLP of 4h, biases, learned positions, tied
-    embeddings and no dropout (Megatron-LM's own default is 0.1 for both dropouts)."""
+    embeddings and no dropout (Megatron-LM's own default is 0.1 for both dropouts). With
+    ``experts`` the MLPs are MoE layers (``MOE_KEYS``), every routed expert and the shared
+    expert of the dense MLP's kind (SwiGLU or GeLU), as Megatron-LM builds them."""
     fields_: dict[str, float] = {}
     for part in spec.removeprefix("gpt:").split(";"):
         key, _, value = part.partition("=")
@@ -406,7 +424,7 @@ def gpt_model(spec: str) -> ModelSpec:
                 "(gpt:hidden=H;layers=L;heads=A;vocab=V[;key=value...])"
             )
         try:
-            fields_[key] = float(value) if key == "dropout" else int(value)
+            fields_[key] = float(value) if key in FLOAT_KEYS else int(value)
         except ValueError:
             raise PlannerError(
                 f"model={spec!r}: {part!r} is not key=number (gpt:hidden=H;layers=L;heads=A;"
@@ -419,17 +437,45 @@ def gpt_model(spec: str) -> ModelSpec:
     kv = int(fields_.get("kv", heads))
     dropout = fields_.get("dropout", 0.0)
     bias = bool(fields_.get("bias", 1))
+    ffn = int(fields_.get("ffn", 4 * h))
+    experts = int(fields_.get("experts", 0))
+    moe: dict[str, Any] = {}
+    if experts:
+        if "topk" not in fields_:
+            raise PlannerError(f"model={spec!r}: experts={experts} needs topk")
+        shared = int(fields_.get("shared", 0))
+        moe = {
+            "num_experts": experts,
+            "experts_per_token": int(fields_["topk"]),
+            "moe_ffn_hidden_size": int(fields_.get("moeffn", ffn)),
+            # Megatron-LM states the shared experts' total width: one shared expert of it
+            "num_shared_experts": 1 if shared else 0,
+            "shared_expert_ffn_hidden_size": shared,
+            "shared_expert_gate": bool(fields_.get("sgate", 0)),
+            "first_dense_layers": int(fields_.get("dense", 0)),
+            "moe_layer_freq": int(fields_.get("moefreq", 1)),
+            "router_score": "sigmoid" if fields_.get("sigmoid") else "softmax",
+            "router_expert_bias": bool(fields_.get("ebias", 0)),
+            "expert_groups": int(fields_.get("groups", 1)),
+            "groups_per_token": int(fields_["gtopk"]) if "gtopk" in fields_ else None,
+            "router_scale": float(fields_.get("rscale", 1.0)),
+        }
+    else:
+        stray = [k for k in MOE_KEYS if k in fields_]
+        if stray:
+            raise PlannerError(f"model={spec!r}: {', '.join(stray)} needs experts=N")
+    layers = int(fields_["layers"])
     return ModelSpec(
-        name=f"gpt-h{h}-l{int(fields_['layers'])}",
+        name=f"gpt-h{h}-l{layers}" + (f"-e{experts}" if experts else ""),
         hidden_size=h,
-        num_layers=int(fields_["layers"]),
+        num_layers=layers,
         vocab_size=int(fields_["vocab"]),
         num_attention_heads=heads,
         num_kv_heads=kv,
         head_dim=h // heads,
         attention="mha" if kv == heads else "gqa",
         mlp="swiglu" if fields_.get("swiglu") else "gelu",
-        ffn_hidden_size=int(fields_.get("ffn", 4 * h)),
+        ffn_hidden_size=ffn,
         norm="rmsnorm" if fields_.get("rmsnorm") else "layernorm",
         qkv_bias=bias,
         linear_bias=bias,
@@ -437,6 +483,7 @@ def gpt_model(spec: str) -> ModelSpec:
         learned_positions=0 if fields_.get("rope") else int(fields_.get("seq", 2048)),
         hidden_dropout=dropout,
         attention_dropout=dropout,
+        **moe,
     )
 
 
