@@ -1,0 +1,358 @@
+"""Does the time model rank layouts as reality did? Kendall's tau and regret per measured group.
+
+A *group* is one model on one cluster (GPU type and count) at one sequence length, measured
+under several layouts by one source. For each group this prints every layout's measured and
+predicted time per token (``planner.evaluate`` at the catalog's constants: nothing is fitted
+here), then two figures:
+
+- Kendall's tau between the predicted and the measured times (1: the same order; -1: exactly
+  backwards; ties in either count as neither);
+- the regret: the measured time of the layout the model ranks fastest over the measured
+  fastest, minus 1 (0: the model's favourite was the best that ran).
+
+Times are per token (step / tokens per step), so layouts measured at different global
+batches on one cluster still compare; within a group of one batch this is the step's order.
+
+Groups come from four files, each costed as its own benchmark costs it (what each assumes of
+an unstated setting is printed beside the row there):
+
+- ``moe_ladders.csv`` (``benchmarks/moe_ladders.py``): MoE ladders, one model and cluster
+  each, from the MoE Parallel Folding paper and Megatron-MoE-ModelZoo;
+- ``published_runs.csv`` (``benchmarks/published_throughput.py``): groups of rows with the same
+  model, GPU, GPU count, sequence and precision. Several of these differ in the software
+  release rather than the layout (NeMo 24.07 against 25.02 on one layout); they are kept, and
+  a group whose layouts are all equal is reported apart, not ranked;
+- ``megatron_ci_runs.csv`` where present (``benchmarks/harvest_megatron_ci.py``): Megatron-LM's
+  functional tests, grouped the same way;
+- vTrain's 1,440 single-node A100 iterations (``vtrain_fidelity.py``'s data): groups of one
+  GPT (hidden size, layers) at one global batch and GPU count, under every tp, dp, pp and
+  micro-batch measured.
+
+Targets (issue "a time model checked on runs it has never seen"): every group's tau at least
+0.7 and regret at most 3%. The summary counts the groups that meet each.
+
+Run: ``.venv/bin/python benchmarks/rankings.py [--only moe|published|ci|vtrain ...]
+[--quiet] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import re
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import moe_ladders  # noqa: E402
+import published_throughput  # noqa: E402
+import vtrain_fidelity  # noqa: E402
+
+import planner  # noqa: E402
+from planner.errors import PlannerError  # noqa: E402
+from planner.fit import predict  # noqa: E402
+
+CI_RUNS = HERE / "megatron_ci_runs.csv"
+TAU_TARGET = 0.7
+REGRET_TARGET = 0.03
+SOURCES = ("moe", "published", "ci", "vtrain")
+
+
+@dataclass
+class Item:
+    group: str
+    id: str
+    layout: str
+    measured_s_per_token: float
+    predicted_s_per_token: float
+    features: dict[str, object] = field(default_factory=dict)  # what residuals group by
+
+    @property
+    def error(self) -> float:
+        return self.predicted_s_per_token / self.measured_s_per_token - 1
+
+
+@dataclass
+class Group:
+    name: str
+    source: str
+    items: list[Item]
+    tau: float | None = None
+    regret: float | None = None
+    backwards: int = 0
+    pairs: int = 0
+    note: str = ""
+
+
+def kendall(measured: list[float], predicted: list[float]) -> tuple[float, int, int]:
+    """(tau, pairs ordered backwards, pairs compared): pairs tied in either list count in
+    the denominator as neither agreeing nor disagreeing (tau-a)."""
+    agree = disagree = 0
+    pairs = 0
+    for i, j in itertools.combinations(range(len(measured)), 2):
+        pairs += 1
+        s = (measured[i] - measured[j]) * (predicted[i] - predicted[j])
+        if s > 0:
+            agree += 1
+        elif s < 0:
+            disagree += 1
+    return ((agree - disagree) / pairs if pairs else 1.0), disagree, pairs
+
+
+def regret(measured: list[float], predicted: list[float]) -> float:
+    """Measured time of the predicted fastest over the measured fastest, minus 1."""
+    chosen = min(range(len(predicted)), key=lambda i: predicted[i])
+    return measured[chosen] / min(measured) - 1
+
+
+def source_key(source: str) -> str:
+    """The publication a row comes from (a paper, a repository, a table): what
+    leave-one-source-out holds out together."""
+    text = source.split()[0] if source.strip() else "unstated"
+    if "github.com/" in text:
+        parts = text.split("github.com/")[1].split("/")
+        return "github:" + "/".join(parts[:2])
+    if "arxiv.org/" in text:
+        return "arxiv:" + text.rstrip("/").split("/")[-1].split("v")[0]
+    return text[:60]
+
+
+def _features(
+    gpu: str,
+    gpus: int,
+    framework: str,
+    precision: str,
+    shape: dict[str, int],
+    schedule: str,
+    model: planner.ModelSpec,
+    seq: int,
+    source: str,
+) -> dict[str, object]:
+    return {
+        "gpu": gpu,
+        "gpus": gpus,
+        "framework": framework,
+        "precision": precision,
+        "schedule": schedule,
+        "moe": bool(model.num_experts),
+        "hidden": model.hidden_size,
+        "layers": model.num_layers,
+        "params_b": model.num_params() / 1e9,
+        "seq": seq,
+        "source": source_key(source),
+        **shape,
+    }
+
+
+def moe_items() -> Iterator[Item]:
+    with moe_ladders.LADDERS.open(newline="") as handle:
+        for r in csv.DictReader(handle):
+            row = moe_ladders.cost(r)
+            if row.skipped or row.measured_step_s is None or row.predicted_step_s is None:
+                continue
+            tokens = int(r["global_batch"]) * int(r["seq_len"])
+            # the layout as moe_ladders costed it: "tp2 pp8 dp16 ep32 etp1 cp1 v4 z1 sched"
+            *degrees, schedule = row.layout.split()
+            shape = {
+                m[1]: int(m[2]) for m in (re.fullmatch(r"([a-z]+)(\d+)", d) for d in degrees) if m
+            }
+            yield Item(
+                row.ladder,
+                row.id,
+                row.layout,
+                row.measured_step_s / tokens,
+                row.predicted_step_s / tokens,
+                _features(
+                    r["gpu"],
+                    int(r["num_gpus"]),
+                    "megatron",
+                    r["precision"],
+                    shape,
+                    schedule,
+                    planner.load_model(r["model"]),
+                    int(r["seq_len"]),
+                    r["source"],
+                ),
+            )
+
+
+def _runs_items(path: Path, prefix: str) -> Iterator[Item]:
+    with path.open(newline="") as handle:
+        rows = [r for r in csv.DictReader(handle) if r.get("id")]
+    for r in rows:
+        try:
+            measured, predicted, costed = published_throughput.cost(r)
+        except PlannerError:
+            continue
+        tokens = costed.run.job.tokens_per_step
+        lay = costed.run.layout
+        text = (
+            f"tp{lay.tp} cp{lay.cp} pp{lay.pp} dp{lay.dp} ep{lay.ep} v{lay.virtual_stages} "
+            f"mb{lay.micro_batch} z{lay.zero} {lay.schedule} {r['framework']} gb{r['global_batch']}"
+            + (" tp-overlap" if r.get("tp_comm_overlap") == "true" else "")
+        )
+        group = f"{prefix}:{r['model']} {r['gpu']}x{r['num_gpus']} seq{r['seq_len']} "
+        group += r["precision"]
+        shape = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "cp": lay.cp}
+        shape |= {"v": lay.virtual_stages, "mb": lay.micro_batch, "z": lay.zero}
+        features = _features(
+            r["gpu"],
+            int(r["num_gpus"]),
+            r["framework"],
+            r["precision"],
+            shape,
+            lay.schedule,
+            costed.run.model,
+            int(r["seq_len"]),
+            r["source"],
+        )
+        yield Item(group, r["id"], text, measured / tokens, predicted / tokens, features)
+
+
+def vtrain_items() -> Iterator[Item]:
+    rows = vtrain_fidelity.read_rows(vtrain_fidelity.DATA)
+    runs = vtrain_fidelity.runs(rows)
+    base = planner.load_cluster("a100", gpus=8)
+    predicted = predict(base, runs)
+    for i, (row, run, p) in enumerate(zip(rows, runs, predicted, strict=True)):
+        tokens = run.job.tokens_per_step
+        lay = run.layout
+        group = (
+            f"vtrain:h{row['hidden']} l{row['layers']} a100x{row['gpus']} gb{row['global_batch']}"
+        )
+        text = f"tp{lay.tp} pp{lay.pp} dp{lay.dp} mb{lay.micro_batch}"
+        shape = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "mb": lay.micro_batch}
+        features = _features(
+            "a100",
+            int(row["gpus"]),
+            "megatron-deepspeed",
+            "fp16",
+            shape,
+            lay.schedule,
+            run.model,
+            int(row["seq"]),
+            "vTrain (MICRO 2024) ground_truth_single.csv",
+        )
+        yield Item(
+            group, f"vtrain-{i}", text, run.measured_step_s / tokens, float(p) / tokens, features
+        )
+
+
+def costed_items(sources: list[str]) -> Iterator[tuple[str, Item]]:
+    """Every costed row of ``sources`` (``SOURCES``), with its source's name."""
+    feeds = {
+        "moe": moe_items,
+        "published": lambda: _runs_items(published_throughput.DATA, "published"),
+        "ci": lambda: _runs_items(CI_RUNS, "ci") if CI_RUNS.exists() else iter(()),
+        "vtrain": vtrain_items,
+    }
+    for source in sources:
+        for item in feeds[source]():
+            yield source, item
+
+
+def groups(sources: list[str]) -> list[Group]:
+    found: dict[tuple[str, str], list[Item]] = defaultdict(list)
+    for source, item in costed_items(sources):
+        found[(source, item.group)].append(item)
+    out = []
+    for (source, name), items in found.items():
+        if len(items) < 2:
+            continue
+        g = Group(name, source, items)
+        measured = [i.measured_s_per_token for i in items]
+        predicted = [i.predicted_s_per_token for i in items]
+        if len({i.layout for i in items}) < 2:
+            g.note = "one layout, measured under several releases or settings: not a ranking"
+        else:
+            g.tau, g.backwards, g.pairs = kendall(measured, predicted)
+            g.regret = regret(measured, predicted)
+        out.append(g)
+    return out
+
+
+def print_group(g: Group) -> None:
+    head = f"{g.name}: "
+    if g.tau is None:
+        print(head + g.note)
+    else:
+        assert g.regret is not None
+        print(
+            head + f"tau {g.tau:+.2f} ({g.backwards} of {g.pairs} pairs backwards), "
+            f"regret {g.regret:.1%}"
+        )
+    best = min(i.measured_s_per_token for i in g.items)
+    for i in sorted(g.items, key=lambda i: i.measured_s_per_token):
+        print(
+            f"  {i.layout[:60]:60} measured {1e6 * i.measured_s_per_token:9.3f} us/token "
+            f"(+{i.measured_s_per_token / best - 1:6.1%})  predicted "
+            f"{1e6 * i.predicted_s_per_token:9.3f} ({i.error:+6.1%})"
+        )
+
+
+def summarise(found: list[Group]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for source in [*SOURCES, "all"]:
+        ranked = [g for g in found if g.tau is not None and source in (g.source, "all")]
+        if not ranked:
+            continue
+        taus = np.array([g.tau for g in ranked], dtype=float)
+        regrets = np.array([g.regret for g in ranked], dtype=float)
+        out[source] = {
+            "groups": len(ranked),
+            "tau_met": int(np.sum(taus >= TAU_TARGET)),
+            "regret_met": int(np.sum(regrets <= REGRET_TARGET)),
+            "both_met": int(np.sum((taus >= TAU_TARGET) & (regrets <= REGRET_TARGET))),
+            "mean_tau": round(float(taus.mean()), 3),
+            "median_regret": round(float(np.median(regrets)), 4),
+            "worst_regret": round(float(regrets.max()), 4),
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", choices=SOURCES, default=list(SOURCES))
+    parser.add_argument("--quiet", action="store_true", help="print the summary only")
+    parser.add_argument("--json", action="store_true", help="print JSON for machines")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    found = groups(args.only)
+    summary = summarise(found)
+    if args.json:
+        print(
+            json.dumps(
+                {"groups": [asdict(g) for g in found], "summary": summary}, indent=1, default=str
+            )
+        )
+        return 0
+    if not args.quiet:
+        for g in found:
+            print_group(g)
+            print()
+    for source, s in summary.items():
+        print(
+            f"{source:9}: {s['groups']:3} ranked groups; tau >= {TAU_TARGET} in {s['tau_met']}, "
+            f"regret <= {REGRET_TARGET:.0%} in {s['regret_met']}, both in {s['both_met']}; "
+            f"mean tau {s['mean_tau']:+.2f}, median regret {s['median_regret']:.1%}, worst "
+            f"{s['worst_regret']:.1%}"
+        )
+    unranked = [g for g in found if g.tau is None]
+    if unranked:
+        print(f"not ranked (one layout each): {len(unranked)} groups")
+    print(f"wall time {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

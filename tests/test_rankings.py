@@ -1,0 +1,49 @@
+"""The ranking figures of ``benchmarks/rankings.py``: Kendall's tau and the regret, on
+orders worked by hand, and the source key leave-one-source-out groups rows by."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _rankings():  # type: ignore[no-untyped-def]
+    sys.path.insert(0, str(BENCH))  # it imports its sibling benchmarks by name
+    spec = importlib.util.spec_from_file_location("rankings", BENCH / "rankings.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+rankings = _rankings()
+
+
+def test_kendall_counts_agreeing_and_backward_pairs() -> None:
+    assert rankings.kendall([1, 2, 3], [10, 20, 30]) == (1.0, 0, 3)
+    assert rankings.kendall([1, 2, 3], [30, 20, 10]) == (-1.0, 3, 3)
+    # one of three pairs backwards: (2 - 1) / 3
+    tau, backwards, pairs = rankings.kendall([1, 2, 3], [10, 30, 20])
+    assert (backwards, pairs) == (1, 3) and tau == pytest.approx(1 / 3)
+    # a tie in the measured times is neither agreement nor disagreement
+    assert rankings.kendall([1, 1], [1, 2]) == (0.0, 0, 1)
+
+
+def test_regret_is_the_measured_cost_of_the_predicted_favourite() -> None:
+    assert rankings.regret([1.0, 1.2, 1.5], [0.9, 1.0, 1.1]) == 0.0
+    # the model favours the third layout, measured 50% slower than the best
+    assert rankings.regret([1.0, 1.2, 1.5], [0.9, 1.0, 0.5]) == pytest.approx(0.5)
+
+
+def test_source_key_names_the_publication() -> None:
+    key = rankings.source_key
+    assert key("https://arxiv.org/abs/2504.14960 Appendix Table 3") == "arxiv:2504.14960"
+    assert key("https://arxiv.org/abs/2104.04473v5") == "arxiv:2104.04473"
+    url = "https://github.com/NVIDIA/Megatron-LM/blob/abc/tests/x.json"
+    assert key(url) == "github:NVIDIA/Megatron-LM"
