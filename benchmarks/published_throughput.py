@@ -27,9 +27,10 @@ A measured figure becomes seconds per step:
 What a source leaves unstated is assumed and printed beside the row: micro-batch 1; 1F1B
 where the schedule is unstated; 2 virtual stages for interleaving; the leanest recompute
 (none, selective, full) under which the layout fits HBM in the model where the recompute is
-unstated; in-house stacks (Llama 3, DeepSeek-V3) overlap as Megatron-LM does; Megatron-LM
-rows from before ``--tp-comm-overlap`` existed (``tp_comm_overlap`` false) leave the
-tensor-parallel collectives exposed, which is what ``framework="deepspeed"`` states. Data
+unstated; in-house stacks (Llama 3, DeepSeek-V3) overlap as Megatron-LM does; rows whose
+``tp_comm_overlap`` is false (Megatron-LM before ``--tp-comm-overlap`` existed or without it,
+torchtitan without async TP) leave the tensor-parallel collectives exposed
+(``TrainingJob.tp_comm_overlap``); a blank one has the framework's overlap on. Data
 parallelism is ZeRO-1 (Megatron-LM's distributed optimizer) except where the row says FSDP
 (ZeRO-3) and for torchtitan (FSDP2, ZeRO-3).
 
@@ -131,9 +132,8 @@ def cost(row: dict[str, str]) -> tuple[float, float, Costed]:
     if framework not in ZERO:
         assumed.append(f"{framework} stack overlaps as megatron")
         framework = "megatron"
-    if framework == "megatron" and row.get("tp_comm_overlap") == "false":
-        assumed.append("Megatron-LM before --tp-comm-overlap: TP exposed, as deepspeed")
-        framework = "deepspeed"
+    if row.get("tp_comm_overlap") == "false" and int(row["tp"]) > 1:
+        assumed.append("tensor-parallel collectives exposed (tp_comm_overlap false)")
     fields["framework"] = framework
     # A row that states its ZeRO stage (column zero) keeps it; sequence_parallel passes as is
     fields["zero"] = row.get("zero") or ("3" if row["schedule"] == "fsdp" else str(ZERO[framework]))

@@ -366,6 +366,8 @@ OPTIONAL_COLUMNS = {
     "split over tp",
     "compiled_loss": "true or false (default): the loss under torch.compile "
     "(TrainingJob.compiled_loss; torchtitan or torch)",
+    "tp_comm_overlap": "true (default) or false: the framework's tensor-parallel overlap "
+    "switched on (TrainingJob.tp_comm_overlap)",
     "dispatcher": "alltoall (default), allgather or deepep: how MoE tokens reach their "
     "experts (TrainingJob.moe_dispatcher)",
     "step_s": "measured seconds per step (or metric + value)",
@@ -540,6 +542,9 @@ def layout_from_row(
     if sp not in ("true", "false"):
         raise PlannerError(f"{where}: sequence_parallel={sp!r} must be true or false")
     sequence_parallel = sp == "true"
+    overlap_tp = text("tp_comm_overlap", "true").lower()
+    if overlap_tp not in ("true", "false"):
+        raise PlannerError(f"{where}: tp_comm_overlap={overlap_tp!r} must be true or false")
     compiled = text("compiled_loss", "false").lower()
     if compiled not in ("true", "false"):
         raise PlannerError(f"{where}: compiled_loss={compiled!r} must be true or false")
@@ -560,6 +565,7 @@ def layout_from_row(
             framework=framework,
             flash_attention=flash == "true",
             compiled_loss=compiled == "true",
+            tp_comm_overlap=overlap_tp == "true",
             moe_dispatcher=text("dispatcher", "alltoall").lower(),
         )
         schedule = text("schedule", "1f1b").lower()

@@ -489,6 +489,16 @@ class TrainingJob(Spec):
         "gathered, outputs reduce-scattered) or 'deepep' (DeepEP kernels: one InfiniBand copy "
         "per node a token visits, forwarded over NVLink). Each framework runs some of them.",
     )
+    # Megatron-LM overlaps tensor-parallel collectives only under --tp-comm-overlap (off by
+    # default in its parser; Transformer Engine's userbuffers, with sequence parallelism);
+    # torchtitan only under parallelism.enable_async_tensor_parallel, which runs under
+    # torch.compile of the model (job_config.py at v0.2.2). The exports write the switches.
+    tp_comm_overlap: bool = Field(
+        default=True,
+        description="The framework's tensor-parallel communication overlap is switched on "
+        "(Megatron-LM --tp-comm-overlap, torchtitan async TP); False leaves every "
+        "tensor-parallel collective exposed, as each framework runs by default.",
+    )
     moe_load_imbalance: float = Field(
         default=1.04,
         ge=1.0,

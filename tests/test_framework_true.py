@@ -183,6 +183,34 @@ def test_megatron_export_states_the_dispatcher(dispatcher: str, flags: list[str]
     assert args[at : at + len(flags)] == flags
 
 
+@pytest.mark.parametrize("framework", ["megatron", "torchtitan"])
+def test_tensor_parallel_overlap_is_a_switch_the_export_states(framework: str) -> None:
+    """Megatron-LM hides tensor-parallel collectives only under --tp-comm-overlap, torchtitan
+    only with async TP (under torch.compile): off, every collective is exposed and the
+    export leaves the switch out."""
+    model = planner.load_model("llama3-8b").model_copy(update={"num_layers": 4})
+    cluster = planner.load_cluster("h100", gpus=8)
+    layout = planner.Layout.uniform(model, tp=8, zero=1 if framework == "megatron" else 3)
+    on = planner.TrainingJob(seq_len=4096, global_batch=8, framework=framework)
+    off = on.model_copy(update={"tp_comm_overlap": False})
+    [hidden] = stage_times(model, cluster, on, layout, Network.of(cluster))
+    [exposed] = stage_times(model, cluster, off, layout, Network.of(cluster))
+    # the same collectives; off, all of their time is in the step, on, only part of it
+    assert exposed.tp_fwd > hidden.tp_fwd > 0 and exposed.fwd > hidden.fwd
+    texts = {}
+    for job in (on, off):
+        plan = planner.plan(model, cluster, job, planner.SearchSpace(tp=[8]), time_limit_s=2)
+        assert plan.layout.tp == 8
+        out = EXPORTERS[framework](plan)
+        texts[job.tp_comm_overlap] = (
+            "\n".join(out.args) if framework == "megatron" else "\n".join(out.files.values())
+        )
+    switch = "--tp-comm-overlap" if framework == "megatron" else "enable_async_tensor_parallel"
+    assert switch in texts[True] and switch not in texts[False]
+    if framework == "torchtitan":  # async TP runs only under torch.compile
+        assert "[compile]\nenable = true" in texts[True]
+
+
 @pytest.mark.parametrize(("framework", "overlapped"), [("megatron", True), ("deepspeed", False)])
 def test_zero1_weight_gather_is_priced_where_the_framework_runs_it(
     framework: str, overlapped: bool

@@ -333,3 +333,12 @@ def _precision_args(cmd: argparse.ArgumentParser) -> None:
         help="how MoE tokens reach their experts (default alltoall: NCCL all-to-all; deepep "
         "crosses InfiniBand once per node a token visits)",
     )
+    cmd.add_argument(
+        "--no-tp-comm-overlap",
+        dest="tp_comm_overlap",
+        action="store_const",
+        const=False,
+        default=None,
+        help="the framework's tensor-parallel overlap is off (Megatron-LM without "
+        "--tp-comm-overlap, torchtitan without async TP): tensor-parallel collectives exposed",
+    )

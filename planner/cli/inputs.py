@@ -30,6 +30,7 @@ def training_job(args: argparse.Namespace, seq_len: int, global_batch: int) -> T
         **(
             {"moe_dispatcher": args.moe_dispatcher} if getattr(args, "moe_dispatcher", None) else {}
         ),
+        **({"tp_comm_overlap": False} if getattr(args, "tp_comm_overlap", None) is False else {}),
     )
 
 
@@ -38,11 +39,12 @@ def _recipe(args: argparse.Namespace) -> Recipe | None:
     given = [f"--{f.replace('_', '-')}" for f in JOB_FLAGS if getattr(args, f) is not None]
     # The job's software settings are the recipe's too (the precisions have defaults, so
     # they cannot tell given from left out).
-    given += [
-        f"--{f.replace('_', '-')}"
-        for f in ("framework", "moe_dispatcher")
-        if getattr(args, f, None) is not None
-    ]
+    flags = {
+        "framework": "--framework",
+        "moe_dispatcher": "--moe-dispatcher",
+        "tp_comm_overlap": "--no-tp-comm-overlap",
+    }
+    given += [flag for f, flag in flags.items() if getattr(args, f, None) is not None]
     if args.recipe is None:
         missing = [f"--{f.replace('_', '-')}" for f in JOB_FLAGS if getattr(args, f) is None]
         if missing:

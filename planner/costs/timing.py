@@ -355,9 +355,12 @@ def cp_exposed(cost: BlockCost, rates: Rates, tp: TpComm) -> tuple[float, float]
 
 
 def tp_overlap_mode(job: TrainingJob, layout: Layout) -> str:
-    """What the framework overlaps of tensor-parallel communication (Megatron-LM needs
-    sequence parallelism for it)."""
+    """What the framework overlaps of tensor-parallel communication: nothing unless the job
+    switches it on (``TrainingJob.tp_comm_overlap``); Megatron-LM needs sequence
+    parallelism for it."""
     fw = framework(job.framework)
+    if not job.tp_comm_overlap:
+        return "none"
     if fw.tp_overlap_needs_sp and not layout.sequence_parallel:
         return "none"
     return fw.tp_overlap

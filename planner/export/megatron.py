@@ -92,9 +92,10 @@ def megatron(plan: Plan) -> Export:
             args.append("--overlap-moe-expert-parallel-comm")
     if runs.tp > 1 and runs.sequence_parallel:
         args.append("--sequence-parallel")
-        # The time model hides tensor-parallel collectives as Transformer Engine's
-        # userbuffers do (planner.costs.timing.TP_RS_SPLITS): state that they are on.
-        args.append("--tp-comm-overlap")
+        if job.tp_comm_overlap:
+            # The time model hides tensor-parallel collectives as Transformer Engine's
+            # userbuffers do (planner.costs.timing.TP_RS_SPLITS): state that they are on.
+            args.append("--tp-comm-overlap")
     if runs.pp > 1 or runs.virtual_stages > 1:
         args += ["--pipeline-model-parallel-layout", pipeline_layout(runs)]
     args += _recompute_args(runs)

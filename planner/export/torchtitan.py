@@ -138,6 +138,11 @@ def torchtitan(plan: Plan) -> Export:
         sections["model"]["converters"] = ["quantize.linear.float8"]
     if job.compiled_loss:  # the loss compiled as costed (and the model: one switch)
         sections["compile"] = {"enable": True, "components": ["model", "loss"]}
+    if runs.tp > 1 and job.tp_comm_overlap:
+        # The time model hides tensor-parallel collectives as async TP does; torchtitan runs
+        # it only under torch.compile of the model.
+        sections["parallelism"]["enable_async_tensor_parallel"] = True
+        sections.setdefault("compile", {"enable": True, "components": ["model"]})
     text = (
         f"# {model.name}: {runs.world_size} GPUs (torchtitan job config, keys as "
         f"of {COMMIT[:8]}, v0.2.2)\n" + dumps(sections)
