@@ -211,6 +211,22 @@ def test_tensor_parallel_overlap_is_a_switch_the_export_states(framework: str) -
         assert "[compile]\nenable = true" in texts[True]
 
 
+def test_async_tp_hides_its_fitted_share_of_what_it_could() -> None:
+    """torchtitan's async TP hides Framework.tp_overlap_hidden of what a perfect overlap
+    would: the collectives less one step in tp, at most the phase's compute."""
+    from planner.costs.timing import TpComm, tp_exposed
+
+    share = FRAMEWORKS["torchtitan"].tp_overlap_hidden
+    assert 0 < share < 1
+    tp = TpComm(seconds=1.0, mode="async", tp=8, hidden=share)
+    # 8 ms of collectives beside 20 ms of compute: all but one step (1 ms) could hide
+    assert tp_exposed(8.0, 20.0, tp)[0] == pytest.approx(8.0 - share * 7.0)
+    # beside 3 ms of compute only 3 ms could hide
+    assert tp_exposed(8.0, 3.0, tp)[0] == pytest.approx(8.0 - share * 3.0)
+    full = TpComm(seconds=1.0, mode="async", tp=8, hidden=1.0)
+    assert tp_exposed(8.0, 20.0, full)[0] == pytest.approx(1.0)
+
+
 @pytest.mark.parametrize(("framework", "overlapped"), [("megatron", True), ("deepspeed", False)])
 def test_zero1_weight_gather_is_priced_where_the_framework_runs_it(
     framework: str, overlapped: bool

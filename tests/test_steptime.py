@@ -3,6 +3,8 @@ change must move the estimate."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import planner
@@ -204,17 +206,33 @@ def test_a_dualpipe_pair_hides_each_chunks_communication_behind_the_other_only(
 def test_tensor_parallel_overlap_follows_the_framework() -> None:
     """Megatron-LM's --tp-comm-overlap and torchtitan's async TP hide tensor-parallel
     collectives behind the GEMMs, except one step of tp (the ring exchange) or one of four
-    splits (the pipelined reduce-scatter); DeepSpeed and eager PyTorch leave them exposed."""
+    splits (the pipelined reduce-scatter); DeepSpeed and eager PyTorch leave them exposed.
+    torchtitan's async TP hides only its fitted share of that (Framework.tp_overlap_hidden)."""
+    from planner import frameworks
+
     layout = Layout.uniform(LLAMA, tp=8, dp=8)
     exposed = {
         f: step(layout, JOB.model_copy(update={"framework": f})).breakdown["tp_comm"]
         for f in ("megatron", "torchtitan", "deepspeed", "torch")
     }
     assert exposed["deepspeed"] == pytest.approx(exposed["torch"])
-    # One step in 8 at least; more only where a block has less compute than communication
-    # (the embedding's lookup reduction hides behind nothing).
-    assert exposed["deepspeed"] / 8 <= exposed["torchtitan"] < exposed["deepspeed"] / 4
-    assert exposed["torchtitan"] < exposed["megatron"] < exposed["deepspeed"]
+    assert exposed["megatron"] < exposed["torchtitan"] < exposed["deepspeed"]
+    # With all of it hidden: one step in 8 at least; more only where a block has less
+    # compute than communication (the embedding's lookup reduction hides behind nothing).
+    entry = frameworks.FRAMEWORKS["torchtitan"]
+    frameworks.FRAMEWORKS["torchtitan"] = dataclasses.replace(entry, tp_overlap_hidden=1.0)
+    try:
+        job = JOB.model_copy(update={"framework": "torchtitan"})
+        full = step(layout, job).breakdown["tp_comm"]
+    finally:
+        frameworks.FRAMEWORKS["torchtitan"] = entry
+    assert exposed["deepspeed"] / 8 <= full < exposed["deepspeed"] / 4
+    assert full < exposed["megatron"]
+    # the share hidden: what full hiding would hide, times the registry's share
+    hidden = entry.tp_overlap_hidden
+    assert exposed["torchtitan"] == pytest.approx(
+        exposed["deepspeed"] - hidden * (exposed["deepspeed"] - full), rel=1e-6
+    )
     no_sp = layout.model_copy(update={"sequence_parallel": False})
     # Megatron-LM overlaps only with sequence parallelism.
     megatron = JOB.model_copy(update={"framework": "megatron"})

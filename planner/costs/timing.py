@@ -300,6 +300,7 @@ class TpComm:
     ring_latency: float = 0.0  # one ring step's latency (its slowest hop) ...
     ring_Bps: float = math.inf  # ... and bandwidth
     rs_sm_share: float = TP_RS_SMS / UNSTATED_SM_COUNT  # of the GPU's, the reduce-scatter's
+    hidden: float = 1.0  # of what the overlap could hide, the share it does (Framework)
 
     @classmethod
     def of(
@@ -317,10 +318,12 @@ class TpComm:
         region = shard.tokens * model.hidden_size * shard.act_bytes  # type: ignore[attr-defined]
         seconds = network.all_reduce_time(region, group(layout, "tp", 0))
         share = TP_RS_SMS / (sm_count or UNSTATED_SM_COUNT)
+        hidden = framework(job.framework).tp_overlap_hidden
         ring = group(layout, "cp", 0)
         hops = list(zip(ring, ring[1:] + ring[:1], strict=True))
         if len(ring) < 2:
-            return cls(seconds, tp_overlap_mode(job, layout), layout.tp, rs_sm_share=share)
+            mode = tp_overlap_mode(job, layout)
+            return cls(seconds, mode, layout.tp, rs_sm_share=share, hidden=hidden)
         # Every rank sends to the next at once: a step lasts as long as its slowest hop, and
         # a ring that leaves its node crosses InfiniBand at each GPU's share of the NICs.
         if any(network.node_of(a) != network.node_of(b) for a, b in hops):
@@ -328,7 +331,9 @@ class TpComm:
         else:
             latency, Bps = network.nvlink_latency_s, network.nvlink_bus_Bps
         mode = tp_overlap_mode(job, layout)
-        return cls(seconds, mode, layout.tp, layout.cp, latency, Bps, rs_sm_share=share)
+        return cls(
+            seconds, mode, layout.tp, layout.cp, latency, Bps, rs_sm_share=share, hidden=hidden
+        )
 
     def ring_step(self, nbytes: float) -> float:
         """Seconds of one step of the context-parallel ring carrying ``nbytes``."""
@@ -373,9 +378,9 @@ def tp_exposed(comm: float, compute: float, tp: TpComm) -> tuple[float, float]:
         return comm, 0.0
     if tp.mode == "userbuffers":
         floor = comm / 2 / tp.tp + comm / 2 / TP_RS_SPLITS
-        exposed = max(floor, comm - compute)
+        exposed = comm - tp.hidden * (comm - max(floor, comm - compute))
         return exposed, tp.rs_sm_share * (comm - exposed) / 2
-    exposed = max(comm / tp.tp, comm - compute)
+    exposed = comm - tp.hidden * (comm - max(comm / tp.tp, comm - compute))
     return exposed, 0.0
 
 
