@@ -31,8 +31,12 @@ an unstated setting is printed beside the row there):
 Targets (issue "a time model checked on runs it has never seen"): every group's tau at least
 0.7 and regret at most 3%. The summary counts the groups that meet each.
 
+``--profile GPU=YAML`` costs a GPU's rows with a fitted cluster YAML instead (e.g. the A100
+constants ``vtrain_fidelity.py --out`` fits on vTrain's even rows, with ``--vtrain-half odd``
+to rank only the rows that fit never saw).
+
 Run: ``.venv/bin/python benchmarks/rankings.py [--only moe|published|ci|vtrain ...]
-[--quiet] [--json]``.
+[--quiet] [--json] [--profile GPU=YAML] [--vtrain-half all|odd]``.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ CI_RUNS = HERE / "megatron_ci_runs.csv"
 TAU_TARGET = 0.7
 REGRET_TARGET = 0.03
 SOURCES = ("moe", "published", "ci", "vtrain")
+VTRAIN_ROWS = slice(None)  # which of vTrain's rows (``--vtrain-half``)
 
 
 @dataclass
@@ -220,9 +225,9 @@ def _runs_items(path: Path, prefix: str) -> Iterator[Item]:
 
 
 def vtrain_items() -> Iterator[Item]:
-    rows = vtrain_fidelity.read_rows(vtrain_fidelity.DATA)
+    rows = vtrain_fidelity.read_rows(vtrain_fidelity.DATA)[VTRAIN_ROWS]
     runs = vtrain_fidelity.runs(rows)
-    base = planner.load_cluster("a100", gpus=8)
+    base = planner.load_cluster(published_throughput.PROFILES.get("a100", "a100"), gpus=8)
     predicted = predict(base, runs)
     for i, (row, run, p) in enumerate(zip(rows, runs, predicted, strict=True)):
         tokens = run.job.tokens_per_step
@@ -325,7 +330,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=SOURCES, default=list(SOURCES))
     parser.add_argument("--quiet", action="store_true", help="print the summary only")
     parser.add_argument("--json", action="store_true", help="print JSON for machines")
+    parser.add_argument(
+        "--profile",
+        action="append",
+        default=[],
+        metavar="GPU=YAML",
+        help="cost that GPU's rows with this cluster YAML instead of the catalog's (e.g. "
+        "a100=a100-vtrain.yaml from vtrain_fidelity.py --out)",
+    )
+    parser.add_argument(
+        "--vtrain-half",
+        choices=["all", "odd"],
+        default="all",
+        help="vTrain rows to rank: all, or the odd rows (file order) that vtrain_fidelity.py "
+        "holds out of its fit",
+    )
     args = parser.parse_args(argv)
+    for item in args.profile:
+        gpu, _, path = item.partition("=")
+        published_throughput.PROFILES[gpu] = Path(path)
+    global VTRAIN_ROWS
+    VTRAIN_ROWS = slice(1, None, 2) if args.vtrain_half == "odd" else slice(None)
     started = time.perf_counter()
     found = groups(args.only)
     summary = summarise(found)

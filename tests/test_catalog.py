@@ -125,7 +125,14 @@ def test_units_are_converted_once() -> None:
 # it ("GPU 0 has a total capacity of X GiB"); the H800 is taken as the H100 80GB HBM3 (same
 # memory, same nvidia-smi total of 81559 MiB). Sources: hardware/*.yaml (usable_hbm_GiB) and
 # hardware/README.md, "Usable HBM"; NVML figures: https://thundergolfer.com/blog/nvidia-gpu-memory-capacity
-USABLE_GIB = {"a100": 79.14, "h100": 79.15, "h800": 79.15, "h200": 139.80, "b200": 178.35}
+USABLE_GIB = {
+    "a100": 79.14,
+    "h100": 79.15,
+    "h800": 79.15,
+    "h200": 139.80,
+    "b200": 178.35,
+    "h100-96gb": 96 - (80 - 79.15),  # a convention: the 80GB part's runtime reserve
+}
 
 
 @pytest.mark.parametrize("name", CLUSTER_NAMES, ids=CLUSTER_NAMES)
