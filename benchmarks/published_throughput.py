@@ -222,6 +222,26 @@ def summary(
     }
 
 
+def add_profile_argument(parser: argparse.ArgumentParser) -> None:
+    """``--profile GPU=YAML``: a GPU's rows costed with a fitted cluster YAML (``PROFILES``)."""
+    parser.add_argument(
+        "--profile",
+        action="append",
+        default=[],
+        metavar="GPU=YAML",
+        help="cost that GPU's rows with this cluster YAML instead of the catalog's (e.g. "
+        "a100=a100-vtrain.yaml from vtrain_fidelity.py --out): a fit on other data, checked "
+        "on these rows",
+    )
+
+
+def use_profiles(items: list[str]) -> None:
+    """Take ``--profile`` values (``GPU=YAML``) into ``PROFILES``."""
+    for item in items:
+        gpu, _, path = item.partition("=")
+        PROFILES[gpu] = Path(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--csv", type=Path, default=DATA)
@@ -237,21 +257,11 @@ def main() -> None:
         help="also fit each GPU's constants to its rows (planner.fit_runs) and print the "
         "5-fold held-out error: how much of the error the constants explain",
     )
-    parser.add_argument(
-        "--profile",
-        action="append",
-        default=[],
-        metavar="GPU=YAML",
-        help="cost that GPU's rows with this cluster YAML instead of the catalog's (e.g. "
-        "a100=a100-vtrain.yaml from vtrain_fidelity.py --out): a fit on other data, checked "
-        "on these rows",
-    )
+    add_profile_argument(parser)
     args = parser.parse_args()
     if args.write and args.profile:
         parser.error("--write stores the catalog constants' errors: leave out --profile")
-    for item in args.profile:
-        gpu, _, path = item.partition("=")
-        PROFILES[gpu] = Path(path)
+    use_profiles(args.profile)
     started = time.perf_counter()
     with args.csv.open(newline="") as handle:
         rows = list(csv.DictReader(handle))

@@ -330,14 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=SOURCES, default=list(SOURCES))
     parser.add_argument("--quiet", action="store_true", help="print the summary only")
     parser.add_argument("--json", action="store_true", help="print JSON for machines")
-    parser.add_argument(
-        "--profile",
-        action="append",
-        default=[],
-        metavar="GPU=YAML",
-        help="cost that GPU's rows with this cluster YAML instead of the catalog's (e.g. "
-        "a100=a100-vtrain.yaml from vtrain_fidelity.py --out)",
-    )
+    published_throughput.add_profile_argument(parser)
     parser.add_argument(
         "--vtrain-half",
         choices=["all", "odd"],
@@ -346,9 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         "holds out of its fit",
     )
     args = parser.parse_args(argv)
-    for item in args.profile:
-        gpu, _, path = item.partition("=")
-        published_throughput.PROFILES[gpu] = Path(path)
+    published_throughput.use_profiles(args.profile)
     global VTRAIN_ROWS
     VTRAIN_ROWS = slice(1, None, 2) if args.vtrain_half == "odd" else slice(None)
     started = time.perf_counter()
