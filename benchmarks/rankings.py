@@ -221,6 +221,12 @@ def _runs_items(path: Path, prefix: str) -> Iterator[Item]:
             int(r["seq_len"]),
             r["source"],
         )
+        if r.get("flags"):  # the run settings a harvested row lists (megatron_ci_runs.csv)
+            # a setting with a short value keeps it (overlap-grad-reduce=on against =off)
+            features["flags"] = tuple(
+                f if len(f) <= 40 else f.split("=")[0] for f in r["flags"].split(";") if f
+            )
+        features["microbatches"] = costed.run.job.global_batch // (lay.dp * lay.micro_batch)
         yield Item(group, r["id"], text, measured / tokens, predicted / tokens, features)
 
 

@@ -5,7 +5,9 @@ Megatron-LM's functional tests where harvested, vTrain's single-node A100 iterat
 costed at the catalog's constants (``planner.evaluate``; nothing fitted, no constant per row),
 and its error (predicted / measured time per step, minus 1) is printed, then grouped by
 each feature of the row: GPU, GPU count, framework, precision, schedule, dense or MoE, hidden
-size, parameter count, sequence, tp, pp, dp, ep, cp, micro-batch, and the source. For each
+size, parameter count, sequence, tp, pp, dp, ep, cp, micro-batch, micro-batches per step, the
+source, and for harvested runs each setting in their ``flags`` (rows with it against rows
+without). For each
 group: the rows, the mean signed error (the bias) and the mean absolute error. A bias that
 moves with a feature, on rows from several sources, points at a mechanism the model lacks or
 misprices; one confined to a single source may be that source's own conditions.
@@ -24,7 +26,9 @@ import json
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -39,10 +43,11 @@ RANGES: dict[str, tuple[float, ...]] = {
     "params_b": (3, 30, 100, 300, float("inf")),
     "seq": (2048, 4096, 8192, float("inf")),
     "dp": (1, 8, 64, 512, float("inf")),
+    "microbatches": (1, 4, 16, 64, float("inf")),
 }
 FEATURES = (
     "source", "gpu", "gpus", "framework", "precision", "schedule", "moe", "hidden", "params_b",
-    "seq", "tp", "pp", "dp", "ep", "cp", "mb",
+    "seq", "tp", "pp", "dp", "ep", "cp", "mb", "microbatches", "flags",
 )  # fmt: skip
 
 
@@ -62,13 +67,29 @@ def bucket(feature: str, value: object) -> str:
 
 
 def table(rows: list[rankings.Item], feature: str) -> list[dict[str, object]]:
-    """One line per group of ``rows`` by ``feature``: rows, bias, mean |error|."""
+    """One line per group of ``rows`` by ``feature``: rows, bias, mean |error|. A row's
+    ``flags`` (the settings a harvested run lists) put it in one group per flag, against
+    the rows without that flag."""
     by: dict[str, list[float]] = defaultdict(list)
+    if feature == "flags":
+        flagged = [i for i in rows if "flags" in i.features]
+        names = sorted({f for i in flagged for f in i.features["flags"]})  # type: ignore[attr-defined]
+        for name in names:
+            for item in flagged:
+                has = name in item.features["flags"]  # type: ignore[operator]
+                by[f"{name}: {'with' if has else 'without'}"].append(item.error)
+        return _lines(feature, by, order=lambda kv: kv[0])
     for item in rows:
         if feature in item.features:
             by[bucket(feature, item.features[feature])].append(item.error)
+    return _lines(feature, by, order=lambda kv: -len(kv[1]))
+
+
+def _lines(
+    feature: str, by: dict[str, list[float]], order: Callable[[tuple[str, list[float]]], Any]
+) -> list[dict[str, object]]:
     out = []
-    for value, errors in sorted(by.items(), key=lambda kv: -len(kv[1])):
+    for value, errors in sorted(by.items(), key=order):
         e = np.array(errors)
         out.append(
             {
