@@ -77,7 +77,7 @@ def test_memory_summary_states_the_cap_and_the_headroom() -> None:
         f"Peak {est.peak_bytes / 2**30:.2f} GiB per GPU (allocated "
         f"{top.allocated_bytes / 2**30:.2f} GiB in tensors, reserved "
         f"{top.reserved_bytes / 2**30:.2f} GiB by the caching allocator, plus 0.75 GiB of CUDA "
-        "context); usable HBM 79.15 GiB (of 80 GiB), "
+        "context and 1.00 GiB of NCCL buffers); usable HBM 79.15 GiB (of 80 GiB), "
         "cap 75.19 GiB after the 5% margin for the memory model's error: fits, the heaviest "
         f"rank leaves {est.headroom:.1%} of usable HBM ({free:.2f} GiB) free."
     )

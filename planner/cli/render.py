@@ -76,7 +76,8 @@ def _memory_summary(est: Estimate, margin: float) -> str:
     head = (
         f"Peak {est.peak_bytes / GiB:.2f} GiB per GPU (allocated {top.allocated_bytes / GiB:.2f}"
         f" GiB in tensors, reserved {top.reserved_bytes / GiB:.2f} GiB by the caching "
-        f"allocator, plus {top.buckets['context'] / GiB:.2f} GiB of CUDA context); usable "
+        f"allocator, plus {top.buckets['context'] / GiB:.2f} GiB of CUDA context and "
+        f"{top.nccl_bytes / GiB:.2f} GiB of NCCL buffers); usable "
         f"HBM {usable:.2f} GiB (of "
         f"{est.hbm_bytes / GiB:.4g} GiB), cap {cap:.2f} GiB after the {margin * 100:g}% margin for "
         "the memory model's error:"

@@ -14,7 +14,9 @@ the same):
 - ``activations``: saved activations of the micro-batches in flight at the rank's peak (the
   schedule's op order says how many of each chunk), with what one block rebuilds while a
   backward recomputes it (less what the chunk's later blocks have freed by then).
-- ``buffers``: NCCL communication buffers, pipeline send/receive tensors, ZeRO-3's
+- ``buffers``: NCCL communication buffers (``TrainingJob.comm_buffer_bytes``; NCCL
+  allocates them itself, outside PyTorch's caching allocator, so ``StageMemory.nccl_bytes``
+  takes them out of the allocator's figures), pipeline send/receive tensors, ZeRO-3's
   gathered copy of the largest block (twice: the one in use and the one prefetched),
   under ZeRO-2/3 one reduce bucket (the largest block's unsharded gradients), with context
   parallelism the ring's receive buffers (a block's keys and values and their gradients, in
@@ -113,6 +115,12 @@ class StageMemory(BaseModel):
         description="Host RAM the rank uses for an EMA kept on the host and an offloaded "
         "optimizer (bytes)."
     )
+    nccl_bytes: int = Field(
+        default=0,
+        description="Part of the 'buffers' bucket NCCL allocates itself, outside PyTorch's "
+        "caching allocator (bytes): in the device's use, not in max_memory_allocated or "
+        "max_memory_reserved.",
+    )
     step_bytes: dict[str, int] = Field(
         default_factory=dict,
         description="Bytes the rank's optimizer step moves, by path: 'step_hbm' (the GPU's "
@@ -122,15 +130,17 @@ class StageMemory(BaseModel):
 
     @property
     def allocated_bytes(self) -> int:
-        """Peak bytes in live tensors: what torch.cuda.max_memory_allocated reports."""
-        return self.peak_bytes - self.buckets["context"] - self.buckets["fragmentation"]
+        """Peak bytes in live tensors: what torch.cuda.max_memory_allocated reports (NCCL's
+        own buffers are not the caching allocator's)."""
+        return self.reserved_bytes - self.buckets["fragmentation"]
 
     @property
     def reserved_bytes(self) -> int:
         """Peak bytes the caching allocator holds in segments (live tensors and the free space
         fragmentation strands): what torch.cuda.max_memory_reserved reports. With the CUDA
-        context it is the rank's use of the device's usable HBM (``peak_bytes``)."""
-        return self.peak_bytes - self.buckets["context"]
+        context and NCCL's buffers it is the rank's use of the device's usable HBM
+        (``peak_bytes``)."""
+        return self.peak_bytes - self.buckets["context"] - self.nccl_bytes
 
 
 def ring_buffer_bytes(cp: int, costs: Sequence[BlockCost]) -> float:
@@ -367,5 +377,6 @@ def _rank_memory(
         params=sum(p.numel // shards(p, layout) for p in plist if p.trainable),
         embedding_head_bytes=round(emb["weights"] + emb["grads"] + emb["optimizer"] + emb["ema"]),
         host_bytes=round(state["host"] + offloaded_activations),
+        nccl_bytes=int(job.comm_buffer_bytes),
         step_bytes={k: round(state[k]) for k in STEP_KEYS},
     )
