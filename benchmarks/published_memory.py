@@ -46,7 +46,14 @@ from planner.fit import layout_from_row
 
 DATA = Path(__file__).resolve().parent / "published_memory.csv"
 GIB = 2**30
-SCHEDULES = {"": "1f1b", "1f1b": "1f1b", "interleaved 1f1b": "interleaved"}
+SCHEDULES = {
+    "": "1f1b",
+    "1f1b": "1f1b",
+    "interleaved 1f1b": "interleaved",
+    "interleaved": "interleaved",  # the planner's own names (megatron_ci_runs.csv)
+    "1f1b-ep-overlap": "1f1b-ep-overlap",
+    "interleaved-ep-overlap": "interleaved-ep-overlap",
+}
 FRAMEWORKS = {"nemo": "megatron", "fsdp": "torch"}  # the planner's name for each stack
 TORCHTITAN_SELECTIVE = "op"  # see the module docstring
 KINDS = ("allocated", "reserved", "device")  # see the module docstring
