@@ -28,8 +28,8 @@ an unstated setting is printed beside the row there):
   GPT (hidden size, layers) at one global batch and GPU count, under every tp, dp, pp and
   micro-batch measured.
 
-Targets (issue "a time model checked on runs it has never seen"): every group's tau at least
-0.7 and regret at most 3%. The summary counts the groups that meet each.
+Targets: every group's tau at least 0.7 and regret at most 3%. The summary counts the groups
+that meet each.
 
 ``--profile GPU=YAML`` costs a GPU's rows with a fitted cluster YAML instead (e.g. the A100
 constants ``vtrain_fidelity.py --out`` fits on vTrain's even rows, with ``--vtrain-half odd``
