@@ -51,6 +51,7 @@ MIN_STEADY = 3  # fewest iteration times a median is taken over
 # the columns of benchmarks/published_runs.csv (its header has no quoted names)
 PUBLISHED_COLUMNS = (HERE / "published_runs.csv").read_text().splitlines()[0].split(",")
 EXTRA_COLUMNS = [
+    "etp",
     "sequence_parallel",
     "zero",
     "mem_allocated_bytes",
@@ -604,13 +605,12 @@ def build_row(
         zero = 1 if args.get("--use-distributed-optimizer") else 0
 
     model = model_spec(args, tp, notes)
-    ep, dispatcher = 1, ""
+    ep, etp, dispatcher = 1, 1, ""
     if args.get("--num-experts"):
         ep = int(args.stated("--expert-model-parallel-size", 1))
-        if int(args.stated("--expert-tensor-parallel-size", tp)) != 1:
-            raise Skip("expert tensor parallelism etp > 1 (no column)")
-        if (dp * cp * tp) % ep:
-            raise Skip("ep does not divide dp*cp*tp")
+        etp = int(args.stated("--expert-tensor-parallel-size", tp))  # Megatron-LM: tp if unset
+        if (dp * cp * tp) % (ep * etp):
+            raise Skip("ep * etp does not divide dp*cp*tp")
         dispatcher = args.stated("--moe-token-dispatcher-type", "allgather")
         if dispatcher == "flex":
             if args.stated("--moe-flex-dispatcher-backend", "deepep") != "deepep":
@@ -685,6 +685,7 @@ def build_row(
         "tp_comm_overlap": str(bool(args.get("--tp-comm-overlap"))).lower(),
         "fp8_cache": "false",
         "dispatcher": dispatcher,
+        "etp": str(etp),
         "sequence_parallel": str(bool(args.get("--sequence-parallel")) and tp > 1).lower(),
         "zero": str(zero),
         "mem_allocated_bytes": number(measured.mem_allocated),

@@ -352,6 +352,7 @@ RUN_COLUMNS = {
 }
 OPTIONAL_COLUMNS = {
     "ep": "expert-parallel degree (default 1)",
+    "etp": "expert tensor-parallel degree (default 1)",
     "cp": "context-parallel degree (default 1)",
     "vp": "virtual stages per rank (default 1, 2 for interleaved)",
     "schedule": "1f1b, interleaved, dualpipe, ... (default 1f1b)",
@@ -574,6 +575,7 @@ def layout_from_row(
             "cp": whole("cp", 1),
             "dp": whole("dp"),
             "ep": whole("ep", 1),
+            "etp": whole("etp", 1),
             "micro_batch": whole("micro_batch"),
             "sequence_parallel": sequence_parallel,
         }

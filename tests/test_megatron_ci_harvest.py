@@ -192,8 +192,12 @@ def test_moe_row_states_the_experts() -> None:
 
 def test_what_the_planner_cannot_state_is_skipped() -> None:
     h = harvest()
-    with pytest.raises(h.Skip, match="etp > 1"):  # Megatron-LM's default etp is tp
-        row(MOE.replace("--expert-model-parallel-size: 4", "--tensor-model-parallel-size: 2"))
+    # Megatron-LM's expert tensor parallelism defaults to tp; ep * etp must divide the plane
+    tp2 = "--expert-model-parallel-size: 4\n  --tensor-model-parallel-size: 2"
+    assert row(MOE.replace("--expert-model-parallel-size: 4", tp2))["etp"] == "2"
+    ep8 = "--expert-model-parallel-size: 8\n  --tensor-model-parallel-size: 2"
+    with pytest.raises(h.Skip, match="ep \\* etp does not divide"):  # 8 x 2 experts' ranks
+        row(MOE.replace("--expert-model-parallel-size: 4", ep8))
     with pytest.raises(h.Skip, match="multi-latent"):
         row(MOE.replace("MODEL_ARGS:", "MODEL_ARGS:\n  --multi-latent-attention: true"))
     with pytest.raises(h.Skip, match="inference"):
