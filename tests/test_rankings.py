@@ -47,3 +47,31 @@ def test_source_key_names_the_publication() -> None:
     assert key("https://arxiv.org/abs/2104.04473v5") == "arxiv:2104.04473"
     url = "https://github.com/NVIDIA/Megatron-LM/blob/abc/tests/x.json"
     assert key(url) == "github:NVIDIA/Megatron-LM"
+
+
+def _residuals():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("residuals", BENCH / "residuals.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_residuals_group_by_ranges_and_by_each_flag() -> None:
+    residuals = _residuals()
+    assert residuals.bucket("gpus", 8) == "<= 8"
+    assert residuals.bucket("gpus", 9) == "(8, 64]"
+    assert residuals.bucket("gpus", 10_000) == "> 4096"
+    assert residuals.bucket("gpu", "h100") == "h100"
+
+    def item(error: float, flags: tuple[str, ...]) -> object:
+        return rankings.Item("g", "id", "layout", 1.0, 1.0 + error, {"flags": flags})
+
+    rows = [item(-0.5, ("a",)), item(-0.1, ("a", "b")), item(0.2, ())]
+    lines = {line["value"]: line for line in residuals.table(rows, "flags")}
+    # each flag splits the rows into those with it and those without
+    assert lines["a: with"]["rows"] == 2 and lines["a: without"]["rows"] == 1
+    assert lines["a: with"]["bias"] == pytest.approx(-0.3)
+    assert lines["b: with"]["mape"] == pytest.approx(0.1)
+    assert lines["b: without"]["bias"] == pytest.approx(-0.15)
