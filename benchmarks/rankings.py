@@ -70,7 +70,6 @@ CI_RUNS = HERE / "megatron_ci_runs.csv"
 TAU_TARGET = 0.7
 REGRET_TARGET = 0.03
 SOURCES = ("moe", "published", "ci", "vtrain")
-VTRAIN_ROWS = slice(None)  # which of vTrain's rows (``--vtrain-half``)
 
 
 @dataclass
@@ -230,8 +229,9 @@ def _runs_items(path: Path, prefix: str) -> Iterator[Item]:
         yield Item(group, r["id"], text, measured / tokens, predicted / tokens, features)
 
 
-def vtrain_items() -> Iterator[Item]:
-    rows = vtrain_fidelity.read_rows(vtrain_fidelity.DATA)[VTRAIN_ROWS]
+def vtrain_items(rows_taken: slice = slice(None)) -> Iterator[Item]:
+    """vTrain's rows (``rows_taken`` of them, in file order), costed."""
+    rows = vtrain_fidelity.read_rows(vtrain_fidelity.DATA)[rows_taken]
     runs = vtrain_fidelity.runs(rows)
     base = planner.load_cluster(published_throughput.PROFILES.get("a100", "a100"), gpus=8)
     predicted = predict(base, runs)
@@ -259,22 +259,25 @@ def vtrain_items() -> Iterator[Item]:
         )
 
 
-def costed_items(sources: list[str]) -> Iterator[tuple[str, Item]]:
-    """Every costed row of ``sources`` (``SOURCES``), with its source's name."""
+def costed_items(
+    sources: list[str], vtrain_rows: slice = slice(None)
+) -> Iterator[tuple[str, Item]]:
+    """Every costed row of ``sources`` (``SOURCES``; of vTrain, ``vtrain_rows``), with its
+    source's name."""
     feeds = {
         "moe": moe_items,
         "published": lambda: _runs_items(published_throughput.DATA, "published"),
         "ci": lambda: _runs_items(CI_RUNS, "ci") if CI_RUNS.exists() else iter(()),
-        "vtrain": vtrain_items,
+        "vtrain": lambda: vtrain_items(vtrain_rows),
     }
     for source in sources:
         for item in feeds[source]():
             yield source, item
 
 
-def groups(sources: list[str]) -> list[Group]:
+def groups(sources: list[str], vtrain_rows: slice = slice(None)) -> list[Group]:
     found: dict[tuple[str, str], list[Item]] = defaultdict(list)
-    for source, item in costed_items(sources):
+    for source, item in costed_items(sources, vtrain_rows):
         found[(source, item.group)].append(item)
     out = []
     for (source, name), items in found.items():
@@ -346,10 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     published_throughput.use_profiles(args.profile)
-    global VTRAIN_ROWS
-    VTRAIN_ROWS = slice(1, None, 2) if args.vtrain_half == "odd" else slice(None)
     started = time.perf_counter()
-    found = groups(args.only)
+    found = groups(args.only, slice(1, None, 2) if args.vtrain_half == "odd" else slice(None))
     summary = summarise(found)
     if args.json:
         print(

@@ -143,10 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     vtrain = [item for source, item in found if source == "vtrain"]
     out: dict[str, list[dict[str, object]]] = {}
     for name, rows in (("published, ladders and CI runs", pooled), ("vTrain", vtrain)):
-        if rows:
-            out[name] = print_tables(name, rows) if not args.json else []
-            if args.json:
-                out[name] = [line for f in FEATURES for line in table(rows, f)]
+        if rows and args.json:
+            out[name] = [line for f in FEATURES for line in table(rows, f)]
+        elif rows:
+            out[name] = print_tables(name, rows)
     if args.json:
         print(json.dumps(out, indent=1))
     else:

@@ -536,19 +536,17 @@ def layout_from_row(
     if precision not in ("bf16", "fp16", "fp8"):
         raise PlannerError(f"{where}: precision={precision!r} must be bf16, fp16 or fp8")
     half = "fp16" if precision == "fp16" else "bf16"
-    flash = text("flash_attention", "true").lower()
-    if flash not in ("true", "false"):
-        raise PlannerError(f"{where}: flash_attention={flash!r} must be true or false")
-    sp = text("sequence_parallel", "true").lower()
-    if sp not in ("true", "false"):
-        raise PlannerError(f"{where}: sequence_parallel={sp!r} must be true or false")
-    sequence_parallel = sp == "true"
-    overlap_tp = text("tp_comm_overlap", "true").lower()
-    if overlap_tp not in ("true", "false"):
-        raise PlannerError(f"{where}: tp_comm_overlap={overlap_tp!r} must be true or false")
-    compiled = text("compiled_loss", "false").lower()
-    if compiled not in ("true", "false"):
-        raise PlannerError(f"{where}: compiled_loss={compiled!r} must be true or false")
+
+    def flag(key: str, default: bool) -> bool:
+        raw = text(key, str(default).lower()).lower()
+        if raw not in ("true", "false"):
+            raise PlannerError(f"{where}: {key}={raw!r} must be true or false")
+        return raw == "true"
+
+    flash = flag("flash_attention", True)
+    sequence_parallel = flag("sequence_parallel", True)
+    overlap_tp = flag("tp_comm_overlap", True)
+    compiled = flag("compiled_loss", False)
     framework = text("framework", "megatron").lower()
     if framework not in FRAMEWORKS:
         raise PlannerError(
@@ -564,9 +562,9 @@ def layout_from_row(
             activation_dtype=half,
             compute_dtype="fp8" if precision == "fp8" else "bf16",
             framework=framework,
-            flash_attention=flash == "true",
-            compiled_loss=compiled == "true",
-            tp_comm_overlap=overlap_tp == "true",
+            flash_attention=flash,
+            compiled_loss=compiled,
+            tp_comm_overlap=overlap_tp,
             moe_dispatcher=text("dispatcher", "alltoall").lower(),
         )
         schedule = text("schedule", "1f1b").lower()
@@ -581,10 +579,7 @@ def layout_from_row(
         }
         if text("zero"):
             fields_["zero"] = int(text("zero"))
-        cache = text("fp8_cache", "false").lower()
-        if cache not in ("true", "false"):
-            raise PlannerError(f"{where}: fp8_cache={cache!r} must be true or false")
-        fields_["fp8_cache"] = cache == "true"
+        fields_["fp8_cache"] = flag("fp8_cache", False)
         layout = Layout.uniform(
             model,
             pp=whole("pp"),

@@ -247,11 +247,8 @@ class Network:
         per_node, nodes = self._spread(ranks)
         if nbytes <= 0 or per_node * nodes == 1:
             return NO_TRANSFER
-        intra, inter = self._intra(nbytes, per_node), self._inter(nbytes / per_node, nodes)
-        if ring and nodes > 1:
-            tree = math.ceil(math.log2(nodes))
-            inter += (nodes - 1 - tree) * self.ib_latency_s
-            inter += (nodes - 1) * (per_node - 1) * self.nvlink_latency_s
+        intra = self._intra(nbytes, per_node)
+        inter = self._inter(nbytes / per_node, nodes, per_node if ring else None)
         return Transfer(intra + inter, inter, intra)
 
     def all_gather_time(self, nbytes: float, ranks: Sequence[int]) -> float:
@@ -345,13 +342,19 @@ class Network:
         steps = members - 1
         return steps / members * nbytes / self.nvlink_bus_Bps + steps * self.nvlink_latency_s
 
-    def _inter(self, nbytes: float, nodes: int) -> float:
+    def _inter(self, nbytes: float, nodes: int, ring_per_node: int | None = None) -> float:
         """Reduce-scatter (or all-gather) of ``nbytes`` per GPU over ``nodes`` nodes, each
-        GPU on its own IB share; a tree's depth of latency."""
+        GPU on its own IB share. Latency: a tree's depth; or, for a ring of
+        ``ring_per_node`` ranks on each node, the ring's steps beyond the in-node phase's
+        (``Network.reduce_scatter``): nodes - 1 across the network and (nodes - 1) *
+        (ring_per_node - 1) more over NVLink."""
         if nodes == 1:
             return 0.0
         bandwidth = (nodes - 1) / nodes * nbytes / self.ib_bus_Bps
-        return bandwidth + math.ceil(math.log2(nodes)) * self.ib_latency_s
+        if ring_per_node is None:
+            return bandwidth + math.ceil(math.log2(nodes)) * self.ib_latency_s
+        nvlink_steps = (nodes - 1) * (ring_per_node - 1)
+        return bandwidth + (nodes - 1) * self.ib_latency_s + nvlink_steps * self.nvlink_latency_s
 
 
 def _concurrent_paths(graph: Any, paths: list[list[tuple[str, str]]]) -> tuple[float, float]:

@@ -319,10 +319,10 @@ class TpComm:
         seconds = network.all_reduce_time(region, group(layout, "tp", 0))
         share = TP_RS_SMS / (sm_count or UNSTATED_SM_COUNT)
         hidden = framework(job.framework).tp_overlap_hidden
+        mode = tp_overlap_mode(job, layout)
         ring = group(layout, "cp", 0)
         hops = list(zip(ring, ring[1:] + ring[:1], strict=True))
         if len(ring) < 2:
-            mode = tp_overlap_mode(job, layout)
             return cls(seconds, mode, layout.tp, rs_sm_share=share, hidden=hidden)
         # Every rank sends to the next at once: a step lasts as long as its slowest hop, and
         # a ring that leaves its node crosses InfiniBand at each GPU's share of the NICs.
@@ -330,7 +330,6 @@ class TpComm:
             latency, Bps = network.ib_latency_s, network.ib_bus_Bps
         else:
             latency, Bps = network.nvlink_latency_s, network.nvlink_bus_Bps
-        mode = tp_overlap_mode(job, layout)
         return cls(
             seconds, mode, layout.tp, layout.cp, latency, Bps, rs_sm_share=share, hidden=hidden
         )
