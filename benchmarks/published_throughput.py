@@ -67,7 +67,7 @@ SCHEDULES = {"1f1b": "1f1b", "interleaved": "interleaved", "dualpipe": "dualpipe
 # What each framework's data parallelism shards where the row does not say fsdp (which is
 # ZeRO-3 in every framework): Megatron-LM's distributed optimizer is ZeRO-1, torchtitan
 # always runs FSDP2 (ZeRO-3), DeepSpeed is taken as ZeRO-1.
-ZERO = {"megatron": 1, "torchtitan": 3, "deepspeed": 1}
+ZERO = {"megatron": 1, "torchtitan": 3, "deepspeed": 1, "deepspeed-2021": 1}
 MODULES = {"rmsnorm": "layernorm"}  # the sources' names for this planner's recompute modules
 PROFILES: dict[str, Path] = {}  # --profile: a GPU's cluster YAML instead of the catalog's
 

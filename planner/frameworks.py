@@ -130,6 +130,10 @@ class Framework:
     launcher: Launcher | None = None  # None: no launch config is written for it
     # The MoE dispatchers it runs (``TrainingJob.moe_dispatcher``).
     dispatchers: tuple[str, ...] = ("alltoall",)
+    # None: ZeRO-3 gathers and reduce-scatters flat buckets. Else it runs one collective per
+    # parameter tensor through c10d's list collectives, which copy each rank's slice by
+    # itself, and this is the host's time per slice copy (s) (``costs.timing``).
+    zero3_slice_s: float | None = None
 
 
 FRAMEWORKS: dict[str, Framework] = {
@@ -289,6 +293,34 @@ FRAMEWORKS: dict[str, Framework] = {
             cp=(1,),  # DeepSpeed's sequence parallelism is Ulysses (heads by all-to-all)
             sequence_parallel=(False,),  # AutoTP all-reduces whole activations
         ),
+    ),
+    # DeepSpeed as it ran ZeRO-3 from v0.3.13 (March 2021, ZeRO-3's first release) to v0.5.5
+    # (October 2021), the release the Megatron-LM SC'21 paper compared against (Table 2):
+    # - each parameter's all-gather first synchronises the device (``_allgather_param``:
+    #   torch.cuda.synchronize(), partition_parameters.py at v0.3.13 to v0.5.10), so no
+    #   gather overlaps compute, and a submodule's fetch waits for it
+    #   (``fetch_sub_module``, stage3.py);
+    # - each parameter tensor is gathered, and its gradient reduce-scattered, by its own
+    #   collective (``_allgather_param``, ``_reduce_scatter_gradient``) with a list of one
+    #   slice per rank, and PyTorch's ProcessGroupNCCL of that time copies every slice of a
+    #   list collective by itself (one Tensor.copy_ per rank after the all-gather, before the
+    #   reduce-scatter): host work per tensor that grows with the data-parallel ranks.
+    #   From v0.5.6 a flat _all_gather_base replaced the list where PyTorch had it.
+    # The host time per slice copy, 6 us (PyTorch's dispatch, the caching allocator's
+    # recordStream and cudaMemcpyAsync), is a fit to that table's three ZeRO-3 rows of the
+    # 175B model, checked on the three of the 530B model it never saw
+    # (``benchmarks/ptdp_vs_zero3.py``). No launcher: a layout for it is not exported.
+    "deepspeed-2021": Framework(
+        name="deepspeed-2021",
+        label="DeepSpeed 0.3.13-0.5.5 (2021)",
+        weight_dtype="bf16",
+        grad_dtype="bf16",
+        master_dtype="fp32",
+        overlap=Overlap(zero=False, grad_sync=True, pair_hidden=0.0),
+        tp_overlap="none",
+        fixed_reduce_buckets=True,
+        max_live_parameters=1_000_000_000,
+        zero3_slice_s=6e-6,
     ),
     # The eager PyTorch runtime of ``planner validate`` (gloo on CPU, NCCL on a GPU): FP32
     # parameters as the master copy, FP32 gradients and moments; each collective runs in

@@ -99,6 +99,10 @@ class Param:
     expert: bool = False  # a routed expert: sharded over ep*etp, replicated over the rest
     trainable: bool = True  # buffers have no gradient and no optimizer state
     active: Fraction = Fraction(1)  # share one token passes through (routed experts: k/E)
+    # The parameter tensors it stands for, as Megatron-LM's modules hold them (a weight and
+    # its bias are two; q, k and v one fused linear_qkv; gate and up one linear_fc1): what a
+    # framework that gathers tensor by tensor pays per collective (``Framework.zero3_slice_s``).
+    tensors: int = 1
 
 
 @dataclass(frozen=True)
@@ -388,11 +392,15 @@ class BlockBuilder:
         split: bool,
         bias: bool = False,
         module: str = "",
+        fused: bool = False,
     ) -> None:
         """A linear layer applied to ``tokens`` tokens: params, and 2*tokens*in*out FLOPs each
         for forward, input gradient and weight gradient (divided over tp when split: the
-        callers pass tokens/tp; the GEMM itself runs all tokens on a tp-th of the outputs)."""
-        self.params.append(Param(key, d_in * d_out + (d_out if bias else 0), tp_split=split))
+        callers pass tokens/tp; the GEMM itself runs all tokens on a tp-th of the outputs).
+        ``fused``: its weight (and bias) are part of the tensors of the linear before it."""
+        tensors = 0 if fused else 1 + bias
+        numel = d_in * d_out + (d_out if bias else 0)
+        self.params.append(Param(key, numel, tp_split=split, tensors=tensors))
         t = self.tp if split else 1
         self.gemm(Gemm(tokens * t, d_out / t, d_in), *([module] if module else []))
 
@@ -413,7 +421,10 @@ class BlockBuilder:
             self.module_work[m] = self.module_work.get(m, ZERO) + work
 
     def norm(self, key: str, width: int, kind: str) -> None:
-        self.params.append(Param(key, width * (2 if kind == "layernorm" else 1), tp_split=False))
+        layernorm = kind == "layernorm"  # a weight and a bias
+        self.params.append(
+            Param(key, width * (1 + layernorm), tp_split=False, tensors=1 + layernorm)
+        )
 
 
 def _is_dropped(group: ActGroup, dropped: frozenset[str] | str) -> bool:
@@ -785,11 +796,12 @@ def _gqa(
     nq, nkv = model.num_attention_heads, model.num_kv_heads
     tokens, a = shard.tokens, shard.act_bytes
     op = OP if shard.op_sac else ""
-    cost.linear(prefix + "q_proj", h, nq * d, tokens=tokens / t, split=True, bias=model.qkv_bias)
-    cost.linear(
-        prefix + "k_proj", h, nkv * d, tokens=tokens / t, split=True, bias=model.qkv_bias, module=op
-    )
-    cost.linear(prefix + "v_proj", h, nkv * d, tokens=tokens / t, split=True, bias=model.qkv_bias)
+    bias = model.qkv_bias
+    cost.linear(prefix + "q_proj", h, nq * d, tokens=tokens / t, split=True, bias=bias)
+    # k and v are held with q as one linear_qkv tensor (and one bias)
+    kv = functools.partial(cost.linear, tokens=tokens / t, split=True, bias=bias, fused=True)
+    kv(prefix + "k_proj", h, nkv * d, module=op)
+    kv(prefix + "v_proj", h, nkv * d)
     # q, k, v as the fused attention reads them (after the rotary embedding)
     attn_in = OFFLOAD_TAG + "core_attn"
     cost.save(prefix + "q", tokens * nq * d * a / t, attn_in)
@@ -933,9 +945,15 @@ def _fc_params(model: ModelSpec, width: int) -> int:
     return model.hidden_size * gate_up + width * model.hidden_size + bias
 
 
+def _fc_tensors(model: ModelSpec) -> int:
+    """Tensors of one MLP: linear_fc1 (gate and up fused) and linear_fc2, with their biases."""
+    return 2 * (1 + (model.linear_bias or model.mlp_bias))
+
+
 def _dense_mlp(cost: BlockBuilder, model: ModelSpec, shard: Shard, prefix: str) -> None:
     t = shard.tp
-    cost.params.append(Param(prefix + "mlp", _fc_params(model, model.ffn_hidden_size), True))
+    fc = _fc_params(model, model.ffn_hidden_size)
+    cost.params.append(Param(prefix + "mlp", fc, True, tensors=_fc_tensors(model)))
     _ffn(
         cost,
         model,
@@ -957,7 +975,10 @@ def _moe(cost: BlockBuilder, model: ModelSpec, shard: Shard, prefix: str) -> Non
     h, e, k, a = model.hidden_size, model.num_experts, model.experts_per_token, shard.act_bytes
     sp = shard.sp_tokens
     cost.moe_layers += 1
-    cost.params.append(Param(prefix + "router", e * h + (e if model.router_bias else 0), False))
+    bias = model.router_bias
+    cost.params.append(
+        Param(prefix + "router", e * h + (e if bias else 0), False, tensors=1 + bias)
+    )
     if model.router_expert_bias:
         cost.params.append(Param(prefix + "router_bias", e, False, trainable=False))
     cost.gemm(Gemm(sp, e, h), "moe", quantized=False)
@@ -971,6 +992,7 @@ def _moe(cost: BlockBuilder, model: ModelSpec, shard: Shard, prefix: str) -> Non
             tp_split=False,
             expert=True,
             active=Fraction(k, e),
+            tensors=e * _fc_tensors(model),
         )
     )
     # Each rank dispatches its sp tokens x k copies; balanced routing brings as many back,
@@ -1004,7 +1026,10 @@ def _moe(cost: BlockBuilder, model: ModelSpec, shard: Shard, prefix: str) -> Non
         cost.save(prefix + "moe_expert_out", copies * h * a, "moe")
     if model.num_shared_experts:
         width = _shared_width(model)
-        cost.params.append(Param(prefix + "shared_experts", _fc_params(model, width), True))
+        shared = _fc_params(model, width)
+        cost.params.append(
+            Param(prefix + "shared_experts", shared, True, tensors=_fc_tensors(model))
+        )
         if shard.fp8 and shard.fp8_saves_inputs:  # its own FP8 copy of the router's input
             copy = sp * h * shard.linear_input_bytes
             cost.save(prefix + "shared_input", copy, "layernorm", "shared_experts", "moe")

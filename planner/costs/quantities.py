@@ -21,7 +21,9 @@ stage's blocks add up and how a count times seconds is written. The domains are
 A collective of x bytes takes ``per_byte * x + latency`` seconds, the latency only when x > 0
 (``Rate``): every collective the cost model prices is affine in the bytes for a given group
 (ring steps times bytes over bandwidth, plus latencies), so the rate fitted from two sizes is
-the collective itself.
+the collective itself. A framework that runs ZeRO-3 one collective per parameter tensor
+(``Framework.zero3_slice_s``) pays the latency and its host copies per tensor instead
+(``StageComm.gather_per_tensor``), times the stage's tensors (``Row.zero_tensors``).
 """
 
 from __future__ import annotations
@@ -132,6 +134,11 @@ class StageComm:
     param_gather: tuple[Rate, Rate]
     zero_gather: tuple[Rate, Rate]
     zero_reduce: tuple[Rate, Rate]
+    # What each parameter tensor adds to the ZeRO-3 gather and the ZeRO-2/3 reduce-scatter
+    # where the framework runs one collective per tensor (``Framework.zero3_slice_s``): the
+    # collective's latency and the host's copy of every rank's slice; none otherwise.
+    gather_per_tensor: Transfer = NO_TRANSFER
+    reduce_per_tensor: Transfer = NO_TRANSFER
 
 
 X = TypeVar("X")
@@ -150,6 +157,8 @@ class Row(Protocol):
     def moe_layers(self) -> int: ...
     @property
     def moe_rerun(self) -> int: ...
+    @property
+    def zero_tensors(self) -> int: ...
 
 
 class Domain(Protocol, Generic[X]):
@@ -226,6 +235,13 @@ def stage_quantities(d: Domain[X], comm: StageComm) -> dict[str, X]:
     moe = d.count(lambda r: r.moe_layers)
     rerun = d.count(lambda r: r.moe_rerun)  # MoE layers whose forward recompute repeats
     collectives = [(q, dense, expert, *rates(comm, q)) for q, (dense, expert) in _COLLECTIVES]
+    per_tensor = {
+        Quantity.ZERO_GATHER: comm.gather_per_tensor,
+        Quantity.ZERO_REDUCE: comm.reduce_per_tensor,
+    }
+    tensors = (
+        d.count(lambda r: r.zero_tensors) if any(t.seconds for t in per_tensor.values()) else None
+    )
     for part in PARTS:
         key, of = _KEYS[part], part.of
         pair, combine = of(comm.forward_pair), of(comm.combine)
@@ -236,7 +252,11 @@ def stage_quantities(d: Domain[X], comm: StageComm) -> dict[str, X]:
         for quantity, dense, expert, on_dense, on_expert in collectives:
             total = d.add(d.over_bytes(dense, of(on_dense.per_byte)), d.const(of(on_dense.latency)))
             total = d.add(total, d.over_bytes(expert, of(on_expert.per_byte)))
-            out[key[quantity]] = d.add(total, d.if_expert(of(on_expert.latency)))
+            total = d.add(total, d.if_expert(of(on_expert.latency)))
+            each = of(per_tensor.get(quantity, NO_TRANSFER))
+            if tensors is not None and each:
+                total = d.add(total, d.per(tensors, each))
+            out[key[quantity]] = total
     return out
 
 

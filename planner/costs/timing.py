@@ -214,7 +214,7 @@ def position_comm(
     dense, expert = dp_groups(layout, rank)
     z = layout.zero
     sync: Collective = "all_reduce" if z == 0 else "reduce_scatter"
-    return StageComm(
+    comm = StageComm(
         forward_pair=dispatch + combine,
         combine=combine,
         p2p=NO_TRANSFER,
@@ -223,6 +223,27 @@ def position_comm(
         param_gather=_rates(network, "all_gather", dense, expert) if z in (1, 2) else (OFF, OFF),
         zero_gather=_rates(network, "all_gather", dense, expert) if z >= 3 else (OFF, OFF),
         zero_reduce=_rates(network, "reduce_scatter", dense, expert) if z >= 2 else (OFF, OFF),
+    )
+    slice_s = framework(job.framework).zero3_slice_s
+    if z >= 3 and slice_s is not None and len(set(dense)) > 1:
+        comm = per_tensor_collectives(comm, slice_s, len(set(dense)))
+    return comm
+
+
+def per_tensor_collectives(comm: StageComm, slice_s: float, ranks: int) -> StageComm:
+    """``comm`` where ZeRO-3 gathers and reduce-scatters each parameter tensor by its own
+    collective through c10d's list collectives (``Framework.zero3_slice_s``): each tensor
+    pays the collective's latency (not once per stage) and the host's copy of each of the
+    ``ranks`` slices, ``slice_s`` apiece (the links idle meanwhile). The expert group's
+    tensors are priced at the dense group's (the frameworks that do this predate MoE)."""
+    host = Transfer(ranks * slice_s, 0.0, 0.0)
+    (gather, gather_e), (reduce, reduce_e) = comm.zero_gather, comm.zero_reduce
+    return dataclasses.replace(
+        comm,
+        zero_gather=(Rate(gather.per_byte, NO_TRANSFER), gather_e),
+        zero_reduce=(Rate(reduce.per_byte, NO_TRANSFER), reduce_e),
+        gather_per_tensor=gather.latency + host,
+        reduce_per_tensor=reduce.latency + host,
     )
 
 
@@ -400,6 +421,7 @@ class BlockRow:
     cp_bwd: float = 0.0  # ... and inside ``bwd_input`` (a re-run ring is in ``recompute``)
     offload_fwd: float = 0.0  # exposed copy of offloaded activations inside ``fwd`` ...
     offload_bwd: float = 0.0  # ... and of their return inside ``bwd_input``
+    zero_tensors: int = 0  # trainable parameter tensors (``Param.tensors``) ZeRO-3 gathers
 
     def __add__(self, other: BlockRow) -> BlockRow:
         return BlockRow(
@@ -415,6 +437,7 @@ class BlockRow:
             self.cp_bwd + other.cp_bwd,
             self.offload_fwd + other.offload_fwd,
             self.offload_bwd + other.offload_bwd,
+            self.zero_tensors + other.zero_tensors,
         )
 
 
@@ -444,6 +467,7 @@ def block_row(cost: BlockCost, rates: Rates, choice: frozenset[str] | str, tp: T
         cp_bwd=cp_b,
         offload_fwd=off_f,
         offload_bwd=off_b,
+        zero_tensors=sum(p.tensors for p in cost.params if p.trainable),
     )
 
 
