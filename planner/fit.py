@@ -22,8 +22,10 @@ Method: for fixed maxima (which rank is critical, which term of a task binds) a 
 is linear in the constants' units, so each round reads the coefficients by forward
 differences (1%) at the current point and solves for the units that minimise the mean absolute
 percentage error (iteratively reweighted least squares, bounds by an active set); the next
-round re-reads the coefficients there. Every figure reported is ``evaluate``'s at the final
-constants, not the linearisation's.
+round re-reads the coefficients there. Where the maxima switch, the linear step can overshoot:
+a round whose point evaluates worse than the best so far goes back half-way toward that one
+instead, and the fit returns the best point it evaluated, never one worse than its start.
+Every figure reported is ``evaluate``'s at the final constants, not the linearisation's.
 """
 
 from __future__ import annotations
@@ -283,9 +285,16 @@ def _fit(
     lo, hi = bounds(cluster)
     x = np.clip(start, lo, hi)
     informed: list[int] = []
+    best: tuple[float, np.ndarray] | None = None  # the lowest error evaluated, and where
     for r in range(rounds):
         say(f"{what}: round {r + 1}/{rounds}, {len(runs) * (len(CONSTANTS) + 1)} costings")
         base, slopes = _coefficients(cluster, runs, x)
+        error = _mape(base, measured)
+        if best is not None and error > best[0]:
+            # The linearisation overshot (a max switched terms): back half-way and re-read.
+            x = best[1] + 0.5 * (x - best[1])
+            continue
+        best = (error, x.copy())
         a = slopes / measured[:, None]
         informed = [i for i in range(a.shape[1]) if np.abs(a[:, i]).max() * x[i] > 1e-6]
         sub = a[:, informed]
@@ -299,9 +308,15 @@ def _fit(
             weights = 1 / np.sqrt(np.maximum(np.abs(sub @ sol - rest), 1e-3))
         x = x.copy()
         x[informed] = sol
+    if best is not None and _mape(predict(with_constants(cluster, x), runs), measured) > best[0]:
+        x = best[1]  # the last step made it worse: keep the best point evaluated
     kept = [i for i in range(len(x)) if i not in informed]
     x[kept] = start[kept]  # what no run informs stays as given, even outside the fit's bounds
     return x, informed
+
+
+def _mape(predicted: np.ndarray, measured: np.ndarray) -> float:
+    return float(np.mean(np.abs(predicted / measured - 1)))
 
 
 def _coefficients(
@@ -359,7 +374,9 @@ OPTIONAL_COLUMNS = {
     "recompute": "none, selective, full or a module list (default none)",
     "zero": "ZeRO stage 0-3 (default: the layout default)",
     "precision": "bf16, fp16 or fp8 GEMMs (default bf16)",
-    "framework": "megatron, torchtitan, deepspeed or torch (default megatron)",
+    "framework": "a planner.frameworks name, e.g. megatron (default), torchtitan, deepspeed",
+    "grad_dtype": "fp32, bf16 or fp16: the gradients' dtype where the run states it "
+    "(default: the framework's; Megatron-LM's --grad-reduce-in-bf16 is bf16)",
     "gpu": "machine type; must match the cluster when given",
     "flash_attention": "true (default) or false: fused attention, or scores in HBM",
     "fp8_cache": "true or false (default): SwiGLU inputs kept in FP8 (Layout.fp8_cache)",
@@ -566,6 +583,7 @@ def layout_from_row(
             compiled_loss=compiled,
             tp_comm_overlap=overlap_tp,
             moe_dispatcher=text("dispatcher", "alltoall").lower(),
+            **({"grad_dtype": text("grad_dtype").lower()} if text("grad_dtype") else {}),
         )
         schedule = text("schedule", "1f1b").lower()
         fields_: dict[str, Any] = {

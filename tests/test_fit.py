@@ -83,6 +83,23 @@ def test_fit_stays_within_physical_bounds() -> None:
     assert fitted.kernel_overhead_s >= 1e-6
 
 
+def test_a_step_that_overshoots_is_taken_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a maximum switches terms, the linear solve can land far from the optimum; the fit
+    must then return a point no worse than its start (here every solve is made to land a
+    thousand times too far: every rate a thousandth, every overhead a thousandfold)."""
+    from planner import fit as fitting
+
+    base = load_cluster("h100", gpus=8)
+    runs = _runs(_true(base))
+
+    def overshoot(a: np.ndarray, b: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        return 1000.0 * np.maximum(np.linalg.lstsq(a, b, rcond=None)[0], lo)
+
+    monkeypatch.setattr(fitting, "_bounded_lstsq", overshoot)
+    report = fit_runs(base, runs, folds=0, rounds=3)
+    assert report.fit_mape <= report.before_mape + 1e-12
+
+
 def test_tuple_runs_and_bad_input() -> None:
     base = load_cluster("h100", gpus=8)
     r = _runs(_true(base))[0]
