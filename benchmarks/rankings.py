@@ -204,6 +204,11 @@ def _runs_items(path: Path, prefix: str) -> Iterator[Item]:
             f"tp{lay.tp} cp{lay.cp} pp{lay.pp} dp{lay.dp} ep{lay.ep} v{lay.virtual_stages} "
             f"mb{lay.micro_batch} z{lay.zero} {lay.schedule} {r['framework']} gb{r['global_batch']}"
             + (" tp-overlap" if r.get("tp_comm_overlap") == "true" else "")
+            + (
+                f" recompute={r['recompute']}"
+                if r.get("recompute", "unstated") != "unstated"
+                else ""
+            )
         )
         group = f"{prefix}:{r['model']} {r['gpu']}x{r['num_gpus']} seq{r['seq_len']} "
         group += r["precision"]
@@ -308,7 +313,7 @@ def print_group(g: Group) -> None:
     best = min(i.measured_s_per_token for i in g.items)
     for i in sorted(g.items, key=lambda i: i.measured_s_per_token):
         print(
-            f"  {i.layout[:60]:60} measured {1e6 * i.measured_s_per_token:9.3f} us/token "
+            f"  {i.layout:60} measured {1e6 * i.measured_s_per_token:9.3f} us/token "
             f"(+{i.measured_s_per_token / best - 1:6.1%})  predicted "
             f"{1e6 * i.predicted_s_per_token:9.3f} ({i.error:+6.1%})"
         )
