@@ -79,6 +79,7 @@ OTHER_FAMILIES = {
 # Arguments a column or the GPT spec states: not repeated in ``flags``.
 STATED = {
     "--num-layers",
+    "--grad-reduce-in-bf16",
     "--hidden-size",
     "--num-attention-heads",
     "--ffn-hidden-size",
@@ -685,6 +686,7 @@ def build_row(
         "tp_comm_overlap": str(bool(args.get("--tp-comm-overlap"))).lower(),
         "fp8_cache": "false",
         "dispatcher": dispatcher,
+        "grad_dtype": "bf16" if args.get("--grad-reduce-in-bf16") else "",
         "etp": str(etp),
         "sequence_parallel": str(bool(args.get("--sequence-parallel")) and tp > 1).lower(),
         "zero": str(zero),

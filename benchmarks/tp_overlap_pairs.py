@@ -20,16 +20,28 @@ is the 700 W part's, which scales both sides of a pair alike):
   70B on 256 H100 (FSDP 32, TP 8, torch.compile, float8, local batch 16), 829 -> 876; the
   loss eager then.
 
-Run: ``.venv/bin/python benchmarks/tp_overlap_pairs.py``.
+Megatron-LM's userbuffers overlap has no published on/off pair. ``--megatron`` sweeps its
+share over the published rows it applies to (``published_runs.csv``: run by Megatron-LM or
+priced as it, tp > 1, overlap not switched off) and reports each source's error per share and
+each source held out (the share fitted on the others, on a 0.05 grid).
+
+Run: ``.venv/bin/python benchmarks/tp_overlap_pairs.py [--megatron]``.
 """
 
 from __future__ import annotations
 
+import argparse
+import csv
 import dataclasses
+from collections import defaultdict
 from dataclasses import dataclass
+
+import published_throughput
+from rankings import source_key
 
 import planner
 from planner import frameworks
+from planner.errors import PlannerError
 
 JUNE = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
 DEC = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 4"
@@ -104,7 +116,81 @@ def fit(chosen: list[Pair]) -> float:
     return grid[min(range(len(grid)), key=loss)]
 
 
+def megatron_rows() -> list[dict[str, str]]:
+    """Published rows Megatron-LM's tensor-parallel overlap applies to."""
+    with published_throughput.DATA.open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    own = ("torchtitan", "deepspeed", "deepspeed-2021", "torch")
+    return [
+        r
+        for r in rows
+        if int(r["tp"]) > 1 and r.get("tp_comm_overlap") != "false" and r["framework"] not in own
+    ]
+
+
+def megatron_errors(rows: list[dict[str, str]], hidden: float) -> dict[str, list[float]]:
+    """Each source's signed relative errors with Megatron-LM hiding ``hidden``."""
+    entry = frameworks.FRAMEWORKS["megatron"]
+    frameworks.FRAMEWORKS["megatron"] = dataclasses.replace(entry, tp_overlap_hidden=hidden)
+    out: dict[str, list[float]] = defaultdict(list)
+    try:
+        for r in rows:
+            try:
+                measured, predicted, _ = published_throughput.cost(r)
+            except PlannerError:
+                continue
+            out[source_key(r["source"])].append(predicted / measured - 1)
+    finally:
+        frameworks.FRAMEWORKS["megatron"] = entry
+    return out
+
+
+def megatron_sweep() -> None:
+    rows = megatron_rows()
+    grid = [i / 20 for i in range(21)]
+    errors = {h: megatron_errors(rows, h) for h in grid}
+
+    def mape(h: float, sources: list[str]) -> float:
+        e = [x for s in sources for x in errors[h][s]]
+        return sum(abs(x) for x in e) / len(e)
+
+    sources = sorted(errors[1.0], key=lambda s: -len(errors[1.0][s]))
+    shipped = frameworks.framework("megatron").tp_overlap_hidden
+    print(f"Megatron-LM userbuffers overlap: registry share {shipped:.2f}")
+    for h in (1.0, 0.75, 0.5, 0.25, 0.0):
+        flat = [x for s in sources for x in errors[h][s]]
+        print(
+            f"  share {h:.2f}: {len(flat)} rows, mean |error| {mape(h, sources):.1%}, "
+            f"bias {sum(flat) / len(flat):+.1%}"
+        )
+    held_abs = shipped_abs = 0.0
+    for held in sources:
+        rest = [s for s in sources if s != held]
+        fitted = min(grid, key=lambda h: mape(h, rest))
+        best = min(grid, key=lambda h: mape(h, [held]))
+        n = len(errors[1.0][held])
+        held_abs += n * mape(fitted, [held])
+        shipped_abs += n * mape(shipped, [held])
+        print(
+            f"  held out {held} ({n} rows): share fitted on the others "
+            f"{fitted:.2f}, its error {mape(fitted, [held]):.1%} (at the registry's "
+            f"{mape(shipped, [held]):.1%}; its own best share {best:.2f})"
+        )
+    rows_n = sum(len(errors[1.0][s]) for s in sources)
+    every = min(grid, key=lambda h: mape(h, sources))
+    print(
+        f"  each source held out: {held_abs / rows_n:.1%} (row-weighted) against "
+        f"{shipped_abs / rows_n:.1%} at the registry's share; fitted on all: {every:.2f} "
+        f"({mape(every, sources):.1%})"
+    )
+
+
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--megatron", action="store_true", help="sweep Megatron-LM's share")
+    if parser.parse_args().megatron:
+        megatron_sweep()
+        return 0
     shipped = frameworks.framework("torchtitan").tp_overlap_hidden
     every = pairs()
     print(f"torchtitan async TP, on / off (registry: {shipped:.2f} of the hideable hidden)")
