@@ -301,7 +301,8 @@ FRAMEWORKS: dict[str, Framework] = {
         ),
     ),
     # DeepSpeed as it ran ZeRO-3 from v0.3.13 (March 2021, ZeRO-3's first release) to v0.5.5
-    # (October 2021), the release the Megatron-LM SC'21 paper compared against (Table 2):
+    # (October 2021): the releases of the time of the Megatron-LM SC'21 paper's comparison
+    # (Table 2; arXiv 2104.04473, April 2021, which names no version):
     # - each parameter's all-gather first synchronises the device (``_allgather_param``:
     #   torch.cuda.synchronize(), partition_parameters.py at v0.3.13 to v0.5.10), so no
     #   gather overlaps compute, and a submodule's fetch waits for it
