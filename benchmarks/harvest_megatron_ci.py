@@ -52,7 +52,6 @@ MIN_STEADY = 3  # fewest iteration times a median is taken over
 PUBLISHED_COLUMNS = (HERE / "published_runs.csv").read_text().splitlines()[0].split(",")
 EXTRA_COLUMNS = [
     "etp",
-    "sequence_parallel",
     "zero",
     "mem_allocated_bytes",
     "mem_max_allocated_bytes",
@@ -687,8 +686,8 @@ def build_row(
         "fp8_cache": "false",
         "dispatcher": dispatcher,
         "grad_dtype": "bf16" if args.get("--grad-reduce-in-bf16") else "",
-        "etp": str(etp),
         "sequence_parallel": str(bool(args.get("--sequence-parallel")) and tp > 1).lower(),
+        "etp": str(etp),
         "zero": str(zero),
         "mem_allocated_bytes": number(measured.mem_allocated),
         "mem_max_allocated_bytes": number(measured.mem_max_allocated),
