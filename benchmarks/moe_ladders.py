@@ -302,6 +302,23 @@ def pairs() -> list[Pair]:
             "(H100 x16, EP16, alltoall; sequence, micro and global batch not stated: 4,096, 1 "
             "and 1,024 taken, the ratio hardly depends on them)",
         ),
+        Pair(
+            "qwen3-30b-a3b, 16 H100, ep16, HybridEP (priced as DeepEP)",
+            q30,
+            planner.load_cluster("h100", gpus=16),
+            planner.TrainingJob(seq_len=4096, global_batch=1024, moe_dispatcher="deepep"),
+            small("1f1b"),
+            small("1f1b-ep-overlap"),
+            24.7138,
+            20.9920,
+            "NVIDIA-NeMo/Megatron-Bridge skills/nemo-mbridge-perf-expert-parallel-overlap/"
+            "SKILL.md at 067f987d, 'HybridEP Production-Shape Benchmark' (2026-07-25: TP1 PP1 "
+            "CP1 EP16, MBS 1, GBS 1,024, sequence 4,096, BF16, force-balanced routing, flex "
+            "dispatcher with HybridEP, CUDA graphs on the router and preprocess in both; on: "
+            "the independent validation run). Its Nsight comparison measured 36.55% of the "
+            "communication time concurrent with GEMMs and attention with the overlap on "
+            "(0.11% off). HybridEP, NVIDIA's hierarchical dispatch, is priced as DeepEP's",
+        ),
     ]
 
 

@@ -157,12 +157,14 @@ FRAMEWORKS: dict[str, Framework] = {
         weight_dtype="bf16",
         grad_dtype="fp32",
         master_dtype="fp32",
-        # Pairs (--overlap-moe-expert-parallel-comm): 0.50 of their all-to-alls hidden, a
-        # joint fit to the two published on/off measurements of Megatron-LM's own team
-        # (benchmarks/moe_ladders.py --pairs): Qwen3-235B-A22B on 256 H100, EP32 DeepEP,
-        # 19.7 -> 17.6 s (Megatron-MoE-ModelZoo best_practice/qwen3/readme.md), held out
-        # -3.1%; Qwen3-30B-A3B on 16 H100, EP16 all-to-all, 41.25 -> 31.31 s (Megatron-Bridge
-        # docs/training/communication-overlap.md), held out +5.9%. The combined 1F1B
+        # Pairs (--overlap-moe-expert-parallel-comm): 0.54 of their all-to-alls hidden, a
+        # joint fit to the three published on/off measurements of Megatron-LM's own teams
+        # (benchmarks/moe_ladders.py --pairs), each on the ratio, held out by the other two:
+        # Qwen3-235B-A22B on 256 H100, EP32 DeepEP, 19.7 -> 17.6 s (Megatron-MoE-ModelZoo
+        # best_practice/qwen3/readme.md), -4.2%; Qwen3-30B-A3B on 16 H100, EP16 all-to-all,
+        # 41.25 -> 31.31 s (Megatron-Bridge docs/training/communication-overlap.md), -1.4%;
+        # the same with HybridEP, 24.71 -> 20.99 s (Megatron-Bridge
+        # skills/nemo-mbridge-perf-expert-parallel-overlap/SKILL.md), +6.3%. The combined 1F1B
         # interleaves the two halves layer by layer, so the all-to-alls that wait on their
         # own layer's compute stay exposed.
         # Sends: --overlap-p2p-communication is on unless --no-overlap-p2p-communication
@@ -173,7 +175,7 @@ FRAMEWORKS: dict[str, Framework] = {
             zero=True,
             grad_sync=True,
             param_gather=True,
-            pair_hidden=0.50,
+            pair_hidden=0.54,
             async_send_schedules=("interleaved", "interleaved-ep-overlap"),
         ),
         tp_overlap="userbuffers",
