@@ -42,6 +42,7 @@ import itertools
 import json
 import sys
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import planner
@@ -273,8 +274,20 @@ def pairs() -> list[Pair]:
             recompute="layernorm+moe_act",
         )
 
-    def small(schedule: str) -> planner.Layout:
-        return planner.Layout.uniform(q30, dp=16, ep=16, schedule=schedule)
+    def small(label: str, dispatcher: str, off: float, on: float, source: str) -> Pair:
+        """Qwen3-30B-A3B on 16 H100, EP16, sequence 4,096, global batch 1,024."""
+        layout = partial(planner.Layout.uniform, q30, dp=16, ep=16)
+        return Pair(
+            f"qwen3-30b-a3b, 16 H100, ep16, {label}",
+            q30,
+            planner.load_cluster("h100", gpus=16),
+            planner.TrainingJob(seq_len=4096, global_batch=1024, moe_dispatcher=dispatcher),
+            layout(schedule="1f1b"),
+            layout(schedule="1f1b-ep-overlap"),
+            off,
+            on,
+            source,
+        )
 
     return [
         Pair(
@@ -289,26 +302,18 @@ def pairs() -> list[Pair]:
             "yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md (H100 table, "
             "'Cross-node EP strategy' rows, '+1f1b overlap')",
         ),
-        Pair(
-            "qwen3-30b-a3b, 16 H100, ep16, NCCL all-to-all",
-            q30,
-            planner.load_cluster("h100", gpus=16),
-            planner.TrainingJob(seq_len=4096, global_batch=1024),
-            small("1f1b"),
-            small("1f1b-ep-overlap"),
+        small(
+            "NCCL all-to-all",
+            "alltoall",
             41.25,
             31.31,
             "NVIDIA-NeMo/Megatron-Bridge docs/training/communication-overlap.md at 319a6eb1 "
             "(H100 x16, EP16, alltoall; sequence, micro and global batch not stated: 4,096, 1 "
             "and 1,024 taken, the ratio hardly depends on them)",
         ),
-        Pair(
-            "qwen3-30b-a3b, 16 H100, ep16, HybridEP (priced as DeepEP)",
-            q30,
-            planner.load_cluster("h100", gpus=16),
-            planner.TrainingJob(seq_len=4096, global_batch=1024, moe_dispatcher="deepep"),
-            small("1f1b"),
-            small("1f1b-ep-overlap"),
+        small(
+            "HybridEP (priced as DeepEP)",
+            "deepep",
             24.7138,
             20.9920,
             "NVIDIA-NeMo/Megatron-Bridge skills/nemo-mbridge-perf-expert-parallel-overlap/"

@@ -12,6 +12,7 @@ Sources are cited next to each entry's fields.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -302,35 +303,6 @@ FRAMEWORKS: dict[str, Framework] = {
             sequence_parallel=(False,),  # AutoTP all-reduces whole activations
         ),
     ),
-    # DeepSpeed as it ran ZeRO-3 from v0.3.13 (March 2021, ZeRO-3's first release) to v0.5.5
-    # (October 2021): the releases of the time of the Megatron-LM SC'21 paper's comparison
-    # (Table 2; arXiv 2104.04473, April 2021, which names no version):
-    # - each parameter's all-gather first synchronises the device (``_allgather_param``:
-    #   torch.cuda.synchronize(), partition_parameters.py at v0.3.13 to v0.5.10), so no
-    #   gather overlaps compute, and a submodule's fetch waits for it
-    #   (``fetch_sub_module``, stage3.py);
-    # - each parameter tensor is gathered, and its gradient reduce-scattered, by its own
-    #   collective (``_allgather_param``, ``_reduce_scatter_gradient``) with a list of one
-    #   slice per rank, and PyTorch's ProcessGroupNCCL of that time copies every slice of a
-    #   list collective by itself (one Tensor.copy_ per rank after the all-gather, before the
-    #   reduce-scatter): host work per tensor that grows with the data-parallel ranks.
-    #   From v0.5.6 a flat _all_gather_base replaced the list where PyTorch had it.
-    # The host time per slice copy, 6 us (PyTorch's dispatch, the caching allocator's
-    # recordStream and cudaMemcpyAsync), is a fit to that table's three ZeRO-3 rows of the
-    # 175B model, checked on the three of the 530B model it never saw
-    # (``benchmarks/ptdp_vs_zero3.py``). No launcher: a layout for it is not exported.
-    "deepspeed-2021": Framework(
-        name="deepspeed-2021",
-        label="DeepSpeed 0.3.13-0.5.5 (2021)",
-        weight_dtype="bf16",
-        grad_dtype="bf16",
-        master_dtype="fp32",
-        overlap=Overlap(zero=False, grad_sync=True, pair_hidden=0.0),
-        tp_overlap="none",
-        fixed_reduce_buckets=True,
-        max_live_parameters=1_000_000_000,
-        zero3_slice_s=6e-6,
-    ),
     # The eager PyTorch runtime of ``planner validate`` (gloo on CPU, NCCL on a GPU): FP32
     # parameters as the master copy, FP32 gradients and moments; each collective runs in
     # turn with the compute.
@@ -345,6 +317,36 @@ FRAMEWORKS: dict[str, Framework] = {
         compiles_loss=True,
     ),
 }
+
+# DeepSpeed as it ran ZeRO-3 from v0.3.13 (March 2021, ZeRO-3's first release) to v0.5.5
+# (October 2021): the releases of the time of the Megatron-LM SC'21 paper's comparison
+# (Table 2; arXiv 2104.04473, April 2021, which names no version):
+# - each parameter's all-gather first synchronises the device (``_allgather_param``:
+#   torch.cuda.synchronize(), partition_parameters.py at v0.3.13 to v0.5.10), so no
+#   gather overlaps compute, and a submodule's fetch waits for it
+#   (``fetch_sub_module``, stage3.py);
+# - each parameter tensor is gathered, and its gradient reduce-scattered, by its own
+#   collective (``_allgather_param``, ``_reduce_scatter_gradient``) with a list of one
+#   slice per rank, and PyTorch's ProcessGroupNCCL of that time copies every slice of a
+#   list collective by itself (one Tensor.copy_ per rank after the all-gather, before the
+#   reduce-scatter): host work per tensor that grows with the data-parallel ranks.
+#   From v0.5.6 a flat _all_gather_base replaced the list where PyTorch had it.
+# The host time per slice copy, 6 us (PyTorch's dispatch, the caching allocator's
+# recordStream and cudaMemcpyAsync), is a fit to that table's three ZeRO-3 rows of the
+# 175B model, checked on the three of the 530B model it never saw
+# (``benchmarks/ptdp_vs_zero3.py``). Otherwise it is DeepSpeed's entry, less what
+# no run of that time is priced with here (FP8, offload) and its launcher: a layout for it
+# is not exported.
+FRAMEWORKS["deepspeed-2021"] = dataclasses.replace(
+    FRAMEWORKS["deepspeed"],
+    name="deepspeed-2021",
+    label="DeepSpeed 0.3.13-0.5.5 (2021)",
+    overlap=dataclasses.replace(FRAMEWORKS["deepspeed"].overlap, zero=False),
+    fp8_keeps_fp8_inputs=False,
+    optimizer_offload=None,
+    launcher=None,
+    zero3_slice_s=6e-6,
+)
 
 FRAMEWORK_NAMES: tuple[str, ...] = tuple(FRAMEWORKS)
 DEFAULT_FRAMEWORK = "megatron"  # a job that names none runs under it
