@@ -14,6 +14,7 @@ from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+_ALL: list[Memo[object]] = []
 
 
 class Memo(Generic[T]):
@@ -23,6 +24,7 @@ class Memo(Generic[T]):
     def __init__(self, name: str, limit: int = 20_000) -> None:
         self.name, self.limit = name, limit
         self._store: dict[Hashable, T] = {}
+        _ALL.append(self)  # type: ignore[arg-type]
 
     def get(self, key: Hashable, make: Callable[[], T]) -> T:
         """The piece under ``key``, made by ``make`` the first time."""
@@ -33,3 +35,10 @@ class Memo(Generic[T]):
                 self._store.clear()
             value = self._store[key] = make()
             return value
+
+
+def clear_all() -> None:
+    """Empty every cache: after a change the keys do not see (a framework registry entry's
+    constant replaced by a benchmark that sweeps it)."""
+    for memo in _ALL:
+        memo._store.clear()

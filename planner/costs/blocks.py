@@ -373,8 +373,10 @@ class BlockBuilder:
         also casts its input in forward and its output gradient in backward to FP8, each
         in both layouts the GEMMs read (``FP8_CAST_BYTES``)."""
         dgrad, wgrad = shape.backward()
+        per_expert = shape.groups if kind == "expert" else 0.0
         fwd, bwd_input, bwd_weight = (
-            Work(kernels=1, shapes=((g, 1.0),), **{kind: g.flops}) for g in (shape, dgrad, wgrad)
+            Work(kernels=1, shapes=((g, 1.0),), expert_gemms=per_expert, **{kind: g.flops})
+            for g in (shape, dgrad, wgrad)
         )
         if self.fp8 and quantized:
             cast = FP8_CAST_BYTES * shape.groups
@@ -929,7 +931,10 @@ def _ffn(
     off = (OFFLOAD_TAG + "moe_act",) if kind == "expert" else ()
     if gated and op:  # gate (w1) and up (w3) halves: per-op checkpointing keeps only w1's
         up = Gemm(rows, width, h, groups)
-        cost.rerun(Work(kernels=1, shapes=((up, 1.0),), **{kind: up.flops}), *op)
+        launches = groups if kind == "expert" else 0.0
+        cost.rerun(
+            Work(kernels=1, shapes=((up, 1.0),), expert_gemms=launches, **{kind: up.flops}), *op
+        )
         cost.save(f"{name}_gate_out", tokens * width * kept, *modules, *off)
         cost.save(f"{name}_up_out", tokens * width * kept, *modules, *op, *off)
         cost.save(f"{name}_out", tokens * h * a, added_by=OP)  # w2's output

@@ -26,6 +26,12 @@ The host issues the kernels, ``cluster.host_overhead_s`` each (framework dispatc
 launch call), asynchronously: a phase of work takes the longer of the GPU's time and the
 host's. Small models at high tensor parallelism are host-bound this way (in the vTrain
 measurements a micro-batch of 2 sequences takes as long as one of 1), large ones are not.
+A framework that launches the routed experts' GEMMs one per expert, after a host-device
+synchronisation that empties the GPU's queue, pays ``Framework.expert_gemm_launch_s`` per
+such GEMM (``Work.expert_gemms``) in series with the GPU's work instead: Megatron-LM with
+Transformer Engine's GroupedLinear (``benchmarks/expert_launch.py`` fits the time per launch
+to the measured MoE ladders). The per-expert GEMMs are still priced as one grouped kernel on
+the GPU (their tiles share the waves: TE runs them over four streams).
 
 The achieved fractions and the overheads come from the hardware catalog (each with its
 source) or from a fit to measured runs (``planner.fit``). Ignored: split-K and stream-K
@@ -42,6 +48,7 @@ from dataclasses import dataclass
 from planner.costs.blocks import BlockCost
 from planner.costs.work import Gemm, Work
 from planner.errors import PlannerError
+from planner.frameworks import framework
 from planner.specs import DTYPE_BYTES, ClusterSpec, TrainingJob
 
 TILE = 128  # rows and columns of a GEMM's output tile per SM (DeepGEMM's 128 x 128 blocks)
@@ -60,6 +67,9 @@ class Rates:
     weight_bytes: int  # bytes per GEMM input element read (FP8: 1)
     sms: int | None = None  # SMs per GPU: tiles run in waves of this many
     pcie_Bps: float = math.inf  # GPU-host copies, each way (activation offload)
+    # Host seconds per routed-expert GEMM the framework launches one by one, in series with
+    # the GPU's work (``Framework.expert_gemm_launch_s``; 0: one grouped kernel).
+    expert_gemm_s: float = 0.0
 
     @classmethod
     def of(cls, cluster: ClusterSpec, job: TrainingJob) -> Rates:
@@ -81,6 +91,7 @@ class Rates:
             weight_bytes=1 if job.compute_dtype == "fp8" else DTYPE_BYTES[job.working_weight_dtype],
             sms=cluster.sm_count,
             pcie_Bps=cluster.pcie_Bps * achieved.get("pcie", 1.0),
+            expert_gemm_s=framework(job.framework).expert_gemm_launch_s,
         )
 
 
@@ -116,7 +127,7 @@ def work_time(work: Work, rates: Rates) -> float:
         + work.memory / rates.memory_Bps
         + work.kernels * rates.kernel_s
     )
-    return max(gpu, work.kernels * rates.host_s)
+    return max(gpu, work.kernels * rates.host_s) + work.expert_gemms * rates.expert_gemm_s
 
 
 @dataclass(frozen=True)

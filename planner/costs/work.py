@@ -54,6 +54,10 @@ class Work:
     kernels: float = 0.0
     shapes: tuple[tuple[Gemm, float], ...] = ()  # (shape, times it runs), sorted by shape
     attention_overhead: float = 0.0  # FLOP-equivalents beyond ``attention`` (flash_overhead)
+    # Routed experts' GEMM problems (one per local expert with tokens) of its grouped GEMMs:
+    # what a framework that launches one GEMM per expert issues one by one
+    # (``Framework.expert_gemm_launch_s``).
+    expert_gemms: float = 0.0
 
     @property
     def flops(self) -> float:
@@ -69,6 +73,7 @@ class Work:
             self.kernels + other.kernels,
             _merge(self.shapes, other.shapes),
             self.attention_overhead + other.attention_overhead,
+            self.expert_gemms + other.expert_gemms,
         )
 
     def scale(self, factor: float) -> Work:
@@ -80,6 +85,7 @@ class Work:
             self.kernels * factor,
             tuple((g, n * factor) for g, n in self.shapes),
             self.attention_overhead * factor,
+            self.expert_gemms * factor,
         )
 
 
