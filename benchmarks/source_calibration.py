@@ -20,7 +20,7 @@ source (a host overhead of a millisecond, InfiniBand at a tenth of its line rate
 mechanism is missing.
 
 Run: ``.venv/bin/python benchmarks/source_calibration.py [--gpu a100 h100] [--rounds 2]
-[--vtrain-every 3] [--ci-every 1]``.
+[--vtrain-every 3] [--ci-every 1] [--exclude megatron-ci vtrain]``.
 """
 
 from __future__ import annotations
@@ -92,11 +92,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="linearisation rounds per fit")
     parser.add_argument("--vtrain-every", type=int, default=3)
     parser.add_argument("--ci-every", type=int, default=1)
+    parser.add_argument(
+        "--exclude",
+        nargs="+",
+        default=[],
+        metavar="SOURCE",
+        help="leave these sources out of every fit and every figure (e.g. megatron-ci vtrain: "
+        "the published training runs alone)",
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     by = load(args.vtrain_every, args.ci_every)
     for gpu in args.gpu:
-        sources = {s: r for s, r in by.get(gpu, {}).items() if r}
+        sources = {s: r for s, r in by.get(gpu, {}).items() if r and s not in args.exclude}
         if len(sources) < 2:
             print(f"{gpu}: {len(sources)} source(s), nothing to hold out")
             continue
