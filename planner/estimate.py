@@ -54,10 +54,12 @@ class Estimate(BaseModel):
     num_microbatches: int = Field(description="Micro-batches per step per pipeline.")
     step_time_s: float = Field(description="Predicted seconds per optimizer step.")
     breakdown: dict[str, float] = Field(
-        description="Seconds per part of the step (they sum to step_time_s): compute, "
-        "recompute, tp_comm, cp_comm, offload_copy (activation copies to and from the host "
-        "the compute waits for), expert_all_to_all, zero_comm, bubble, pipeline_p2p, "
-        "grad_sync, optimizer; the parts of the critical (busiest) pipeline rank."
+        description="Seconds per part of the step (they sum to step_time_s): compute "
+        "(with the host's launches of routed-expert GEMMs a framework issues one at a time, "
+        "Framework.expert_gemm_launch_s), recompute, tp_comm, cp_comm, offload_copy "
+        "(activation copies to and from the host the compute waits for), expert_all_to_all, "
+        "zero_comm, bubble, pipeline_p2p, grad_sync, optimizer; the parts of the critical "
+        "(busiest) pipeline rank."
     )
     critical_rank: int = Field(description="Pipeline rank whose work sets the step time.")
     mfu: float = Field(description="Model FLOPs utilisation (see the module docstring).")

@@ -135,9 +135,10 @@ class Framework:
     # parameter tensor through c10d's list collectives, which copy each rank's slice by
     # itself, and this is the host's time per slice copy (s) (``costs.timing``).
     zero3_slice_s: float | None = None
-    # Host seconds per routed-expert GEMM it launches one at a time, paid in series with the
-    # GPU's work (``costs.compute.work_time``); 0: its experts' GEMMs run as one grouped
-    # kernel, or it is not known to launch them one by one.
+    # Host seconds per routed-expert GEMM it launches one at a time, with the GPU's queue
+    # empty: those GEMMs take the longer of their GPU time and their launches
+    # (``costs.compute.work_time``); 0: its experts' GEMMs run as one grouped kernel, or it
+    # is not known to launch them one by one.
     expert_gemm_launch_s: float = 0.0
 
 
@@ -166,10 +167,10 @@ FRAMEWORKS: dict[str, Framework] = {
         # joint fit to the three published on/off measurements of Megatron-LM's own teams
         # (benchmarks/moe_ladders.py --pairs), each on the ratio, held out by the other two:
         # Qwen3-235B-A22B on 256 H100, EP32 DeepEP, 19.7 -> 17.6 s (Megatron-MoE-ModelZoo
-        # best_practice/qwen3/readme.md), -4.8%; Qwen3-30B-A3B on 16 H100, EP16 all-to-all,
-        # 41.25 -> 31.31 s (Megatron-Bridge docs/training/communication-overlap.md), -0.7%;
+        # best_practice/qwen3/readme.md), -5.7%; Qwen3-30B-A3B on 16 H100, EP16 all-to-all,
+        # 41.25 -> 31.31 s (Megatron-Bridge docs/training/communication-overlap.md), +1.0%;
         # the same with HybridEP, 24.71 -> 20.99 s (Megatron-Bridge
-        # skills/nemo-mbridge-perf-expert-parallel-overlap/SKILL.md), +6.9%. The combined 1F1B
+        # skills/nemo-mbridge-perf-expert-parallel-overlap/SKILL.md), +7.3%. The combined 1F1B
         # interleaves the two halves layer by layer, so the all-to-alls that wait on their
         # own layer's compute stay exposed.
         # Sends: --overlap-p2p-communication is on unless --no-overlap-p2p-communication
@@ -196,14 +197,16 @@ FRAMEWORKS: dict[str, Framework] = {
         # expert over four streams (nvte_multi_stream_cublas_gemm), each with its own cuBLASLt
         # descriptors and heuristic query on the host, after the host has read the tokens per
         # expert (tokens_per_expert.tolist(); the all-to-all dispatcher also synchronises
-        # before its EP all-to-all), so the launches run with the GPU's queue empty. 17 us per
-        # launch: a fit to the ratios between the layouts of the 17 measured MoE ladders
-        # (benchmarks/expert_launch.py; pair error 0.116 -> 0.097, 13 -> 16 ladders ordered
-        # exactly); fitted on the MoE Parallel Folding paper's 16 ladders alone, 10 us, and
-        # Megatron-MoE-ModelZoo's held-out ladder improves (0.353 -> 0.283). Not priced under
-        # --moe-use-grouped-tensor (TE's grouped tensor path, one kernel with device-side
-        # splits), which this registry does not distinguish.
-        expert_gemm_launch_s=17e-6,
+        # before its EP all-to-all), so the launches run with the GPU's queue empty. 52 us per
+        # launch (Python and C++ per expert, cuBLASLt descriptors and heuristic query per call,
+        # per-parameter gradient hooks): a fit to the ratios between the layouts of the 17
+        # measured MoE ladders (benchmarks/expert_launch.py; pair error 0.116 -> 0.086, 13 ->
+        # 16 ladders ordered exactly). Each source held out: the MoE Parallel Folding paper's
+        # 16 ladders, 0.086 -> 0.076 at 54 us fitted on the other; Megatron-MoE-ModelZoo's one,
+        # 0.353 -> 0.181 at 50 us. Not priced under --moe-use-grouped-tensor (TE's grouped
+        # tensor path, one kernel with device-side splits), which this registry does not
+        # distinguish.
+        expert_gemm_launch_s=52e-6,
         fp8_keeps_fp8_inputs=True,
         fp8_cache=True,
         probs_in_expert=True,

@@ -52,21 +52,36 @@ def test_dense_layers_launch_no_expert_gemms():
     assert cost.fwd.expert_gemms == cost.bwd_input.expert_gemms == 0
 
 
-@pytest.mark.parametrize(("recompute", "per_expert"), [("none", 6), ("full", 8)])
-def test_each_launch_adds_its_host_time_to_the_step(megatron_launch, recompute, per_expert):
-    # One GPU, nothing to communicate: the step is the micro-batches' compute in series, so
-    # the launches add exactly launches x seconds (full recompute re-runs the two forward
-    # GEMMs of each expert).
+def _mixtral_step(recompute: str) -> float:
+    # One GPU, nothing to communicate: the step is its micro-batches' compute in series.
     model = planner.load_model("mixtral-8x7b")
     cluster = planner.load_cluster("h100", gpus=1)
     job = planner.TrainingJob(seq_len=4096, global_batch=2, framework="megatron")
     layout = planner.Layout.uniform(model, tp=1, pp=1, dp=1, recompute=recompute)
-    megatron_launch(0.0)
-    base = planner.evaluate(model, cluster, job, layout).step_time_s
-    megatron_launch(20e-6)
-    priced = planner.evaluate(model, cluster, job, layout).step_time_s
+    return planner.evaluate(model, cluster, job, layout).step_time_s
+
+
+@pytest.mark.parametrize(("recompute", "per_expert"), [("none", 6), ("full", 8)])
+def test_launch_bound_experts_take_their_launches(megatron_launch, recompute, per_expert):
+    # Launch-bound (1 and 2 ms a launch against GEMMs of 0.15-0.3 ms), the experts' GEMMs
+    # take their launches, so a millisecond more per launch adds launches x 1 ms (full
+    # recompute re-runs the two forward GEMMs of each expert).
+    megatron_launch(1e-3)
+    slower = _mixtral_step(recompute)
+    megatron_launch(2e-3)
+    slowest = _mixtral_step(recompute)
+    model = planner.load_model("mixtral-8x7b")
     launches = per_expert * model.num_experts * model.num_layers * 2  # 2 micro-batches
-    assert priced - base == pytest.approx(launches * 20e-6, rel=1e-9)
+    assert slowest - slower == pytest.approx(launches * 1e-3, rel=1e-9)
+
+
+def test_launches_hide_behind_experts_with_many_tokens(megatron_launch):
+    # 1,024 tokens per expert (4,096 x top-2 / 8): each GEMM takes far longer than a launch
+    shipped = frameworks.framework("megatron").expert_gemm_launch_s
+    megatron_launch(0.0)
+    base = _mixtral_step("none")
+    megatron_launch(shipped)
+    assert _mixtral_step("none") == base
 
 
 def test_grouped_kernel_frameworks_pay_nothing_per_expert():

@@ -373,7 +373,7 @@ class BlockBuilder:
         also casts its input in forward and its output gradient in backward to FP8, each
         in both layouts the GEMMs read (``FP8_CAST_BYTES``)."""
         dgrad, wgrad = shape.backward()
-        per_expert = shape.groups if kind == "expert" else 0.0
+        per_expert = shape.groups if shape.expert else 0.0
         fwd, bwd_input, bwd_weight = (
             Work(kernels=1, shapes=((g, 1.0),), expert_gemms=per_expert, **{kind: g.flops})
             for g in (shape, dgrad, wgrad)
@@ -912,9 +912,10 @@ def _ffn(
     h, a = model.hidden_size, shard.act_bytes
     fc1_out = 2 * width if model.mlp == "swiglu" else width
     # Routed experts: one grouped GEMM over the rank's experts, each with its own tokens.
-    rows = cost.tokens_per_expert if kind == "expert" else tokens
-    groups = tokens / rows if kind == "expert" and rows else 1.0
-    cost.gemm(Gemm(rows, fc1_out, h, groups), *modules, kind=kind)
+    routed = kind == "expert"
+    rows = cost.tokens_per_expert if routed else tokens
+    groups = tokens / rows if routed and rows else 1.0
+    cost.gemm(Gemm(rows, fc1_out, h, groups, routed), *modules, kind=kind)
     act_only = [m for m in act_modules if m not in modules]
     # Per-op checkpointing re-runs a whole MoE layer (its grouped matmuls are not kept): the
     # "moe" tag already covers its experts.
@@ -922,7 +923,7 @@ def _ffn(
     cost.elementwise(tokens * (fc1_out + width) * a, *modules, *act_only, *op)
     gated = model.mlp == "swiglu"
     # Per-op checkpointing keeps w1's output and w2's; recomputes w3 (gated) or fc2 (not).
-    cost.gemm(Gemm(rows, h, width, groups), *modules, *([] if gated else op), kind=kind)
+    cost.gemm(Gemm(rows, h, width, groups, routed), *modules, *([] if gated else op), kind=kind)
     if shard.fp8 and shard.fp8_cache:  # quantise the kept copy, dequantise it in backward
         elements = tokens * fc1_out
         cost.add(Work(memory=3 * elements, kernels=1), Work(memory=3 * elements, kernels=1))
@@ -930,8 +931,8 @@ def _ffn(
     # the routed experts' activation input: what offloading moe_act sends to the host
     off = (OFFLOAD_TAG + "moe_act",) if kind == "expert" else ()
     if gated and op:  # gate (w1) and up (w3) halves: per-op checkpointing keeps only w1's
-        up = Gemm(rows, width, h, groups)
-        launches = groups if kind == "expert" else 0.0
+        up = Gemm(rows, width, h, groups, routed)
+        launches = groups if routed else 0.0
         cost.rerun(
             Work(kernels=1, shapes=((up, 1.0),), expert_gemms=launches, **{kind: up.flops}), *op
         )

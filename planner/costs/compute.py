@@ -27,11 +27,12 @@ launch call), asynchronously: a phase of work takes the longer of the GPU's time
 host's. Small models at high tensor parallelism are host-bound this way (in the vTrain
 measurements a micro-batch of 2 sequences takes as long as one of 1), large ones are not.
 A framework that launches the routed experts' GEMMs one per expert, after a host-device
-synchronisation that empties the GPU's queue, pays ``Framework.expert_gemm_launch_s`` per
-such GEMM (``Work.expert_gemms``) in series with the GPU's work instead: Megatron-LM with
-Transformer Engine's GroupedLinear (``benchmarks/expert_launch.py`` fits the time per launch
-to the measured MoE ladders). The per-expert GEMMs are still priced as one grouped kernel on
-the GPU (their tiles share the waves: TE runs them over four streams).
+synchronisation that empties the GPU's queue, spends ``Framework.expert_gemm_launch_s`` of
+host time on each (``Work.expert_gemms``): those GEMMs then take the longer of their GPU
+time and their launches (Megatron-LM with Transformer Engine's GroupedLinear;
+``benchmarks/expert_launch.py`` fits the time per launch to the measured MoE ladders). On
+the GPU they are still priced as one grouped kernel (their tiles share the waves: TE runs
+them over four streams).
 
 The achieved fractions and the overheads come from the hardware catalog (each with its
 source) or from a fit to measured runs (``planner.fit``). Ignored: split-K and stream-K
@@ -67,8 +68,8 @@ class Rates:
     weight_bytes: int  # bytes per GEMM input element read (FP8: 1)
     sms: int | None = None  # SMs per GPU: tiles run in waves of this many
     pcie_Bps: float = math.inf  # GPU-host copies, each way (activation offload)
-    # Host seconds per routed-expert GEMM the framework launches one by one, in series with
-    # the GPU's work (``Framework.expert_gemm_launch_s``; 0: one grouped kernel).
+    # Host seconds per routed-expert GEMM the framework launches one by one, with the GPU's
+    # queue empty (``Framework.expert_gemm_launch_s``; 0: one grouped kernel).
     expert_gemm_s: float = 0.0
 
     @classmethod
@@ -116,9 +117,13 @@ def work_time(work: Work, rates: Rates) -> float:
     must have issued them (see the module docstring)."""
     shaped = 0.0
     seconds = 0.0
+    routed = 0.0  # of which the routed experts' GEMMs
     for g, times in work.shapes:
         shaped += g.flops * times
-        seconds += gemm_seconds(g, rates) * times
+        each = gemm_seconds(g, rates) * times
+        seconds += each
+        if g.expert:
+            routed += each
     unshaped = max(0.0, work.gemm + work.expert - shaped)  # GEMM FLOPs stated without a shape
     gpu = (
         seconds
@@ -127,7 +132,10 @@ def work_time(work: Work, rates: Rates) -> float:
         + work.memory / rates.memory_Bps
         + work.kernels * rates.kernel_s
     )
-    return max(gpu, work.kernels * rates.host_s) + work.expert_gemms * rates.expert_gemm_s
+    # Launched one by one after a synchronisation, the experts' GEMMs take the longer of
+    # their GPU time and the host's launches (each launch overlaps the GEMMs before it).
+    launches = work.expert_gemms * rates.expert_gemm_s
+    return max(gpu, work.kernels * rates.host_s) + max(0.0, launches - routed)
 
 
 @dataclass(frozen=True)

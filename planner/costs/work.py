@@ -25,12 +25,14 @@ from dataclasses import dataclass
 @dataclass(frozen=True, order=True)
 class Gemm:
     """One GEMM's shape: ``groups`` independent (m x k) @ (k x n) products in one kernel
-    (a grouped or batched GEMM; 1 for a plain one)."""
+    (a grouped or batched GEMM; 1 for a plain one); ``expert``: the routed experts' grouped
+    GEMM, one product per local expert."""
 
     m: float  # rows of the output (tokens); fractional when an average over experts
     n: float  # columns of the output (a tensor-parallel shard's share of the features)
     k: float  # the reduction
     groups: float = 1
+    expert: bool = False
 
     @property
     def flops(self) -> float:
@@ -40,7 +42,10 @@ class Gemm:
         """The input-gradient and weight-gradient GEMMs of ``self`` as a forward product
         (m tokens x k in) @ (k x n out): dX = dY @ W^T is m x n -> k, dW = X^T @ dY is
         k x m -> n, its reduction over the tokens."""
-        return Gemm(self.m, self.k, self.n, self.groups), Gemm(self.k, self.n, self.m, self.groups)
+        return (
+            Gemm(self.m, self.k, self.n, self.groups, self.expert),
+            Gemm(self.k, self.n, self.m, self.groups, self.expert),
+        )
 
 
 @dataclass(frozen=True)
