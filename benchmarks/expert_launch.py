@@ -18,8 +18,9 @@ model on one cluster, several layouts, one team): on the ratios between a ladder
 not their absolute times, so the model's bias common to every row of a source (about -12%,
 dense rows too) cannot pull it. For each value on a 2 us grid from 0 to 60 us (a bare CUDA
 launch is a few us; one through TE's Python and C++ with cuBLASLt's descriptors and
-heuristic query per call, and Megatron-LM's per-parameter gradient hooks, tens), each ladder pair's error is |log(predicted ratio / measured ratio)|; the fit
-minimises their mean. Two sources hold ladders (the MoE Parallel Folding paper, arXiv
+heuristic query per call, and Megatron-LM's per-parameter gradient hooks, tens), each
+ladder pair's error is |log(predicted ratio / measured ratio)|; the fit minimises their
+mean. Two sources hold ladders (the MoE Parallel Folding paper, arXiv
 2504.14960, 16 ladders; Megatron-MoE-ModelZoo's Qwen3-235B table, one): each is held out in
 turn (fitted on the other, judged on it), and within the paper each table in turn.
 
@@ -33,7 +34,6 @@ Run: ``.venv/bin/python benchmarks/expert_launch.py`` (about 2 minutes).
 from __future__ import annotations
 
 import csv
-import dataclasses
 import itertools
 import math
 import sys
@@ -48,7 +48,7 @@ import moe_ladders
 import published_throughput
 from rankings import source_key
 
-from planner import frameworks, memo
+from planner import frameworks
 from planner.errors import PlannerError
 
 GRID_US = tuple(range(0, 61, 2))
@@ -68,22 +68,12 @@ class Costed:
         return self.predicted_s / self.measured_s - 1
 
 
-def _with_launch(seconds: float) -> frameworks.Framework:
-    """Set Megatron-LM's launch cost to ``seconds`` (caches emptied); returns the entry to
-    put back."""
-    entry = frameworks.FRAMEWORKS["megatron"]
-    frameworks.FRAMEWORKS["megatron"] = dataclasses.replace(entry, expert_gemm_launch_s=seconds)
-    memo.clear_all()
-    return entry
-
-
 def ladder_rows(seconds: float) -> list[Costed]:
     """Every costed ladder row with Megatron-LM's launch cost at ``seconds``."""
-    entry = _with_launch(seconds)
-    try:
-        with moe_ladders.LADDERS.open(newline="") as handle:
-            rows = list(csv.DictReader(handle))
-        out = []
+    with moe_ladders.LADDERS.open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    out = []
+    with frameworks.replaced("megatron", expert_gemm_launch_s=seconds):
         for r in rows:
             row = moe_ladders.cost(r)
             if row.skipped or row.measured_step_s is None or row.predicted_step_s is None:
@@ -98,19 +88,15 @@ def ladder_rows(seconds: float) -> list[Costed]:
                     row.predicted_step_s,
                 )
             )
-        return out
-    finally:
-        frameworks.FRAMEWORKS["megatron"] = entry
-        memo.clear_all()
+    return out
 
 
 def published_moe_rows(seconds: float) -> list[Costed]:
     """The published MoE rows priced as Megatron-LM runs them, at ``seconds``."""
-    entry = _with_launch(seconds)
-    try:
-        with published_throughput.DATA.open(newline="") as handle:
-            rows = [r for r in csv.DictReader(handle) if r.get("id")]
-        out = []
+    with published_throughput.DATA.open(newline="") as handle:
+        rows = [r for r in csv.DictReader(handle) if r.get("id")]
+    out = []
+    with frameworks.replaced("megatron", expert_gemm_launch_s=seconds):
         for r in rows:
             try:
                 measured, predicted, costed = published_throughput.cost(r)
@@ -121,10 +107,7 @@ def published_moe_rows(seconds: float) -> list[Costed]:
             out.append(
                 Costed("published", source_key(r["source"]), r["id"], "", measured, predicted)
             )
-        return out
-    finally:
-        frameworks.FRAMEWORKS["megatron"] = entry
-        memo.clear_all()
+    return out
 
 
 def pair_errors(rows: list[Costed]) -> dict[str, list[float]]:

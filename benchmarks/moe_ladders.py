@@ -334,15 +334,10 @@ def _ratio(pair: Pair, hidden: float) -> tuple[float, float, float]:
 
     from planner import frameworks
 
-    entry = frameworks.FRAMEWORKS["megatron"]
-    frameworks.FRAMEWORKS["megatron"] = dataclasses.replace(
-        entry, overlap=dataclasses.replace(entry.overlap, pair_hidden=hidden)
-    )
-    try:
+    overlap = dataclasses.replace(frameworks.framework("megatron").overlap, pair_hidden=hidden)
+    with frameworks.replaced("megatron", overlap=overlap):
         off = planner.evaluate(pair.model, pair.cluster, pair.job, pair.off).step_time_s
         on = planner.evaluate(pair.model, pair.cluster, pair.job, pair.on).step_time_s
-    finally:
-        frameworks.FRAMEWORKS["megatron"] = entry
     return on / off, off, on
 
 

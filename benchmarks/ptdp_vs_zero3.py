@@ -22,7 +22,6 @@ Run: ``.venv/bin/python benchmarks/ptdp_vs_zero3.py``.
 from __future__ import annotations
 
 import csv
-import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -42,17 +41,12 @@ def rows() -> list[dict[str, str]]:
 @contextmanager
 def slice_time(seconds: float | None, *, today: bool = False) -> Iterator[None]:
     """``deepspeed-2021`` with ``seconds`` per slice copy (or priced as ``deepspeed``)."""
-    entry = frameworks.FRAMEWORKS[NAME]
-    replaced = (
-        dataclasses.replace(frameworks.FRAMEWORKS["deepspeed"], name=NAME)
-        if today
-        else dataclasses.replace(entry, zero3_slice_s=seconds)
-    )
-    frameworks.FRAMEWORKS[NAME] = replaced
-    try:
-        yield
-    finally:
-        frameworks.FRAMEWORKS[NAME] = entry
+    if today:
+        with frameworks.replaced(NAME, frameworks.framework("deepspeed")):
+            yield
+    else:
+        with frameworks.replaced(NAME, zero3_slice_s=seconds):
+            yield
 
 
 def steps(chosen: list[dict[str, str]]) -> dict[str, tuple[float, float]]:

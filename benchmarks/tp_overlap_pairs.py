@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -93,14 +92,10 @@ def pairs() -> list[Pair]:
 def ratio(pair: Pair, hidden: float) -> tuple[float, float, float]:
     """The model's on / off step ratio with ``hidden`` of the hideable communication
     hidden, and the two step times (seconds)."""
-    entry = frameworks.FRAMEWORKS["torchtitan"]
-    frameworks.FRAMEWORKS["torchtitan"] = dataclasses.replace(entry, tp_overlap_hidden=hidden)
-    try:
+    with frameworks.replaced("torchtitan", tp_overlap_hidden=hidden):
         off_job = pair.job.model_copy(update={"tp_comm_overlap": False})
         off = planner.evaluate(pair.model, pair.cluster, off_job, pair.layout).step_time_s
         on = planner.evaluate(pair.model, pair.cluster, pair.job, pair.layout).step_time_s
-    finally:
-        frameworks.FRAMEWORKS["torchtitan"] = entry
     return on / off, off, on
 
 
@@ -130,18 +125,14 @@ def megatron_rows() -> list[dict[str, str]]:
 
 def megatron_errors(rows: list[dict[str, str]], hidden: float) -> dict[str, list[float]]:
     """Each source's signed relative errors with Megatron-LM hiding ``hidden``."""
-    entry = frameworks.FRAMEWORKS["megatron"]
-    frameworks.FRAMEWORKS["megatron"] = dataclasses.replace(entry, tp_overlap_hidden=hidden)
     out: dict[str, list[float]] = defaultdict(list)
-    try:
+    with frameworks.replaced("megatron", tp_overlap_hidden=hidden):
         for r in rows:
             try:
                 measured, predicted, _ = published_throughput.cost(r)
             except PlannerError:
                 continue
             out[source_key(r["source"])].append(predicted / measured - 1)
-    finally:
-        frameworks.FRAMEWORKS["megatron"] = entry
     return out
 
 

@@ -12,11 +12,13 @@ Sources are cited next to each entry's fields.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+from planner import memo
 from planner.errors import PlannerError
 from planner.schedules import DEFAULT_SCHEDULE
 
@@ -371,6 +373,22 @@ FRAMEWORKS["deepspeed-2021"] = dataclasses.replace(
 FRAMEWORK_NAMES: tuple[str, ...] = tuple(FRAMEWORKS)
 DEFAULT_FRAMEWORK = "megatron"  # a job that names none runs under it
 LAUNCHERS: tuple[str, ...] = tuple(n for n, f in FRAMEWORKS.items() if f.launcher is not None)
+
+
+@contextlib.contextmanager
+def replaced(name: str, base: Framework | None = None, **changes: Any) -> Iterator[Framework]:
+    """Entry ``name`` as ``base`` (another entry; default its own) with ``changes``, while the
+    block runs, then as it was: how a benchmark sweeps a fitted constant and a test pins one.
+    The planner's caches are emptied on the way in and out (their keys name a framework, not
+    its fields)."""
+    entry = framework(name)
+    FRAMEWORKS[name] = dataclasses.replace(base or entry, name=name, **changes)
+    memo.clear_all()
+    try:
+        yield FRAMEWORKS[name]
+    finally:
+        FRAMEWORKS[name] = entry
+        memo.clear_all()
 
 
 def framework(name: str) -> Framework:

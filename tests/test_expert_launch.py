@@ -4,27 +4,16 @@ each costs its host time in series with the step."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 import planner
-from planner import frameworks, memo
+from planner import frameworks
 from planner.costs.blocks import Shard, block_cost
 
 
-@pytest.fixture
-def megatron_launch():
-    """Set Megatron-LM's launch time for one test (caches emptied), then put it back."""
-    entry = frameworks.FRAMEWORKS["megatron"]
-
-    def set_to(seconds: float) -> None:
-        frameworks.FRAMEWORKS["megatron"] = dataclasses.replace(entry, expert_gemm_launch_s=seconds)
-        memo.clear_all()
-
-    yield set_to
-    frameworks.FRAMEWORKS["megatron"] = entry
-    memo.clear_all()
+def launching(seconds: float):
+    """Megatron-LM with ``seconds`` per expert GEMM launch, while the block runs."""
+    return frameworks.replaced("megatron", expert_gemm_launch_s=seconds)
 
 
 @pytest.mark.parametrize(
@@ -62,25 +51,24 @@ def _mixtral_step(recompute: str) -> float:
 
 
 @pytest.mark.parametrize(("recompute", "per_expert"), [("none", 6), ("full", 8)])
-def test_launch_bound_experts_take_their_launches(megatron_launch, recompute, per_expert):
+def test_launch_bound_experts_take_their_launches(recompute, per_expert):
     # Launch-bound (1 and 2 ms a launch against GEMMs of 0.15-0.3 ms), the experts' GEMMs
     # take their launches, so a millisecond more per launch adds launches x 1 ms (full
     # recompute re-runs the two forward GEMMs of each expert).
-    megatron_launch(1e-3)
-    slower = _mixtral_step(recompute)
-    megatron_launch(2e-3)
-    slowest = _mixtral_step(recompute)
+    with launching(1e-3):
+        slower = _mixtral_step(recompute)
+    with launching(2e-3):
+        slowest = _mixtral_step(recompute)
     model = planner.load_model("mixtral-8x7b")
     launches = per_expert * model.num_experts * model.num_layers * 2  # 2 micro-batches
     assert slowest - slower == pytest.approx(launches * 1e-3, rel=1e-9)
 
 
-def test_launches_hide_behind_experts_with_many_tokens(megatron_launch):
+def test_launches_hide_behind_experts_with_many_tokens():
     # 1,024 tokens per expert (4,096 x top-2 / 8): each GEMM takes far longer than a launch
-    shipped = frameworks.framework("megatron").expert_gemm_launch_s
-    megatron_launch(0.0)
-    base = _mixtral_step("none")
-    megatron_launch(shipped)
+    with launching(0.0):
+        base = _mixtral_step("none")
+    assert frameworks.framework("megatron").expert_gemm_launch_s > 0
     assert _mixtral_step("none") == base
 
 
@@ -90,7 +78,7 @@ def test_grouped_kernel_frameworks_pay_nothing_per_expert():
     assert frameworks.framework("megatron").expert_gemm_launch_s > 0
 
 
-def test_launches_slow_layouts_with_many_local_experts_more(megatron_launch):
+def test_launches_slow_layouts_with_many_local_experts_more():
     # Qwen2-57B-A14B on 64 H100 (arXiv 2504.14960 Table 4): TP4 EP4 ETP4 (16 experts per
     # rank) was measured at 22.4% MFU, FSDP + EP8 (8 experts per rank) at 26.3%. Without
     # the launches the model ties them; with them it puts TP4 EP4 behind, as measured.
@@ -105,9 +93,7 @@ def test_launches_slow_layouts_with_many_local_experts_more(megatron_launch):
         fast = planner.evaluate(model, cluster, job, fsdp_ep).step_time_s
         return slow / fast - 1
 
-    shipped = frameworks.framework("megatron").expert_gemm_launch_s
-    megatron_launch(0.0)
-    without = gap()
+    with launching(0.0):
+        without = gap()
     assert abs(without) < 0.01
-    megatron_launch(shipped)
     assert gap() > without + 0.03

@@ -3,8 +3,6 @@ change must move the estimate."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 import planner
@@ -219,13 +217,10 @@ def test_tensor_parallel_overlap_follows_the_framework() -> None:
     assert exposed["megatron"] < exposed["torchtitan"] < exposed["deepspeed"]
     # With all of it hidden: one step in 8 at least; more only where a block has less
     # compute than communication (the embedding's lookup reduction hides behind nothing).
-    entry = frameworks.FRAMEWORKS["torchtitan"]
-    frameworks.FRAMEWORKS["torchtitan"] = dataclasses.replace(entry, tp_overlap_hidden=1.0)
-    try:
+    entry = frameworks.framework("torchtitan")
+    with frameworks.replaced("torchtitan", tp_overlap_hidden=1.0):
         job = JOB.model_copy(update={"framework": "torchtitan"})
         full = step(layout, job).breakdown["tp_comm"]
-    finally:
-        frameworks.FRAMEWORKS["torchtitan"] = entry
     assert exposed["deepspeed"] / 8 <= full < exposed["deepspeed"] / 4
     assert full < exposed["megatron"]
     # the share hidden: what full hiding would hide, times the registry's share

@@ -4,9 +4,6 @@ the Megatron-LM SC'21 paper measured between it and tensor + pipeline parallelis
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterator
-
 import pytest
 
 import planner
@@ -35,22 +32,13 @@ def test_parameter_tensors_are_counted_as_megatron_holds_them() -> None:
     assert {llama[f"layer.{i}"] for i in range(32)} == {6}
 
 
-@pytest.fixture
-def slice_time() -> Iterator[None]:
-    entry = frameworks.FRAMEWORKS["deepspeed-2021"]
-    yield
-    frameworks.FRAMEWORKS["deepspeed-2021"] = entry
-
-
 def _step(slice_s: float, gpus: int) -> planner.Estimate:
-    entry = frameworks.FRAMEWORKS["deepspeed-2021"]
-    frameworks.FRAMEWORKS["deepspeed-2021"] = dataclasses.replace(entry, zero3_slice_s=slice_s)
     job = planner.TrainingJob(seq_len=1024, global_batch=2 * gpus, framework="deepspeed-2021")
     layout = planner.Layout.uniform(GPT, dp=gpus, zero=3)
-    return planner.evaluate(GPT, planner.load_cluster("a100", gpus=gpus), job, layout)
+    with frameworks.replaced("deepspeed-2021", zero3_slice_s=slice_s):
+        return planner.evaluate(GPT, planner.load_cluster("a100", gpus=gpus), job, layout)
 
 
-@pytest.mark.usefixtures("slice_time")
 def test_each_tensor_copies_every_ranks_slice_per_collective() -> None:
     """Per micro-batch each tensor is gathered in forward and in backward and its gradient
     reduce-scattered: three collectives, each copying one slice per data-parallel rank. One
@@ -65,24 +53,21 @@ def test_each_tensor_copies_every_ranks_slice_per_collective() -> None:
         assert more.step_time_s - base.step_time_s == pytest.approx(expected, rel=1e-6)
 
 
-@pytest.mark.usefixtures("slice_time")
 def test_zero3_of_2021_grows_with_the_ranks_where_todays_does_not() -> None:
     """Same micro-batches per rank, twice the ranks: the 2021 gathers' host work doubles; a
     bucketed, prefetched ZeRO-3 (today's DeepSpeed) barely moves."""
     old = [_step(6e-6, g).breakdown["zero_comm"] for g in (16, 32)]
-    frameworks.FRAMEWORKS["deepspeed-2021"] = dataclasses.replace(
-        frameworks.FRAMEWORKS["deepspeed"], name="deepspeed-2021"
-    )
     job = planner.TrainingJob(seq_len=1024, global_batch=32, framework="deepspeed-2021")
-    today = [
-        planner.evaluate(
-            GPT,
-            planner.load_cluster("a100", gpus=g),
-            job.model_copy(update={"global_batch": 2 * g}),
-            planner.Layout.uniform(GPT, dp=g, zero=3),
-        ).step_time_s
-        for g in (16, 32)
-    ]
+    with frameworks.replaced("deepspeed-2021", frameworks.framework("deepspeed")):
+        today = [
+            planner.evaluate(
+                GPT,
+                planner.load_cluster("a100", gpus=g),
+                job.model_copy(update={"global_batch": 2 * g}),
+                planner.Layout.uniform(GPT, dp=g, zero=3),
+            ).step_time_s
+            for g in (16, 32)
+        ]
     assert old[1] > 1.8 * old[0]
     assert today[1] < 1.1 * today[0]
 
