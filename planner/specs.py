@@ -402,13 +402,27 @@ class TrainingJob(Spec):
             )
         return self
 
+    @model_validator(mode="after")
+    def _grouped_tensor_framework(self) -> TrainingJob:
+        if self.moe_grouped_tensor and not framework(self.framework).expert_gemm_launch_s:
+            raise PlannerError(
+                f"TrainingJob.moe_grouped_tensor=True: framework={self.framework!r} does not "
+                "launch its experts' GEMMs one by one; the switch is Megatron-LM's "
+                "(--moe-use-grouped-tensor)"
+            )
+        return self
+
     def with_framework(self, name: str) -> TrainingJob:
         """This job run by framework ``name``: the dtypes it was given stay, the others become
         that framework's defaults; a compiled loss stays only where the framework compiles
-        its loss (torchtitan, torch), the others run their own cross-entropy."""
+        its loss (torchtitan, torch), the others run their own cross-entropy; the grouped
+        expert kernel only where the framework would otherwise launch its experts one by one
+        (elsewhere they already are one kernel)."""
         given = self.model_dump(include=self.model_fields_set - {"framework"})
         if not framework(name).compiles_loss:
             given.pop("compiled_loss", None)
+        if not framework(name).expert_gemm_launch_s:
+            given.pop("moe_grouped_tensor", None)
         return TrainingJob(**given, framework=name)
 
     @field_validator("framework")
@@ -488,6 +502,17 @@ class TrainingJob(Spec):
         "copy per routed expert), 'allgather' (every token of the expert-parallel group "
         "gathered, outputs reduce-scattered) or 'deepep' (DeepEP kernels: one InfiniBand copy "
         "per node a token visits, forwarded over NVLink). Each framework runs some of them.",
+    )
+    # Megatron-LM's routed experts run through Transformer Engine's GroupedLinear, one cuBLAS
+    # GEMM per local expert launched by the host once it has read the tokens per expert
+    # (Framework.expert_gemm_launch_s); --moe-use-grouped-tensor (TransformerConfig at
+    # d98e8a64; the TE operation fuser turns it on) runs them as one grouped kernel with the
+    # splits on the device instead, which CUDA graphs can capture.
+    moe_grouped_tensor: bool = Field(
+        default=False,
+        description="Megatron-LM's --moe-use-grouped-tensor: the routed experts' GEMMs as one "
+        "grouped kernel with device-side splits, not one launch per local expert. Only where "
+        "the framework launches them one by one (Megatron-LM); torchtitan's are one kernel.",
     )
     # Megatron-LM overlaps tensor-parallel collectives only under --tp-comm-overlap (off by
     # default in its parser; Transformer Engine's userbuffers, with sequence parallelism);

@@ -5,6 +5,7 @@ each costs its host time in series with the step."""
 from __future__ import annotations
 
 import pytest
+from test_export import plan_of
 
 import planner
 from planner import frameworks
@@ -97,3 +98,33 @@ def test_launches_slow_layouts_with_many_local_experts_more():
         without = gap()
     assert abs(without) < 0.01
     assert gap() > without + 0.03
+
+
+def test_grouped_tensor_removes_the_launches_and_is_exported():
+    # --moe-use-grouped-tensor: one grouped kernel, no host launch per expert
+    shipped = frameworks.framework("megatron").expert_gemm_launch_s
+    model = planner.load_model("qwen2-57b-a14b")
+    cluster = planner.load_cluster("h100", gpus=64)
+    job = planner.TrainingJob(seq_len=4096, global_batch=1024, framework="megatron")
+    grouped = job.model_copy(update={"moe_grouped_tensor": True})
+    layout = planner.Layout.uniform(model, tp=4, pp=1, dp=16, ep=4, etp=4, zero=1)
+    with launching(0.0):
+        none = planner.evaluate(model, cluster, job, layout).step_time_s
+    assert shipped > 0
+    assert planner.evaluate(model, cluster, grouped, layout).step_time_s == none
+    assert planner.evaluate(model, cluster, job, layout).step_time_s > none
+
+    def args(j: planner.TrainingJob) -> list[str]:
+        return planner.export.megatron(plan_of(model, cluster, j, layout)).args
+
+    assert "--moe-use-grouped-tensor" in args(grouped)
+    assert "--moe-use-grouped-tensor" not in args(job)
+
+
+def test_grouped_tensor_is_megatrons_switch():
+    with pytest.raises(planner.PlannerError, match="moe_grouped_tensor"):
+        planner.TrainingJob(
+            seq_len=4096, global_batch=8, framework="torchtitan", moe_grouped_tensor=True
+        )
+    job = planner.TrainingJob(seq_len=4096, global_batch=8, moe_grouped_tensor=True)
+    assert not job.with_framework("torchtitan").moe_grouped_tensor

@@ -334,6 +334,15 @@ def _precision_args(cmd: argparse.ArgumentParser) -> None:
         "crosses InfiniBand once per node a token visits)",
     )
     cmd.add_argument(
+        "--moe-grouped-tensor",
+        dest="moe_grouped_tensor",
+        action="store_const",
+        const=True,
+        default=None,
+        help="Megatron-LM's --moe-use-grouped-tensor: the routed experts' GEMMs as one grouped "
+        "kernel, not one host launch per local expert",
+    )
+    cmd.add_argument(
         "--no-tp-comm-overlap",
         dest="tp_comm_overlap",
         action="store_const",

@@ -31,6 +31,7 @@ def training_job(args: argparse.Namespace, seq_len: int, global_batch: int) -> T
             {"moe_dispatcher": args.moe_dispatcher} if getattr(args, "moe_dispatcher", None) else {}
         ),
         **({"tp_comm_overlap": False} if getattr(args, "tp_comm_overlap", None) is False else {}),
+        **({"moe_grouped_tensor": True} if getattr(args, "moe_grouped_tensor", None) else {}),
     )
 
 
@@ -43,6 +44,7 @@ def _recipe(args: argparse.Namespace) -> Recipe | None:
         "framework": "--framework",
         "moe_dispatcher": "--moe-dispatcher",
         "tp_comm_overlap": "--no-tp-comm-overlap",
+        "moe_grouped_tensor": "--moe-grouped-tensor",
     }
     given += [flag for f, flag in flags.items() if getattr(args, f, None) is not None]
     if args.recipe is None:

@@ -92,7 +92,9 @@ class Rates:
             weight_bytes=1 if job.compute_dtype == "fp8" else DTYPE_BYTES[job.working_weight_dtype],
             sms=cluster.sm_count,
             pcie_Bps=cluster.pcie_Bps * achieved.get("pcie", 1.0),
-            expert_gemm_s=framework(job.framework).expert_gemm_launch_s,
+            expert_gemm_s=(
+                0.0 if job.moe_grouped_tensor else framework(job.framework).expert_gemm_launch_s
+            ),
         )
 
 

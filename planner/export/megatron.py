@@ -26,7 +26,8 @@ What maps exactly:
   ``--overlap-param-gather``; the expert all-to-all overlap of the ``*-ep-overlap``
   schedules, ``--overlap-moe-expert-parallel-comm``;
 - the MoE dispatcher (``TrainingJob.moe_dispatcher``): ``--moe-token-dispatcher-type``
-  alltoall or allgather, or flex with ``--moe-flex-dispatcher-backend deepep``.
+  alltoall or allgather, or flex with ``--moe-flex-dispatcher-backend deepep``; the experts
+  as one grouped kernel (``TrainingJob.moe_grouped_tensor``): ``--moe-use-grouped-tensor``.
 
 What does not: Megatron-LM picks 1F1B or interleaved 1F1B from the degrees and has no ZB-H1 or
 DualPipe schedule (DualPipe runs as 1F1B on the same stages, DualPipeV as interleaved 1F1B
@@ -88,6 +89,8 @@ def megatron(plan: Plan) -> Export:
         args += ["--expert-model-parallel-size", str(runs.ep)]
         args += ["--expert-tensor-parallel-size", str(runs.etp)]
         args += DISPATCHER_ARGS[job.moe_dispatcher]
+        if job.moe_grouped_tensor:
+            args.append("--moe-use-grouped-tensor")
         if schedule_of(runs.schedule).ep_overlap:
             args.append("--overlap-moe-expert-parallel-comm")
     if runs.tp > 1 and runs.sequence_parallel:
