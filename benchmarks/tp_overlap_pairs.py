@@ -6,8 +6,8 @@ hideable tensor-parallel communication (``Framework.tp_overlap_hidden``,
 ``planner.costs.timing.tp_exposed``) fitted to each pair, to all pairs, and to every source
 but one (leave one source out): where the registry's value for torchtitan comes from.
 
-Pairs, on Grand Teton H100s (96 GB HBM2e, 500 W: ``hardware/h100-96gb.yaml``, whose compute
-is the 700 W part's, which scales both sides of a pair alike):
+Pairs, on Grand Teton H100s (96 GB HBM2e, 500 W: ``hardware/h100-96gb.yaml``, whose peak is
+the low end of torchtitan's "between SXM and NVL"):
 
 - torchtitan ``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md`` (June 2025): Llama 3
   70B on 256 H100 (FSDP 32, TP 8, torch.compile, full activation checkpointing, local batch
