@@ -373,10 +373,8 @@ class BlockBuilder:
         also casts its input in forward and its output gradient in backward to FP8, each
         in both layouts the GEMMs read (``FP8_CAST_BYTES``)."""
         dgrad, wgrad = shape.backward()
-        per_expert = shape.groups if shape.expert else 0.0
         fwd, bwd_input, bwd_weight = (
-            Work(kernels=1, shapes=((g, 1.0),), expert_gemms=per_expert, **{kind: g.flops})
-            for g in (shape, dgrad, wgrad)
+            Work(kernels=1, shapes=((g, 1.0),), **{kind: g.flops}) for g in (shape, dgrad, wgrad)
         )
         if self.fp8 and quantized:
             cast = FP8_CAST_BYTES * shape.groups
@@ -929,13 +927,10 @@ def _ffn(
         cost.add(Work(memory=3 * elements, kernels=1), Work(memory=3 * elements, kernels=1))
     kept = shard.act_input_bytes
     # the routed experts' activation input: what offloading moe_act sends to the host
-    off = (OFFLOAD_TAG + "moe_act",) if kind == "expert" else ()
+    off = (OFFLOAD_TAG + "moe_act",) if routed else ()
     if gated and op:  # gate (w1) and up (w3) halves: per-op checkpointing keeps only w1's
         up = Gemm(rows, width, h, groups, routed)
-        launches = groups if routed else 0.0
-        cost.rerun(
-            Work(kernels=1, shapes=((up, 1.0),), expert_gemms=launches, **{kind: up.flops}), *op
-        )
+        cost.rerun(Work(kernels=1, shapes=((up, 1.0),), **{kind: up.flops}), *op)
         cost.save(f"{name}_gate_out", tokens * width * kept, *modules, *off)
         cost.save(f"{name}_up_out", tokens * width * kept, *modules, *op, *off)
         cost.save(f"{name}_out", tokens * h * a, added_by=OP)  # w2's output

@@ -28,11 +28,11 @@ host's. Small models at high tensor parallelism are host-bound this way (in the 
 measurements a micro-batch of 2 sequences takes as long as one of 1), large ones are not.
 A framework that launches the routed experts' GEMMs one per expert, after a host-device
 synchronisation that empties the GPU's queue, spends ``Framework.expert_gemm_launch_s`` of
-host time on each (``Work.expert_gemms``): those GEMMs then take the longer of their GPU
-time and their launches (Megatron-LM with Transformer Engine's GroupedLinear;
-``benchmarks/expert_launch.py`` fits the time per launch to the measured MoE ladders). On
-the GPU they are still priced as one grouped kernel (their tiles share the waves: TE runs
-them over four streams).
+host time on each (``Work.expert_gemms``, counted from the expert shapes): those GEMMs then
+take the longer of their GPU time and their launches (Megatron-LM with Transformer Engine's
+GroupedLinear; ``benchmarks/expert_launch.py`` fits the time per launch to the measured MoE
+ladders). On the GPU they are still priced as one grouped kernel (their tiles share the
+waves: TE runs them over four streams).
 
 The achieved fractions and the overheads come from the hardware catalog (each with its
 source) or from a fit to measured runs (``planner.fit``). Ignored: split-K and stream-K

@@ -59,10 +59,13 @@ class Work:
     kernels: float = 0.0
     shapes: tuple[tuple[Gemm, float], ...] = ()  # (shape, times it runs), sorted by shape
     attention_overhead: float = 0.0  # FLOP-equivalents beyond ``attention`` (flash_overhead)
-    # Routed experts' GEMM problems (one per local expert with tokens) of its grouped GEMMs:
-    # what a framework that launches one GEMM per expert issues one by one
-    # (``Framework.expert_gemm_launch_s``).
-    expert_gemms: float = 0.0
+
+    @property
+    def expert_gemms(self) -> float:
+        """The routed experts' GEMMs, one per local expert of each grouped GEMM: what a
+        framework that launches one GEMM per expert issues one by one
+        (``Framework.expert_gemm_launch_s``)."""
+        return sum(g.groups * times for g, times in self.shapes if g.expert)
 
     @property
     def flops(self) -> float:
@@ -78,7 +81,6 @@ class Work:
             self.kernels + other.kernels,
             _merge(self.shapes, other.shapes),
             self.attention_overhead + other.attention_overhead,
-            self.expert_gemms + other.expert_gemms,
         )
 
     def scale(self, factor: float) -> Work:
@@ -90,7 +92,6 @@ class Work:
             self.kernels * factor,
             tuple((g, n * factor) for g, n in self.shapes),
             self.attention_overhead * factor,
-            self.expert_gemms * factor,
         )
 
 
