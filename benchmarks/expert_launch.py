@@ -49,7 +49,6 @@ import published_throughput
 from rankings import source_key
 
 from planner import frameworks
-from planner.errors import PlannerError
 
 GRID_US = tuple(range(0, 61, 2))
 
@@ -93,21 +92,13 @@ def ladder_rows(seconds: float) -> list[Costed]:
 
 def published_moe_rows(seconds: float) -> list[Costed]:
     """The published MoE rows priced as Megatron-LM runs them, at ``seconds``."""
-    with published_throughput.DATA.open(newline="") as handle:
-        rows = [r for r in csv.DictReader(handle) if r.get("id")]
-    out = []
+    rows = published_throughput.read_rows()
     with frameworks.replaced("megatron", expert_gemm_launch_s=seconds):
-        for r in rows:
-            try:
-                measured, predicted, costed = published_throughput.cost(r)
-            except PlannerError:
-                continue
-            if not costed.moe or costed.run.job.framework != "megatron":
-                continue
-            out.append(
-                Costed("published", source_key(r["source"]), r["id"], "", measured, predicted)
-            )
-    return out
+        return [
+            Costed("published", source_key(r["source"]), r["id"], "", measured, predicted)
+            for r, measured, predicted, costed in published_throughput.costed_rows(rows)
+            if costed.moe and costed.run.job.framework == "megatron"
+        ]
 
 
 def pair_errors(rows: list[Costed]) -> dict[str, list[float]]:

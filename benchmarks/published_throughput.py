@@ -50,6 +50,7 @@ import csv
 import json
 import time
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,26 @@ def cost(row: dict[str, str]) -> tuple[float, float, Costed]:
         est.step_time_s,
         Costed(est.fits, bool(run.model.num_experts), assumed, measured_run, mfu),
     )
+
+
+def read_rows(path: Path = DATA) -> list[dict[str, str]]:
+    """The runs of a runs CSV (``published_runs.csv`` by default), blank lines left out."""
+    with path.open(newline="") as handle:
+        return [r for r in csv.DictReader(handle) if r.get("id")]
+
+
+def costed_rows(
+    rows: Iterable[dict[str, str]],
+) -> Iterator[tuple[dict[str, str], float, float, Costed]]:
+    """Each of ``rows`` the planner can cost, with its measured and predicted seconds per step
+    and what was assumed (``cost``); the others are passed over (``main`` lists each with its
+    reason)."""
+    for row in rows:
+        try:
+            measured, predicted, costed = cost(row)
+        except PlannerError:
+            continue
+        yield row, measured, predicted, costed
 
 
 def summary(

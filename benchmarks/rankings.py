@@ -63,7 +63,6 @@ import published_throughput  # noqa: E402
 import vtrain_fidelity  # noqa: E402
 
 import planner  # noqa: E402
-from planner.errors import PlannerError  # noqa: E402
 from planner.fit import predict  # noqa: E402
 
 CI_RUNS = HERE / "megatron_ci_runs.csv"
@@ -191,13 +190,8 @@ def moe_items() -> Iterator[Item]:
 
 
 def _runs_items(path: Path, prefix: str) -> Iterator[Item]:
-    with path.open(newline="") as handle:
-        rows = [r for r in csv.DictReader(handle) if r.get("id")]
-    for r in rows:
-        try:
-            measured, predicted, costed = published_throughput.cost(r)
-        except PlannerError:
-            continue
+    rows = published_throughput.read_rows(path)
+    for r, measured, predicted, costed in published_throughput.costed_rows(rows):
         tokens = costed.run.job.tokens_per_step
         lay = costed.run.layout
         text = (

@@ -26,7 +26,6 @@ Run: ``.venv/bin/python benchmarks/source_calibration.py [--gpu a100 h100] [--ro
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 from collections import defaultdict
@@ -41,7 +40,6 @@ import rankings
 import vtrain_fidelity
 
 import planner
-from planner.errors import PlannerError
 from planner.fit import Run, fit_runs, predict
 
 # Where the host overhead starts (us per kernel): above the GPU's time on small models, so the
@@ -52,15 +50,8 @@ START = {"host_overhead_s": vtrain_fidelity.START_HOST_US}
 def _csv_runs(path: Path, name: str | None, every: int) -> dict[tuple[str, str], list[Run]]:
     """Runs of a runs CSV by (GPU, source); ``name`` names every row's source if given."""
     out: dict[tuple[str, str], list[Run]] = defaultdict(list)
-    with path.open(newline="") as handle:
-        rows = [r for r in csv.DictReader(handle) if r.get("id")]
-    for i, row in enumerate(rows):
-        if i % every:
-            continue
-        try:
-            _, _, costed = published_throughput.cost(row)
-        except PlannerError:
-            continue
+    rows = published_throughput.read_rows(path)[::every]
+    for row, _, _, costed in published_throughput.costed_rows(rows):
         source = name or rankings.source_key(row["source"])
         out[(row["gpu"], source)].append(costed.run)
     return out

@@ -31,7 +31,6 @@ Run: ``.venv/bin/python benchmarks/tp_overlap_pairs.py [--megatron]``.
 from __future__ import annotations
 
 import argparse
-import csv
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -40,7 +39,6 @@ from rankings import source_key
 
 import planner
 from planner import frameworks
-from planner.errors import PlannerError
 
 JUNE = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
 DEC = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 4"
@@ -113,8 +111,7 @@ def fit(chosen: list[Pair]) -> float:
 
 def megatron_rows() -> list[dict[str, str]]:
     """Published rows Megatron-LM's tensor-parallel overlap applies to."""
-    with published_throughput.DATA.open(newline="") as handle:
-        rows = list(csv.DictReader(handle))
+    rows = published_throughput.read_rows()
     own = ("torchtitan", "deepspeed", "deepspeed-2021", "torch")
     return [
         r
@@ -127,11 +124,7 @@ def megatron_errors(rows: list[dict[str, str]], hidden: float) -> dict[str, list
     """Each source's signed relative errors with Megatron-LM hiding ``hidden``."""
     out: dict[str, list[float]] = defaultdict(list)
     with frameworks.replaced("megatron", tp_overlap_hidden=hidden):
-        for r in rows:
-            try:
-                measured, predicted, _ = published_throughput.cost(r)
-            except PlannerError:
-                continue
+        for r, measured, predicted, _ in published_throughput.costed_rows(rows):
             out[source_key(r["source"])].append(predicted / measured - 1)
     return out
 
