@@ -11,10 +11,10 @@ every cache until someone shows a piece does not need it.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
-_ALL: list[Memo[object]] = []
+_ALL: list[Memo[Any]] = []  # every cache, for clear_all
 
 
 class Memo(Generic[T]):
@@ -24,7 +24,7 @@ class Memo(Generic[T]):
     def __init__(self, name: str, limit: int = 20_000) -> None:
         self.name, self.limit = name, limit
         self._store: dict[Hashable, T] = {}
-        _ALL.append(self)  # type: ignore[arg-type]
+        _ALL.append(self)
 
     def get(self, key: Hashable, make: Callable[[], T]) -> T:
         """The piece under ``key``, made by ``make`` the first time."""
