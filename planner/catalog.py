@@ -111,8 +111,18 @@ MACHINE_KEYS = (
     "checks",  # the block timings ``planner calibrate`` measured against the model (it shows them)
 )
 # The fractions of peak the cost model reads from ``achieved``: costs/compute.py (gemm,
-# attention, memory_bound, pcie), costs/comm.py (nvlink, ib), costs/timing.py (host_memory).
-ACHIEVED_KINDS = ("gemm", "attention", "memory_bound", "nvlink", "ib", "pcie", "host_memory")
+# gemm_fp8, attention, memory_bound, pcie), costs/comm.py (nvlink, ib), costs/timing.py
+# (host_memory).
+ACHIEVED_KINDS = (
+    "gemm",
+    "gemm_fp8",
+    "attention",
+    "memory_bound",
+    "nvlink",
+    "ib",
+    "pcie",
+    "host_memory",
+)
 # The fractions fit.py fits, each capped by ``achieved_max``.
 ACHIEVED_MAX_KINDS = ("gemm", "attention", "memory_bound", "nvlink", "ib")
 # ``sources`` cites each figure by its key; ``fit`` is the note of ``planner calibrate --runs``.

@@ -117,6 +117,8 @@ def with_constants(cluster: ClusterSpec, x: np.ndarray) -> ClusterSpec:
     achieved = dict(cluster.achieved)
     for c, value in zip(CONSTANTS, x, strict=True):
         if c.fraction:
+            if c.key == "gemm" and "gemm_fp8" in achieved:  # FP8 keeps its measured ratio
+                achieved["gemm_fp8"] *= 1.0 / float(value) / achieved["gemm"]
             achieved[c.key] = 1.0 / float(value)
         else:
             update[c.key] = float(value)

@@ -244,3 +244,14 @@ def test_gpt_spec_states_a_llama_shape_exactly() -> None:
     assert gpt_model(spec + ";vocab=32000;kv=8").attention == "gqa"
     with pytest.raises(planner.PlannerError, match="'window' is not one of"):
         gpt_model(spec + ";vocab=32000;window=4096")
+
+
+def test_a_fitted_gemm_fraction_carries_fp8_at_its_measured_ratio() -> None:
+    from planner.fit import CONSTANTS, with_constants
+
+    base = load_cluster("h100", gpus=8)
+    ratio = base.achieved["gemm_fp8"] / base.achieved["gemm"]
+    x = np.array([c.read(_true(base)) for c in CONSTANTS])
+    fitted = with_constants(base, x)
+    assert fitted.achieved["gemm"] == pytest.approx(TRUE["achieved"]["gemm"])
+    assert fitted.achieved["gemm_fp8"] == pytest.approx(TRUE["achieved"]["gemm"] * ratio)

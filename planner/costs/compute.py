@@ -12,7 +12,10 @@ Each kind of work in ``planner.costs.work.Work`` runs at its own rate:
   such as experts with few tokens: their weights must be read whatever m is). Without an SM
   count (``ClusterSpec.sm_count``; a CPU profile) there are no tiles. The peak is the
   FP8 tensor-core rate when the job computes in FP8 and the GPU has it (DeepSeek-V3 ran
-  forward, input-gradient and weight-gradient GEMMs in FP8, report section 3.3), else BF16.
+  forward, input-gradient and weight-gradient GEMMs in FP8, report section 3.3), else BF16;
+  FP8 GEMMs reach their own fraction of it, ``achieved["gemm_fp8"]`` where the catalog
+  measured one (on Hopper, cuBLAS's per-tensor-scaled FP8 GEMMs keep 0.88 of the BF16
+  GEMMs' fraction at training shapes: ``benchmarks/gpu_kernels.py``), else ``achieved["gemm"]``.
   ``benchmarks/kernel_fidelity.py`` sets this against published GEMM throughputs by shape
   (DeepGEMM's H800 tables, the best-shape matmul rates of five GPUs);
 - fused attention at ``bf16 peak x achieved["attention"]`` (attention stays in BF16 in FP8
@@ -75,16 +78,16 @@ class Rates:
     @classmethod
     def of(cls, cluster: ClusterSpec, job: TrainingJob) -> Rates:
         achieved = cluster.achieved
-        peak = cluster.bf16_flops
+        peak, gemm = cluster.bf16_flops, achieved.get("gemm", 1.0)
         if job.compute_dtype == "fp8":
             if cluster.fp8_flops is None:
                 raise PlannerError(
                     f"TrainingJob.compute_dtype='fp8': {cluster.name} has no FP8 tensor cores; "
                     "use bf16"
                 )
-            peak = cluster.fp8_flops
+            peak, gemm = cluster.fp8_flops, achieved.get("gemm_fp8", gemm)
         return cls(
-            gemm_flops=peak * achieved.get("gemm", 1.0),
+            gemm_flops=peak * gemm,
             attention_flops=cluster.bf16_flops * achieved.get("attention", 1.0),
             memory_Bps=cluster.hbm_bandwidth_Bps * achieved.get("memory_bound", 1.0),
             kernel_s=cluster.kernel_overhead_s,
