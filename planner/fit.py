@@ -24,7 +24,10 @@ differences (1%) at the current point and solves for the units that minimise the
 percentage error (iteratively reweighted least squares, bounds by an active set); the next
 round re-reads the coefficients there. Where the maxima switch, the linear step can overshoot:
 a round whose point evaluates worse than the best so far goes back half-way toward that one
-instead, and the fit returns the best point it evaluated, never one worse than its start.
+instead, and the fit returns the best point it evaluated, never one worse than its start. The
+host's time per kernel enters only through a maximum with the GPU's, which hides whichever
+side does not bind at the start: the fit runs from the given start and from one with the
+host's time at its lower bound, and keeps the better.
 Every figure reported is ``evaluate``'s at the final constants, not the linearisation's.
 """
 
@@ -191,9 +194,8 @@ def fit_runs(
     """Fit ``CONSTANTS`` of ``cluster`` to ``runs`` (``Run`` or ``(model, job, layout,
     measured_step_s)`` tuples) and cross-validate over ``folds`` folds (runs i, i+k, ...;
     0 or 1: no cross-validation). ``start`` sets where named constants start (displayed
-    units: a fraction, or microseconds), else at the cluster's values: a term that binds
-    only through a maximum (the host's issue time) is invisible to the fit where it starts
-    below the GPU's time."""
+    units: a fraction, or microseconds), else at the cluster's values; the fit also starts
+    once from the host's time per kernel at its lower bound (``_fit``)."""
     items = tuple(Run.of(r, i) for i, r in enumerate(runs))
     if not items:
         raise PlannerError("runs: need at least one measured run")
@@ -276,6 +278,39 @@ def bounds(cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _fit(
+    cluster: ClusterSpec,
+    runs: Sequence[Run],
+    measured: np.ndarray,
+    start: np.ndarray,
+    rounds: int,
+    say: Callable[[str], None],
+    what: str,
+) -> tuple[np.ndarray, list[int]]:
+    """The fit from ``start`` and from ``start`` with the host's time per kernel at its
+    lower bound, whichever reproduces ``runs`` better. The host's time enters a step only
+    through a maximum with the GPU's: where it binds at the start, the runs it binds say
+    nothing of the GPU's constants, and where it does not, nothing of it, so one start can
+    settle in the other's blind spot."""
+    lo, _ = bounds(cluster)
+    host = next(i for i, c in enumerate(CONSTANTS) if c.key == "host_overhead_s")
+    starts = [start]
+    if start[host] > lo[host]:
+        starts.append(start.copy())
+        starts[-1][host] = lo[host]
+    best: tuple[float, np.ndarray, list[int]] | None = None
+    for i, x0 in enumerate(starts):
+        label = what if len(starts) == 1 else f"{what}, start {i + 1}/{len(starts)}"
+        x, informed = _fit_from(cluster, runs, measured, x0, rounds, say, label)
+        if i and host not in informed:  # the runs say the host never binds: that is news
+            informed = sorted([*informed, host])
+        error = _mape(predict(with_constants(cluster, x), runs), measured)
+        if best is None or error < best[0]:
+            best = (error, x, informed)
+    assert best is not None
+    return best[1], best[2]
+
+
+def _fit_from(
     cluster: ClusterSpec,
     runs: Sequence[Run],
     measured: np.ndarray,

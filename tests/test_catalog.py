@@ -214,7 +214,11 @@ def test_optional_overheads_are_read_in_microseconds(tmp_path: Path) -> None:
     cluster = planner.load_cluster(path, gpus=8)
     assert cluster.kernel_overhead_s == pytest.approx(35e-6)
     assert cluster.host_overhead_s == pytest.approx(65e-6)
-    default = planner.load_cluster("a100", gpus=8)
+    assert planner.load_cluster("a100", gpus=8).host_overhead_s == pytest.approx(70e-6)
+    unstated = tmp_path / "a100-unstated.yaml"  # neither stated: the defaults
+    lines = source.splitlines(keepends=True)
+    unstated.write_text("".join(x for x in lines if not x.startswith("host_overhead_us")))
+    default = planner.load_cluster(unstated, gpus=8)
     assert (default.kernel_overhead_s, default.host_overhead_s) == (4e-6, 0.0)
 
 

@@ -25,10 +25,14 @@ Each kind of work in ``planner.costs.work.Work`` runs at its own rate:
 - memory-bound kernels at ``HBM bandwidth x achieved["memory_bound"]``;
 - plus ``cluster.kernel_overhead_s`` per kernel on the GPU: launch latency.
 
-The host issues the kernels, ``cluster.host_overhead_s`` each (framework dispatch and the CUDA
-launch call), asynchronously: a phase of work takes the longer of the GPU's time and the
-host's. Small models at high tensor parallelism are host-bound this way (in the vTrain
-measurements a micro-batch of 2 sequences takes as long as one of 1), large ones are not.
+The host issues the kernels, ``cluster.host_overhead_s`` per kernel the model counts (the
+framework's Python, autograd and the CUDA launch), asynchronously: a phase of work takes the
+longer of the GPU's time and the host's. The model counts a fused stack's kernels (13 forward
+and 19 backward for a Llama layer), fewer than an eager stack launches, so the figure is per
+counted kernel: 70 us, measured on an eager PyTorch layer on an H200 machine's host
+(``benchmarks/gpu_host.py``). Small models at high tensor parallelism or small micro-batches
+are host-bound this way (in the vTrain measurements a micro-batch of 4 sequences takes as long
+as one of 1), large ones are not.
 A framework that launches the routed experts' GEMMs one per expert, after a host-device
 synchronisation that empties the GPU's queue, spends ``Framework.expert_gemm_launch_s`` of
 host time on each (``Work.expert_gemms``, counted from the expert shapes): those GEMMs then
