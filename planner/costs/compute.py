@@ -14,7 +14,7 @@ Each kind of work in ``planner.costs.work.Work`` runs at its own rate:
   FP8 tensor-core rate when the job computes in FP8 and the GPU has it (DeepSeek-V3 ran
   forward, input-gradient and weight-gradient GEMMs in FP8, report section 3.3), else BF16;
   FP8 GEMMs reach their own fraction of it, ``achieved["gemm_fp8"]`` where the catalog
-  measured one (on Hopper, cuBLAS's per-tensor-scaled FP8 GEMMs keep 0.88 of the BF16
+  measured one (on Hopper, cuBLAS's per-tensor-scaled FP8 GEMMs keep about 0.9 of the BF16
   GEMMs' fraction at training shapes: ``benchmarks/gpu_kernels.py``), else ``achieved["gemm"]``.
   ``benchmarks/kernel_fidelity.py`` sets this against published GEMM throughputs by shape
   (DeepGEMM's H800 tables, the best-shape matmul rates of five GPUs);
