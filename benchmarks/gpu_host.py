@@ -4,8 +4,9 @@ GPU, beside the kernel count the cost model charges for the same layer.
 ``planner.costs.compute.work_time`` takes the longer of a phase's GPU time and
 ``kernels x host_overhead_s``; the catalog sets no host time (0), and small models at small
 micro-batches (vTrain's A100 rows, Megatron-LM's CI rows) run slower than their GPU work.
-This measures the host side of an eager PyTorch layer (``planner.run.model.DenseLayer``, a
-Llama-like layer at 1/32 of Llama 3 8B's width and 256 tokens, so every kernel is short):
+This measures the host side of an eager PyTorch layer (``planner.run.model.DenseLayer``: by
+default a Llama 3 8B layer, with ``--model`` any catalog model's first MoE layer, DeepSeek-V3's
+cut to 16 experts; at 1/32 of the width and 256 tokens, so every kernel is short):
 
 - wall seconds per layer, forward plus backward, over a stack of ``--layers`` layers and
   ``--repeat`` steps, by recompute choice (full recompute runs the forward twice);
@@ -32,11 +33,10 @@ from typing import Any
 
 import torch
 
-from planner.catalog import load_model
 from planner.costs.blocks import block_cost
 from planner.costs.memory import shard_of
 from planner.layout import Layout, parse_recompute
-from planner.run.benchblocks import job_for
+from planner.run.benchblocks import block_model, job_for
 from planner.run.benchrows import scaled_model
 from planner.run.model import DenseLayer
 
@@ -44,10 +44,10 @@ SCALE = 1 / 32
 SEQ = 256
 
 
-def _model_kernels(model: Any, recompute: str) -> dict[str, int]:
+def _model_kernels(model: Any, block: str, recompute: str) -> dict[str, int]:
     """Kernels the cost model counts for one layer, forward / backward / recompute."""
     shard = shard_of(job_for(SEQ, "bf16"), Layout.uniform(model))
-    cost = block_cost(model, "layer.0", shard)
+    cost = block_cost(model, block, shard)
     dropped = "full" if recompute == "full" else parse_recompute(recompute)
     bwd = cost.bwd_input + cost.bwd_weight
     return {
@@ -68,16 +68,19 @@ def _kernels_launched(fn: Any) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama3-8b", help="catalog model (MoE: its first MoE layer)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--repeat", type=int, default=20)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_host: needs a CUDA GPU (torch.cuda.is_available() is False)")
         return 2
-    model = scaled_model(load_model("llama3-8b"), SCALE)
+    model = scaled_model(block_model(args.model), SCALE)
+    index = next((i for i in range(model.num_layers) if model.is_moe_layer(i)), 0)
+    block, moe = f"layer.{index}", model.is_moe_layer(index)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        layers = [DenseLayer(model, torch.bfloat16) for _ in range(args.layers)]
+        layers = [DenseLayer(model, torch.bfloat16, moe=moe) for _ in range(args.layers)]
         x0 = torch.randn(1, SEQ, model.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     tiny = torch.zeros(1, device="cuda")
 
@@ -86,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             tiny.add_(1)
 
     rows: list[dict[str, Any]] = []
-    for recompute in ("none", "selective", "full"):
+    ffn = "moe" if moe else "mlp"
+    for recompute in ("none", "selective", ffn, "full"):
 
         def step(recompute: str = recompute) -> None:
             x = x0
@@ -105,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             walls.append(time.perf_counter() - t0)
         per_layer = statistics.median(walls) / args.layers
         kernels = _kernels_launched(step) / args.layers
-        counted = _model_kernels(model, recompute)
+        counted = _model_kernels(model, block, recompute)
         total = sum(counted.values())
         rows.append(
             {
@@ -124,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     bare = (time.perf_counter() - t0) / 1000
     torch.cuda.synchronize()
     name = torch.cuda.get_device_name(0)
-    print(f"{name}, torch {torch.__version__}; layer {model.hidden_size} wide, {SEQ} tokens")
+    print(
+        f"{name}, torch {torch.__version__}; {args.model} {block} at {SCALE:.4f} of its width "
+        f"({model.hidden_size} wide), {SEQ} tokens"
+    )
     print(f"bare launch (one-element add): {bare * 1e6:.2f} us per kernel")
     print(
         f"{'recompute':10} {'ms/layer':>9} {'kernels':>8} {'us/kernel':>9} "
