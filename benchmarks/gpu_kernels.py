@@ -1,14 +1,15 @@
 """GEMM rates by precision and the cost of launching routed experts one GEMM at a time, on
 one CUDA GPU, beside the cost model's figures for the catalog machine named (``--cluster``).
 
-Two questions the cost model answers with constants that were not measured here:
+Two questions of the cost model's constants:
 
-- FP8 GEMMs. ``planner.costs.compute`` prices them at the FP8 tensor-core peak times the
-  same achieved fraction as BF16 (``achieved["gemm"]``). Measured: the BF16 rate
-  (``F.linear``) and the FP8 rate (``torch._scaled_mm``, E4M3 inputs, BF16 output; per-tensor
-  and per-row scales) at the forward GEMM shapes of one layer of Llama 3 70B and of
-  DeepSeek-V3 (``planner.run.bench.gemm_shapes``: one sequence, tp 1 and 8), and at
-  8192 x 8192 x 8192.
+- FP8 GEMMs. ``planner.costs.compute`` prices them at the FP8 tensor-core peak times
+  ``achieved["gemm_fp8"]`` (which this script's figures set for Hopper), else the BF16
+  fraction. Measured: the BF16 rate (``F.linear``) and the FP8 rate (``torch._scaled_mm``,
+  E4M3 inputs, BF16 output; per-tensor scales with and without fast accumulation, per-row
+  scales, DeepSeek-V3's 1 x 128 / 128 x 128 blocks) at the forward GEMM shapes of one layer
+  of Llama 3 70B and of DeepSeek-V3 (``planner.run.bench.gemm_shapes``: one sequence, tp 1
+  and 8), and at 8192 x 8192 x 8192.
 - Routed experts. ``Framework.expert_gemm_launch_s`` (Megatron-LM with Transformer Engine's
   GroupedLinear: one cuBLAS GEMM per local expert, issued after the host has read the tokens
   per expert) is fitted to measured MoE ladders, not measured. Measured here: one MoE
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
     gemms = gemm_rows(args.cluster)
-    print(f"\nGEMMs (TFLOP/s; model: catalog {args.cluster}, its achieved gemm fraction)")
+    print(f"\nGEMMs (TFLOP/s; model: catalog {args.cluster}, its gemm and gemm_fp8 fractions)")
     cols = ("bf16_s", "bf16_model_s", "fp8_tensor_s", "fp8_tensor_fast_s", "fp8_row_s")
     cols += ("fp8_block_s", "fp8_block2_s", "fp8_block_v2_s", "fp8_model_s")
     print(
