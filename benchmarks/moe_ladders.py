@@ -177,18 +177,20 @@ def cost(r: dict[str, str]) -> Row:
                     base.skipped = str(exc)
                     return base
                 continue
-            found.append((0.0 if est.fits else 1.0, layout, est))
+            # The run trained: what fits the GPU's memory in the model, not the planner's cap
+            # under its margin for the model's own error, tells which settings it could use.
+            found.append((0.0 if est.headroom >= 0 else 1.0, layout, est))
         fastest = min(found, key=lambda f: (f[0], f[2].step_time_s))
         _, layout, est = fastest
-        if est.fits or len(tries) == 1:
+        if est.headroom >= 0 or len(tries) == 1:
             break
     assert est is not None
     if len(virtuals) > 1:
         assumed.append(f"{layout.virtual_stages} virtual stages (fastest that fits)")
     if len(tries) > 1:
         assumed.append(f"recompute {recompute}")
-    if not est.fits:
-        assumed.append("DOES NOT FIT the memory cap")
+    if est.headroom < 0:
+        assumed.append("DOES NOT FIT HBM in the model")
     name = f"tp{layout.tp} pp{layout.pp} dp{layout.dp} ep{layout.ep} etp{layout.etp}"
     name += f" cp{layout.cp} v{layout.virtual_stages} z{layout.zero} {layout.schedule}"
     return Row(

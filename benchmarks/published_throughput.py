@@ -75,11 +75,12 @@ PROFILES: dict[str, Path] = {}  # --profile: a GPU's cluster YAML instead of the
 
 @dataclass(frozen=True)
 class Costed:
-    fits: bool
+    fits: bool  # within the planner's cap (usable HBM less its margin)
     moe: bool
     assumed: list[str]
     run: Run
     measured_mfu: float = 0.0  # model FLOPs (the planner's count) over BF16 peak, measured
+    run_over_hbm: bool = False  # the predicted peak exceeds usable HBM itself
 
 
 def ceiling_key(row: dict[str, str]) -> str:
@@ -180,7 +181,9 @@ def cost(row: dict[str, str]) -> tuple[float, float, Costed]:
         fields["recompute"] = choice
         run = run_from_row(fields, row["id"])
         est = planner.evaluate(run.model, cluster, run.job, run.layout)
-        if est.fits or i == len(choices) - 1:
+        # The run trained: the question is what fits the GPU's memory in the model, not what
+        # the planner would choose under its margin for the model's own error.
+        if est.headroom >= 0 or i == len(choices) - 1:
             break
     if recompute == "unstated":
         assumed.append(f"recompute {fields['recompute']} (leanest that fits)")
@@ -191,7 +194,7 @@ def cost(row: dict[str, str]) -> tuple[float, float, Costed]:
     return (
         measured,
         est.step_time_s,
-        Costed(est.fits, bool(run.model.num_experts), assumed, measured_run, mfu),
+        Costed(est.fits, bool(run.model.num_experts), assumed, measured_run, mfu, est.headroom < 0),
     )
 
 
@@ -309,7 +312,9 @@ def main() -> None:
             f"tp{row['tp']} pp{row['pp']} dp{row['dp']} ep{row['ep']} vp{row['vp']} "
             f"mb{row['micro_batch']} {row['schedule']}"
         )
-        flag = "" if est.fits else " (does not fit HBM in the model)"
+        flag = "" if est.fits else " (over the planner's memory cap)"
+        if est.run_over_hbm:
+            flag = " (does not fit HBM in the model)"
         if est.assumed:
             flag += f" [assumed: {', '.join(est.assumed)}]"
         print(
