@@ -125,6 +125,9 @@ class Framework:
     loss_copies_logits: bool = False  # the eager loss keeps an FP32 copy of the logits
     op_sac: bool = False  # per-op selective checkpointing ("op" recompute)
     zero_shards_weights_from: int = 3  # the ZeRO stage from which weights are sharded
+    # The one ZeRO stage at which it keeps optimizer moments narrower than FP32
+    # (TrainingJob.moment_dtype); at the others it keeps FP32 moments (None: any stage).
+    narrow_moments_zero: int | None = None
     holds_unsharded: bool = False  # FSDP2 keeps gathered working weights (held_unsharded)
     fixed_reduce_buckets: bool = False  # reduce buckets of a fixed size, not the largest block
     max_live_parameters: int | None = None  # ZeRO-3 gathered parameters kept resident
@@ -209,6 +212,10 @@ FRAMEWORKS: dict[str, Framework] = {
         # tensor path, one kernel with device-side splits), which this registry does not
         # distinguish.
         expert_gemm_launch_s=52e-6,
+        # --exp-avg-dtype / --exp-avg-sq-dtype take effect only on the precision-aware
+        # optimizer, which needs --use-distributed-optimizer (arguments.py at d98e8a64): the
+        # distributed optimizer's ZeRO-1. Elsewhere the moments are FP32.
+        narrow_moments_zero=1,
         fp8_keeps_fp8_inputs=True,
         fp8_cache=True,
         probs_in_expert=True,

@@ -450,7 +450,11 @@ class TrainingJob(Spec):
         description="Dtype of the optimizer's master weights (None: the parameters are the "
         "master copy; framework default).",
     )
-    moment_dtype: DType = Field(default="fp32", description="Dtype of the optimizer moments.")
+    moment_dtype: DType = Field(
+        default="fp32",
+        description="Dtype of the optimizer moments. Megatron-LM keeps narrower ones only "
+        "through its distributed optimizer (ZeRO-1); at other ZeRO stages they are FP32.",
+    )
     compute_dtype: Literal["bf16", "fp8"] = Field(default="bf16", description="GEMM precision.")
     activation_dtype: DType = Field(default="bf16", description="Dtype of saved activations.")
     optimizer: Literal["adamw", "sgd"] = Field(

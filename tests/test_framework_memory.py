@@ -63,6 +63,55 @@ def test_optimizer_state_per_parameter_follows_the_framework() -> None:
         assert state["weights"] + state["grads"] + state["optimizer"] == per_param * n
 
 
+def test_megatron_keeps_narrow_moments_only_through_its_distributed_optimizer() -> None:
+    # --exp-avg-dtype bf16 takes effect on the precision-aware optimizer, which needs
+    # --use-distributed-optimizer (ZeRO-1): at ZeRO-0 and ZeRO-2 the moments are FP32 and
+    # the export asks for none, so the plan and the launched job hold the same bytes.
+    n = sum(
+        p.numel
+        for p in block_cost(
+            LLAMA8,
+            "layer.0",
+            shard_of(
+                planner.TrainingJob(seq_len=8, global_batch=1), planner.Layout.uniform(LLAMA8)
+            ),
+        ).params
+    )
+    for framework, zero, per_param in (
+        ("megatron", 1, 4 + 2 + 2),  # FP32 master, BF16 moments (dp 1: nothing sharded)
+        ("megatron", 0, 4 + 4 + 4),
+        ("megatron", 2, 4 + 4 + 4),
+        ("torch", 2, 4 + 2 + 2),  # no such rule
+    ):
+        layout = planner.Layout.uniform(LLAMA8, zero=zero)
+        job = planner.TrainingJob(
+            seq_len=8, global_batch=1, framework=framework, master_dtype="fp32", moment_dtype="bf16"
+        )
+        params = block_cost(LLAMA8, "layer.0", shard_of(job, layout)).params
+        state = state_bytes(params, job=job, layout=layout, ema_on_gpu=True)
+        assert state["optimizer"] == per_param * n, (framework, zero)
+
+
+def test_megatron_export_asks_for_narrow_moments_only_where_they_were_costed() -> None:
+    cluster = planner.load_cluster("h100", gpus=8)
+    job = planner.TrainingJob(seq_len=4096, global_batch=64, moment_dtype="bf16")
+    for zero, stated in ((1, True), (2, False)):
+        layout = planner.Layout.uniform(LLAMA8, dp=8, zero=zero, recompute="full")
+        est = planner.evaluate(LLAMA8, cluster, job, layout)
+        plan = Plan(
+            status="feasible",
+            layout=layout,
+            estimate=est,
+            solve_time_s=0.0,
+            model=LLAMA8,
+            cluster=cluster,
+            job=job,
+        )
+        out = megatron(plan)
+        assert ("--exp-avg-dtype" in out.args) == stated
+        assert not any("moments" in d for d in out.differences)
+
+
 def test_fp8_linears_keep_fp8_inputs_where_the_framework_does() -> None:
     """Transformer Engine's linears (Megatron-LM) keep the FP8 copy of their input, 1 byte
     plus a 1/32-byte share of the scales; torchao's (torchtitan) keep the BF16 input."""

@@ -157,7 +157,17 @@ def test_seed_001_table_8_zero_rows(
     and optimizer figures of the first row; its table is right.)"""
     from planner.costs.state import state_bytes
 
-    job = planner.TrainingJob(seq_len=4096, global_batch=32, grad_dtype="fp32", moment_dtype="bf16")
+    # A stack that keeps BF16 moments at every ZeRO stage, as the seed assumes (Megatron-LM
+    # keeps them narrow only through its distributed optimizer: Framework.narrow_moments_zero)
+    job = planner.TrainingJob(
+        seq_len=4096,
+        global_batch=32,
+        weight_dtype="bf16",
+        grad_dtype="fp32",
+        master_dtype="fp32",
+        moment_dtype="bf16",
+        framework="torch",
+    )
     layout = planner.Layout.uniform(DSV3, pp=16, tp=2, dp=32, ep=8, zero=zero)
     # One dense tensor split over tp=2 and one expert tensor over ep=8 with the seed's totals.
     params = [

@@ -8,7 +8,8 @@ the same):
 - ``weights``: working weights in ``weight_dtype``; ZeRO-3 shards them.
 - ``grads``: gradient buffers in ``grad_dtype``; ZeRO-2 and -3 shard them.
 - ``optimizer``: master weights (``master_dtype``) and moments (two for AdamW, one for SGD
-  with momentum) in ``moment_dtype``; ZeRO-1 and up shard them.
+  with momentum) in ``moment_dtype`` (FP32 at the ZeRO stages where the framework keeps no
+  narrower ones: ``Framework.narrow_moments_zero``); ZeRO-1 and up shard them.
 - ``ema``: an EMA copy in the job's ``ema`` dtype when it lives in HBM, sharded like the
   optimizer state.
 - ``activations``: saved activations of the micro-batches in flight at the rank's peak (the

@@ -86,9 +86,10 @@ def state_bytes(
     moved_rw = 0.0  # gradient reads and weight writes the PCIe copies take off the GPU's step
     wb, gb = DTYPE_BYTES[job.weight_dtype], DTYPE_BYTES[job.grad_dtype]
     moments = 2 if job.optimizer == "adamw" else 1
-    opt_b = (DTYPE_BYTES[job.master_dtype] if job.master_dtype else 0) + moments * DTYPE_BYTES[
-        job.moment_dtype
-    ]
+    moment_b = DTYPE_BYTES[job.moment_dtype]
+    if fw.narrow_moments_zero not in (None, layout.zero):
+        moment_b = max(moment_b, DTYPE_BYTES["fp32"])  # the framework keeps FP32 moments here
+    opt_b = (DTYPE_BYTES[job.master_dtype] if job.master_dtype else 0) + moments * moment_b
     ema_b = DTYPE_BYTES[job.ema] if job.ema else 0
     edp = layout.plane // (layout.ep * layout.etp)
     z = layout.zero

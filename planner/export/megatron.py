@@ -103,7 +103,7 @@ def megatron(plan: Plan) -> Export:
         args += ["--pipeline-model-parallel-layout", pipeline_layout(runs)]
     args += _recompute_args(runs)
     args += _zero_args(runs.zero)
-    args += _optimizer_args(job, runs, differences)
+    args += _optimizer_args(job, runs)
     args.append("--bf16")
     if job.compute_dtype == "fp8":
         args += ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
@@ -269,20 +269,15 @@ def _recompute_args(layout: Layout) -> list[str]:
     return ["--recompute-granularity", "selective", "--recompute-modules", *modules]
 
 
-def _optimizer_args(job: TrainingJob, runs: Layout, differences: list[str]) -> list[str]:
+def _optimizer_args(job: TrainingJob, runs: Layout) -> list[str]:
     """Moments in a narrower dtype and the optimizer state offloaded to the host: both go
     through the distributed optimizer's precision-aware path (Megatron-LM arguments.py:
     --optimizer-cpu-offload needs --use-precision-aware-optimizer, which needs
-    --use-distributed-optimizer; --exp-avg-dtype / --exp-avg-sq-dtype take effect with it)."""
+    --use-distributed-optimizer; --exp-avg-dtype / --exp-avg-sq-dtype take effect with it).
+    At other ZeRO stages the moments stay FP32, as the plan costs them."""
     args: list[str] = []
     narrow = job.moment_dtype != "fp32"
-    if (narrow or runs.optimizer_offload) and runs.zero != 1:
-        if narrow:
-            differences.append(
-                f"{job.moment_dtype} optimizer moments: Megatron-LM keeps them narrow through "
-                f"its distributed optimizer (ZeRO-1), not ZeRO-{runs.zero}; it then keeps FP32 "
-                "moments, which the plan did not cost"
-            )
+    if runs.zero != 1:  # FP32 moments, as the plan costed them (Framework.narrow_moments_zero)
         return args
     if narrow or runs.optimizer_offload:
         args.append("--use-precision-aware-optimizer")
