@@ -6,6 +6,7 @@ DeepSeek-V3 recipe that fits 80 GB as it did in reality."""
 from __future__ import annotations
 
 import pytest
+from test_export import plan_of
 
 import planner
 from planner.costs.blocks import FP8_SAVED_BYTES, block_cost
@@ -13,7 +14,6 @@ from planner.costs.memory import shard_of, stage_memory
 from planner.costs.state import state_bytes
 from planner.export import megatron
 from planner.layout import parse_recompute
-from planner.solve.result import Plan
 from planner.solve.space import enumerate_configs
 
 LLAMA8 = planner.load_model("llama3-8b")
@@ -97,17 +97,7 @@ def test_megatron_export_asks_for_narrow_moments_only_where_they_were_costed() -
     job = planner.TrainingJob(seq_len=4096, global_batch=64, moment_dtype="bf16")
     for zero, stated in ((1, True), (2, False)):
         layout = planner.Layout.uniform(LLAMA8, dp=8, zero=zero, recompute="full")
-        est = planner.evaluate(LLAMA8, cluster, job, layout)
-        plan = Plan(
-            status="feasible",
-            layout=layout,
-            estimate=est,
-            solve_time_s=0.0,
-            model=LLAMA8,
-            cluster=cluster,
-            job=job,
-        )
-        out = megatron(plan)
+        out = megatron(plan_of(LLAMA8, cluster, job, layout))
         assert ("--exp-avg-dtype" in out.args) == stated
         assert not any("moments" in d for d in out.differences)
 
@@ -293,16 +283,7 @@ def test_deepseek_v3_recipe_fits_80_gb_as_it_did() -> None:
 
 def test_megatron_export_states_gradient_precision_and_fp8_cache() -> None:
     r = planner.load_recipe("deepseek-v3-pretraining")
-    est = planner.evaluate(r.model, r.cluster, r.job, r.layout)
-    plan = Plan(
-        status="feasible",
-        layout=r.layout,
-        estimate=est,
-        solve_time_s=0.0,
-        model=r.model,
-        cluster=r.cluster,
-        job=r.job,
-    )
+    plan = plan_of(r.model, r.cluster, r.job, r.layout)
     out = megatron(plan)
     text = "\n".join(out.files.values())
     assert "--grad-reduce-in-bf16" not in text
