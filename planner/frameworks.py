@@ -208,9 +208,9 @@ FRAMEWORKS: dict[str, Framework] = {
         # measured MoE ladders (benchmarks/expert_launch.py; pair error 0.116 -> 0.086, 13 ->
         # 16 ladders ordered exactly). Each source held out: the MoE Parallel Folding paper's
         # 16 ladders, 0.086 -> 0.076 at 54 us fitted on the other; Megatron-MoE-ModelZoo's one,
-        # 0.353 -> 0.181 at 50 us. Not priced under --moe-use-grouped-tensor (TE's grouped
-        # tensor path, one kernel with device-side splits), which this registry does not
-        # distinguish.
+        # 0.353 -> 0.181 at 50 us. Not charged for a job with TrainingJob.moe_grouped_tensor
+        # (--moe-use-grouped-tensor: TE's grouped tensor path, one kernel with device-side
+        # splits; costs.compute.Rates.of).
         expert_gemm_launch_s=52e-6,
         # --exp-avg-dtype / --exp-avg-sq-dtype take effect only on the precision-aware
         # optimizer, which needs --use-distributed-optimizer (arguments.py at d98e8a64): the
