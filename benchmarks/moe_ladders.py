@@ -16,8 +16,9 @@ Conventions:
   and job, so the order does not depend on it.
 - What a row leaves out is taken as the framework runs it by default, and printed: a blank
   micro-batch is 1, an unstated dispatcher NCCL all-to-all, an ``fsdp`` row ZeRO-3 (Megatron
-  FSDP) without pipelining. An unstated recompute is the least the layout needs to fit: none,
-  then selective, then full (the first whose predicted peak is under the memory cap). Unstated
+  FSDP) without pipelining. An unstated recompute is the fastest choice Megatron-LM can state
+  under which the layout fits HBM in the model (``published_throughput.recompute_choices``:
+  none, every combination of the modules the model has, full). Unstated
   virtual stages with pp > 1 (the MoE Parallel Folding paper's tables give none, and call
   their layouts "optimal configurations") are the fastest that fits of 1 to 8 chunks per rank
   that divide its layers evenly (``interleaved`` when more than 1), the same rule for every
@@ -45,12 +46,13 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
+from published_throughput import fastest_fitting, recompute_choices
+
 import planner
 from planner.estimate import model_flops_per_token
 
 HERE = Path(__file__).resolve().parent
 LADDERS = HERE / "moe_ladders.csv"
-UNSTATED_RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass
@@ -154,7 +156,8 @@ def cost(r: dict[str, str]) -> Row:
     stated = r["recompute"].strip()
     if stated.startswith("selective(") and stated.endswith(")"):  # Megatron-LM's modules
         stated = stated.removeprefix("selective(").removesuffix(")")
-    tries = UNSTATED_RECOMPUTE if stated in ("", "unstated") else (stated,)
+    unstated = stated in ("", "unstated")
+    tries = recompute_choices(model, "megatron") if unstated else [stated]
     pp = _int(r["pp"], 1)
     per_rank = model.num_layers // pp
     virtuals = (
@@ -162,8 +165,11 @@ def cost(r: dict[str, str]) -> Row:
         if r["vp"].strip() or pp == 1
         else [v for v in range(1, 9) if model.num_layers % (pp * v) == 0 and v <= per_rank]
     )
-    est, recompute = None, tries[0]
-    for recompute in tries:
+    layouts: dict[str, planner.Layout] = {}
+
+    def estimate(recompute: str) -> planner.Estimate:
+        """The fastest of the virtual-stage counts that fits HBM in the model (the run
+        trained: not the planner's cap under its margin for the model's own error)."""
         found: list[tuple[float, planner.Layout, planner.Estimate]] = []
         for v in virtuals:
             row = r
@@ -171,24 +177,25 @@ def cost(r: dict[str, str]) -> Row:
                 row = {**r, "vp": str(v), "schedule": "interleaved" if v > 1 else r["schedule"]}
             try:
                 layout = _layout(model, row, recompute)
-                est = planner.evaluate(model, cluster, job, layout)
-            except planner.PlannerError as exc:
+                found.append((0.0, layout, planner.evaluate(model, cluster, job, layout)))
+            except planner.PlannerError:
                 if v == 1:
-                    base.skipped = str(exc)
-                    return base
+                    raise
                 continue
-            # The run trained: what fits the GPU's memory in the model, not the planner's cap
-            # under its margin for the model's own error, tells which settings it could use.
-            found.append((0.0 if est.headroom >= 0 else 1.0, layout, est))
-        fastest = min(found, key=lambda f: (f[0], f[2].step_time_s))
-        _, layout, est = fastest
-        if est.headroom >= 0 or len(tries) == 1:
-            break
-    assert est is not None
+            found[-1] = (0.0 if found[-1][2].headroom >= 0 else 1.0, *found[-1][1:])
+        _, layouts[recompute], est = min(found, key=lambda f: (f[0], f[2].step_time_s))
+        return est
+
+    try:
+        recompute, est = fastest_fitting(tries, estimate)
+    except planner.PlannerError as exc:
+        base.skipped = str(exc)
+        return base
+    layout = layouts[recompute]
     if len(virtuals) > 1:
         assumed.append(f"{layout.virtual_stages} virtual stages (fastest that fits)")
-    if len(tries) > 1:
-        assumed.append(f"recompute {recompute}")
+    if unstated:
+        assumed.append(f"recompute {recompute} (fastest that fits)")
     if est.headroom < 0:
         assumed.append("DOES NOT FIT HBM in the model")
     name = f"tp{layout.tp} pp{layout.pp} dp{layout.dp} ep{layout.ep} etp{layout.etp}"

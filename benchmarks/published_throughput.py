@@ -25,9 +25,11 @@ A measured figure becomes seconds per step:
   causal attention), and MFU is against the dense BF16 peak.
 
 What a source leaves unstated is assumed and printed beside the row: micro-batch 1; 1F1B
-where the schedule is unstated; 2 virtual stages for interleaving; the leanest recompute
-(none, selective, full) under which the layout fits HBM in the model where the recompute is
-unstated; in-house stacks (Llama 3, DeepSeek-V3) overlap as Megatron-LM does; rows whose
+where the schedule is unstated; 2 virtual stages for interleaving; where the recompute is
+unstated, the fastest choice its framework can state under which the layout fits HBM in the
+model (``recompute_choices``: Megatron-LM's module combinations, torchtitan's none, op and
+full, DeepSpeed's none and full), as a team that tuned the run would have picked; in-house
+stacks (Llama 3, DeepSeek-V3) overlap as Megatron-LM does; rows whose
 ``tp_comm_overlap`` is false (Megatron-LM before ``--tp-comm-overlap`` existed or without it,
 torchtitan without async TP) leave the tensor-parallel collectives exposed
 (``TrainingJob.tp_comm_overlap``); a blank one has the framework's overlap on. Data
@@ -47,10 +49,11 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +65,8 @@ from planner.errors import PlannerError
 from planner.estimate import ACCURACY, mfu_class, model_flops_per_token
 from planner.export.megatron_model import hf_repo
 from planner.fit import Run, fit_runs, gpt_model, run_from_row
+from planner.frameworks import framework as framework_of
+from planner.layout import RECOMPUTE_MODULES
 
 DATA = Path(__file__).resolve().parent / "published_runs.csv"
 SCHEDULES = {"1f1b": "1f1b", "interleaved": "interleaved", "dualpipe": "dualpipe", "zb": "zb-h1"}
@@ -115,6 +120,57 @@ def measured_step(row: dict[str, str], model: planner.ModelSpec, peak: float) ->
     if metric == "mfu":
         return flops / (value * peak * gpus)
     raise PlannerError(f"row {row['id']}: metric {metric!r} unknown")
+
+
+def recompute_choices(model: planner.ModelSpec, framework: str) -> list[str]:
+    """The recompute choices a run of ``model`` under ``framework`` could have used where its
+    source does not state one: what the framework's launcher can state, none first and full
+    last. Megatron-LM's --recompute-modules take any combination of the modules the model has
+    (``selective`` is core_attn alone); torchtitan's none, per-op and full; DeepSpeed's none
+    and full (its 2021 releases, which have no launcher here, too: whole layers or none)."""
+    fw = framework_of(framework)
+    stated = fw.launcher.recompute if fw.launcher else ("none", "full")
+    if stated is not None:
+        return ["none", *(["op"] if fw.op_sac else []), "full"]
+    has = {
+        "core_attn": True,
+        "layernorm": True,
+        "mla_up_proj": model.kv_lora_rank > 0,
+        "mlp": any(not model.is_moe_layer(i) for i in range(model.num_layers)),
+        "moe": model.num_experts > 0,
+        "moe_act": model.num_experts > 0,
+        "shared_experts": model.num_shared_experts > 0,
+    }
+    modules = [m for m in RECOMPUTE_MODULES if has[m]]
+    combos = [
+        "+".join(c) for n in range(1, len(modules) + 1) for c in itertools.combinations(modules, n)
+    ]
+    return ["none", *combos, "full"]
+
+
+def fastest_fitting(
+    choices: list[str], estimate: Callable[[str], planner.Estimate]
+) -> tuple[str, planner.Estimate]:
+    """Of the recompute ``choices``, the one whose layout fits HBM in the model (headroom >= 0,
+    not the planner's cap under its margin: the run trained) at the shortest predicted step;
+    where none fits, the one of least peak memory. Recompute only adds work, so a choice
+    whose modules hold all of a fitting choice's is not tried (``none`` fitting ends the
+    search)."""
+    best: tuple[tuple[int, float], str, planner.Estimate] | None = None
+    fitting: list[frozenset[str]] = []
+    for choice in choices:
+        modules = frozenset() if choice == "none" else frozenset(choice.split("+"))
+        if any(f <= modules for f in fitting):
+            continue
+        est = estimate(choice)
+        fits = est.headroom >= 0
+        key = (0, est.step_time_s) if fits else (1, float(est.peak_bytes))
+        if best is None or key < best[0]:
+            best = (key, choice, est)
+        if fits:
+            fitting.append(modules)
+    assert best is not None
+    return best[1], best[2]
 
 
 def cost(row: dict[str, str]) -> tuple[float, float, Costed]:
@@ -176,17 +232,16 @@ def cost(row: dict[str, str]) -> tuple[float, float, Costed]:
         recompute = "+".join(MODULES.get(m, m) for m in recompute.split("+"))
     choices = [recompute]
     if recompute == "unstated":
-        choices = ["none", "selective", "full"]
-    for i, choice in enumerate(choices):
-        fields["recompute"] = choice
-        run = run_from_row(fields, row["id"])
-        est = planner.evaluate(run.model, cluster, run.job, run.layout)
-        # The run trained: the question is what fits the GPU's memory in the model, not what
-        # the planner would choose under its margin for the model's own error.
-        if est.headroom >= 0 or i == len(choices) - 1:
-            break
+        choices = recompute_choices(model, framework)
+
+    def estimate(choice: str) -> planner.Estimate:
+        run = run_from_row({**fields, "recompute": choice}, row["id"])
+        return planner.evaluate(run.model, cluster, run.job, run.layout)
+
+    fields["recompute"], est = fastest_fitting(choices, estimate)
+    run = run_from_row(fields, row["id"])
     if recompute == "unstated":
-        assumed.append(f"recompute {fields['recompute']} (leanest that fits)")
+        assumed.append(f"recompute {fields['recompute']} (fastest that fits)")
     measured_run = Run(run.model, run.job, run.layout, measured, row["id"])
     tokens = run.job.tokens_per_step
     flops = model_flops_per_token(run.model, run.job.seq_len) * tokens
