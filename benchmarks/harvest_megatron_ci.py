@@ -687,6 +687,9 @@ def build_row(
         "dispatcher": dispatcher,
         "grad_dtype": "bf16" if args.get("--grad-reduce-in-bf16") else "",
         "sequence_parallel": str(bool(args.get("--sequence-parallel")) and tp > 1).lower(),
+        # --attention-backend flash: Transformer Engine's FlashAttention path, the flash-attn
+        # package (FlashAttention-2); auto runs cuDNN's fused attention
+        "attention_kernel": "fa2" if args.stated("--attention-backend", "auto") == "flash" else "",
         "etp": str(etp),
         "zero": str(zero),
         "mem_allocated_bytes": number(measured.mem_allocated),

@@ -37,7 +37,15 @@ def predict(row: dict[str, str]) -> float:
     """Predicted TFLOP/s of one row, in the source's FLOP count."""
     cluster = planner.load_cluster(row["gpu"], gpus=8)
     fp8 = row["dtype"] == "fp8"
-    job = planner.TrainingJob(seq_len=4096, global_batch=8, compute_dtype="fp8" if fp8 else "bf16")
+    # FlashAttention-2's rows at its own fraction (achieved["attention_fa2"] where the GPU has
+    # one: Hopper); FlashAttention-3's and cuDNN's at the GPU's fastest
+    fa2 = row["kernel"] == "attention" and row["notes"].startswith("FlashAttention-2")
+    job = planner.TrainingJob(
+        seq_len=4096,
+        global_batch=8,
+        compute_dtype="fp8" if fp8 else "bf16",
+        attention_kernel="fa2" if fa2 else "fused",
+    )
     rates = Rates.of(cluster, job)
     if row["kernel"] in ("gemm", "grouped_gemm"):
         g = Gemm(float(row["m"]), float(row["n"]), float(row["k"]), float(row["groups"] or 1))

@@ -81,6 +81,9 @@ def pairs() -> list[Pair]:
             compute_dtype=dtype,
             framework="torchtitan",
             compiled_loss=compiled,
+            # both files predate torchtitan's cuDNN-first attention on Hopper (2025-10-09):
+            # PyTorch's FlashAttention-2 kernel (torchtitan/models/attention.py at 0354f22f)
+            attention_kernel="fa2",
         )
         cluster = planner.load_cluster("h100-96gb", gpus=gpus)
         out.append(Pair(name, model, cluster, job, layout, off, on, source))

@@ -111,12 +111,13 @@ MACHINE_KEYS = (
     "checks",  # the block timings ``planner calibrate`` measured against the model (it shows them)
 )
 # The fractions of peak the cost model reads from ``achieved``: costs/compute.py (gemm,
-# gemm_fp8, attention, memory_bound, pcie), costs/comm.py (nvlink, ib), costs/timing.py
-# (host_memory).
+# gemm_fp8, attention, attention_fa2, memory_bound, pcie), costs/comm.py (nvlink, ib),
+# costs/timing.py (host_memory).
 ACHIEVED_KINDS = (
     "gemm",
     "gemm_fp8",
     "attention",
+    "attention_fa2",
     "memory_bound",
     "nvlink",
     "ib",

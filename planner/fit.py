@@ -120,8 +120,10 @@ def with_constants(cluster: ClusterSpec, x: np.ndarray) -> ClusterSpec:
     achieved = dict(cluster.achieved)
     for c, value in zip(CONSTANTS, x, strict=True):
         if c.fraction:
-            if c.key == "gemm" and "gemm_fp8" in achieved:  # FP8 keeps its measured ratio
-                achieved["gemm_fp8"] *= 1.0 / float(value) / achieved["gemm"]
+            # FP8 GEMMs and FlashAttention-2 keep their measured ratios to what is fitted
+            for kind, same in (("gemm", "gemm_fp8"), ("attention", "attention_fa2")):
+                if c.key == kind and same in achieved:
+                    achieved[same] *= 1.0 / float(value) / achieved[kind]
             achieved[c.key] = 1.0 / float(value)
         else:
             update[c.key] = float(value)
@@ -423,6 +425,8 @@ OPTIONAL_COLUMNS = {
     "(TrainingJob.compiled_loss; torchtitan or torch)",
     "tp_comm_overlap": "true (default) or false: the framework's tensor-parallel overlap "
     "switched on (TrainingJob.tp_comm_overlap)",
+    "attention_kernel": "fused (default) or fa2: the fused attention kernel the run used "
+    "(TrainingJob.attention_kernel)",
     "dispatcher": "alltoall (default), allgather or deepep: how MoE tokens reach their "
     "experts (TrainingJob.moe_dispatcher)",
     "step_s": "measured seconds per step (or metric + value)",
@@ -619,6 +623,7 @@ def layout_from_row(
             flash_attention=flash,
             compiled_loss=compiled,
             tp_comm_overlap=overlap_tp,
+            attention_kernel=text("attention_kernel", "fused").lower(),
             moe_dispatcher=text("dispatcher", "alltoall").lower(),
             **({"grad_dtype": text("grad_dtype").lower()} if text("grad_dtype") else {}),
         )

@@ -523,6 +523,14 @@ class TrainingJob(Spec):
     # default in its parser; Transformer Engine's userbuffers, with sequence parallelism);
     # torchtitan only under parallelism.enable_async_tensor_parallel, which runs under
     # torch.compile of the model (job_config.py at v0.2.2). The exports write the switches.
+    attention_kernel: Literal["fused", "fa2"] = Field(
+        default="fused",
+        description="The fused attention kernel the training runs: 'fused' the GPU's fastest "
+        "(cuDNN through Transformer Engine or PyTorch, FlashAttention-3; "
+        "achieved['attention']), 'fa2' FlashAttention-2 (the flash-attn 2 package, PyTorch's "
+        "SDPA flash backend, which torchtitan picked on Hopper before October 2025; "
+        "achieved['attention_fa2'], well below the fastest on Hopper).",
+    )
     tp_comm_overlap: bool = Field(
         default=True,
         description="The framework's tensor-parallel communication overlap is switched on "

@@ -305,11 +305,14 @@ def test_machine_keys_cover_what_the_readers_read() -> None:
 @pytest.mark.parametrize("kind", ACHIEVED_KINDS)
 def test_every_allowed_achieved_kind_is_read_by_the_cost_model(kind: str) -> None:
     # Two nodes (IB), tp 2 (NVLink), the optimizer stepped on the host (PCIe, host memory);
-    # FP8 GEMMs where the kind is theirs.
+    # FP8 GEMMs and FlashAttention-2 where the kind is theirs.
     model = planner.load_model("llama3-8b")
     cluster = planner.load_cluster("h100", gpus=16)
     dtype = "fp8" if kind == "gemm_fp8" else "bf16"
-    job = planner.TrainingJob(seq_len=4096, global_batch=64, compute_dtype=dtype)
+    kernel = "fa2" if kind == "attention_fa2" else "fused"
+    job = planner.TrainingJob(
+        seq_len=4096, global_batch=64, compute_dtype=dtype, attention_kernel=kernel
+    )
     layout = planner.Layout.uniform(model, tp=2, dp=8, optimizer_offload=1.0)
     slower = {**cluster.achieved, kind: cluster.achieved[kind] / 100}
     base = planner.evaluate(model, cluster, job, layout).step_time_s

@@ -158,3 +158,21 @@ def test_fp8_linears_pay_their_casts_and_the_router_and_head_do_not() -> None:
     head_bf16 = block_cost(model, "head", Shard(seq_len=1024))
     head_fp8 = block_cost(model, "head", Shard(seq_len=1024, fp8=True))
     assert head_fp8.fwd == head_bf16.fwd
+
+
+def test_flash_attention_2_runs_at_its_own_fraction_on_hopper_and_at_the_best_elsewhere() -> None:
+    # Hopper's FlashAttention-2 reaches a measured fraction well below cuDNN's and FA3's
+    fa2 = JOB.model_copy(update={"attention_kernel": "fa2"})
+    attention, gemm = Work(attention=1e15), Work(gemm=1e15)
+    ratio = work_time(attention, Rates.of(H800, fa2)) / work_time(attention, Rates.of(H800, JOB))
+    assert H800.achieved["attention_fa2"] < H800.achieved["attention"]
+    assert ratio == pytest.approx(H800.achieved["attention"] / H800.achieved["attention_fa2"])
+    assert work_time(gemm, Rates.of(H800, fa2)) == work_time(gemm, Rates.of(H800, JOB))
+    # On the A100 FlashAttention-2 is the fastest kernel: no figure of its own, no change
+    assert "attention_fa2" not in A100.achieved
+    assert work_time(attention, Rates.of(A100, fa2)) == work_time(attention, Rates.of(A100, JOB))
+
+
+def test_an_unknown_attention_kernel_is_one_line() -> None:
+    with pytest.raises(PlannerError, match="attention_kernel='fa3'"):
+        planner.TrainingJob(seq_len=4096, global_batch=8, attention_kernel="fa3")

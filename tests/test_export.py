@@ -553,3 +553,17 @@ def test_deepspeed_says_which_model_the_user_brings() -> None:
     note = " ".join(out.notes)
     assert "train.py" in note and "8 experts" in note and "32 layers" in note
     assert note in out.summary() and "Build" in out.files["pipeline.py"]
+
+
+def test_flash_attention_2_is_exported_as_megatrons_flash_backend() -> None:
+    model = planner.load_model("llama3-8b")
+    cluster = planner.load_cluster("h100", gpus=8)
+    job = planner.TrainingJob(seq_len=4096, global_batch=8, framework="megatron")
+    layout = planner.Layout.uniform(model, tp=1, dp=8)
+
+    def args(j: planner.TrainingJob) -> list[str]:
+        return planner.export.megatron(plan_of(model, cluster, j, layout)).args
+
+    fa2 = args(job.model_copy(update={"attention_kernel": "fa2"}))
+    assert fa2[fa2.index("--attention-backend") + 1] == "flash"
+    assert "--attention-backend" not in args(job)  # auto: Transformer Engine's cuDNN attention

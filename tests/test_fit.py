@@ -269,3 +269,16 @@ def test_a_fitted_gemm_fraction_carries_fp8_at_its_measured_ratio() -> None:
     fitted = with_constants(base, x)
     assert fitted.achieved["gemm"] == pytest.approx(TRUE["achieved"]["gemm"])
     assert fitted.achieved["gemm_fp8"] == pytest.approx(TRUE["achieved"]["gemm"] * ratio)
+
+
+def test_a_fitted_attention_fraction_carries_flash_attention_2_at_its_measured_ratio() -> None:
+    from planner.fit import CONSTANTS, with_constants
+
+    base = load_cluster("h100", gpus=8)
+    ratio = base.achieved["attention_fa2"] / base.achieved["attention"]
+    x = np.array([c.read(_true(base)) for c in CONSTANTS])
+    fitted = with_constants(base, x)
+    assert fitted.achieved["attention"] == pytest.approx(TRUE["achieved"]["attention"])
+    assert fitted.achieved["attention_fa2"] == pytest.approx(
+        TRUE["achieved"]["attention"] * ratio
+    )

@@ -32,6 +32,11 @@ def training_job(args: argparse.Namespace, seq_len: int, global_batch: int) -> T
         ),
         **({"tp_comm_overlap": False} if getattr(args, "tp_comm_overlap", None) is False else {}),
         **({"moe_grouped_tensor": True} if getattr(args, "moe_grouped_tensor", None) else {}),
+        **(
+            {"attention_kernel": args.attention_kernel}
+            if getattr(args, "attention_kernel", None)
+            else {}
+        ),
     )
 
 
@@ -45,6 +50,7 @@ def _recipe(args: argparse.Namespace) -> Recipe | None:
         "moe_dispatcher": "--moe-dispatcher",
         "tp_comm_overlap": "--no-tp-comm-overlap",
         "moe_grouped_tensor": "--moe-grouped-tensor",
+        "attention_kernel": "--attention-kernel",
     }
     given += [flag for f, flag in flags.items() if getattr(args, f, None) is not None]
     if args.recipe is None:

@@ -19,7 +19,9 @@ Each kind of work in ``planner.costs.work.Work`` runs at its own rate:
   ``benchmarks/kernel_fidelity.py`` sets this against published GEMM throughputs by shape
   (DeepGEMM's H800 tables, the best-shape matmul rates of five GPUs);
 - fused attention at ``bf16 peak x achieved["attention"]`` (attention stays in BF16 in FP8
-  training too), that rate being the one at head dimension 128 and long sequences; shorter
+  training too; FlashAttention-2, ``TrainingJob.attention_kernel="fa2"``, at
+  ``achieved["attention_fa2"]`` where the GPU has one: Hopper), that rate being the one at
+  head dimension 128 and long sequences; shorter
   sequences, causal masks and smaller heads pay ``Work.attention_overhead``
   (``planner.costs.work.flash_overhead``);
 - memory-bound kernels at ``HBM bandwidth x achieved["memory_bound"]``;
@@ -90,9 +92,12 @@ class Rates:
                     "use bf16"
                 )
             peak, gemm = cluster.fp8_flops, achieved.get("gemm_fp8", gemm)
+        attention = achieved.get("attention", 1.0)
+        if job.attention_kernel == "fa2":  # where the GPU has no FA2 figure, FA2 is its best
+            attention = achieved.get("attention_fa2", attention)
         return cls(
             gemm_flops=peak * gemm,
-            attention_flops=cluster.bf16_flops * achieved.get("attention", 1.0),
+            attention_flops=cluster.bf16_flops * attention,
             memory_Bps=cluster.hbm_bandwidth_Bps * achieved.get("memory_bound", 1.0),
             kernel_s=cluster.kernel_overhead_s,
             host_s=cluster.host_overhead_s,

@@ -18,7 +18,8 @@ What maps exactly:
   or full recompute of the first k layers of every stage (``--recompute-method block``);
 - ZeRO-1: ``--use-distributed-optimizer``; ZeRO-2/3: Megatron-FSDP with
   ``--data-parallel-sharding-strategy optim_grads`` / ``optim_grads_params``;
-- micro and global batch, sequence length, BF16 / FP8 (blockwise);
+- micro and global batch, sequence length, BF16 / FP8 (blockwise); FlashAttention-2
+  (``TrainingJob.attention_kernel``) as ``--attention-backend flash``;
 - the model itself: every architecture flag, from the ``ModelSpec``
   (``planner.export.megatron_model``); a feature no flag states is a difference;
 - the overlap the time model assumes for Megatron-LM (``TrainingJob.framework``):
@@ -104,6 +105,8 @@ def megatron(plan: Plan) -> Export:
     args += _recompute_args(runs)
     args += _zero_args(runs.zero)
     args += _optimizer_args(job, runs)
+    if job.attention_kernel == "fa2":  # the flash-attn package; "auto" runs cuDNN (TE fused)
+        args += ["--attention-backend", "flash"]
     args.append("--bf16")
     if job.compute_dtype == "fp8":
         args += ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
