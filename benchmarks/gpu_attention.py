@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from gpu_kernels import _events_time
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from planner.catalog import load_cluster
@@ -42,8 +43,7 @@ BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTEN
 
 def _time(fn: Any) -> float:
     """Median GPU seconds per call, about 20 ms of calls between two events."""
-    for _ in range(2):
-        fn()
+    fn()
     torch.cuda.synchronize()
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -51,15 +51,7 @@ def _time(fn: Any) -> float:
     stop.record()
     stop.synchronize()
     inner = max(1, int(0.02 / max(start.elapsed_time(stop) / 1e3, 1e-6)))
-    times = []
-    for _ in range(5):
-        start.record()
-        for _ in range(inner):
-            fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / 1e3 / inner)
-    return statistics.median(times)
+    return _events_time(fn, inner=inner, repeat=5)
 
 
 def row(

@@ -118,6 +118,49 @@ def _gemm(kind: str) -> tuple[Callable[[], object], float]:
     ), 2.0 * N**3
 
 
+def _windows(
+    fn: Callable[[], object], calls: int, seconds: float
+) -> tuple[list[tuple[float, float]], dict[str, Any]]:
+    """Run ``calls`` calls of ``fn`` per window for ``seconds``: each window's (seconds since
+    the start, GPU seconds per call), and what nvidia-smi saw meanwhile."""
+    smi = _sampler()
+    time.sleep(0.3)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    windows: list[tuple[float, float]] = []
+    begin = time.perf_counter()
+    while time.perf_counter() - begin < seconds:
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        windows.append((time.perf_counter() - begin, start.elapsed_time(end) / 1e3 / calls))
+    samples = _samples(smi)
+    clocks, powers = [c for c, _, _ in samples], [p for _, p, _ in samples]
+    half = len(samples) // 2
+    seen = {
+        "smi_samples": len(samples),
+        "clock_mhz_first": statistics.median(clocks[:4]) if clocks else None,
+        "clock_mhz_second_half": statistics.median(clocks[half:]) if clocks else None,
+        "clock_mhz_min": min(clocks) if clocks else None,
+        "power_w_second_half": statistics.median(powers[half:]) if powers else None,
+        "power_w_max": max(powers) if powers else None,
+        "temp_c_max": max(t for _, _, t in samples) if samples else None,
+    }
+    return windows, seen
+
+
+def _first_and_tail(windows: list[tuple[float, float]], seconds: float) -> tuple[float, float]:
+    """Median seconds per call over the first second and over the second half."""
+    first = [w for t, w in windows if t <= 1.0] or [windows[0][1]]
+    tail = [w for t, w in windows if t >= seconds / 2] or [windows[-1][1]]
+    return statistics.median(first), statistics.median(tail)
+
+
+def _trace(windows: list[tuple[float, float]], scale: float) -> list[tuple[float, float]]:
+    return [(round(t, 2), round(w * scale, 2)) for t, w in windows[:: max(1, len(windows) // 40)]]
+
+
 def sustained(kind: str, seconds: float) -> dict[str, Any]:
     fn, flops = _gemm(kind)
     for _ in range(20):
@@ -128,48 +171,20 @@ def sustained(kind: str, seconds: float) -> dict[str, Any]:
         fn()
     torch.cuda.synchronize()
     per_window = max(1, int(0.5 / ((time.perf_counter() - t0) / 20)))
-    smi = _sampler()
-    time.sleep(0.3)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    windows: list[tuple[float, float]] = []  # (seconds since start, TFLOP/s)
-    begin = time.perf_counter()
-    while time.perf_counter() - begin < seconds:
-        start.record()
-        for _ in range(per_window):
-            fn()
-        end.record()
-        end.synchronize()
-        windows.append(
-            (
-                time.perf_counter() - begin,
-                per_window * flops / (start.elapsed_time(end) / 1e3) / 1e12,
-            )
-        )
-    samples = _samples(smi)
-    rates = [r for _, r in windows]
-    first = [r for t, r in windows if t <= 1.0] or rates[:1]
-    tail = [r for t, r in windows if t >= seconds / 2] or rates[-1:]
-    clocks = [c for c, _, _ in samples]
-    half = len(samples) // 2
-    powers = [p for _, p, _ in samples]
+    windows, seen = _windows(fn, per_window, seconds)
+    first, tail = _first_and_tail(windows, seconds)
     return {
         "kind": kind,
         "seconds": seconds,
         "windows": len(windows),
         "gemms_per_window": per_window,
-        "first_s_tflops": statistics.median(first),
-        "second_half_tflops": statistics.median(tail),
-        "max_tflops": max(rates),
-        "min_tflops": min(rates),
-        "tail_over_first": statistics.median(tail) / statistics.median(first),
-        "smi_samples": len(samples),
-        "clock_mhz_first": statistics.median(clocks[:4]) if clocks else None,
-        "clock_mhz_second_half": statistics.median(clocks[half:]) if clocks else None,
-        "clock_mhz_min": min(clocks) if clocks else None,
-        "power_w_second_half": statistics.median(powers[half:]) if powers else None,
-        "power_w_max": max(powers) if powers else None,
-        "temp_c_max": max(t for _, _, t in samples) if samples else None,
-        "trace": [(round(t, 2), round(r, 1)) for t, r in windows[:: max(1, len(windows) // 40)]],
+        "first_s_tflops": flops / first / 1e12,
+        "second_half_tflops": flops / tail / 1e12,
+        "max_tflops": flops / min(w for _, w in windows) / 1e12,
+        "min_tflops": flops / max(w for _, w in windows) / 1e12,
+        "tail_over_first": first / tail,
+        **seen,
+        "trace": [(t, round(flops / w / 1e12, 1)) for t, w in _trace(windows, 1.0)],
     }
 
 
@@ -190,40 +205,26 @@ def sustained_training(seconds: float) -> dict[str, Any]:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    smi = _sampler()
-    time.sleep(0.3)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    windows: list[tuple[float, float]] = []  # (seconds since start, seconds per step)
-    begin = time.perf_counter()
-    while time.perf_counter() - begin < seconds:
-        start.record()
-        for _ in range(5):
-            step()
-        end.record()
-        end.synchronize()
-        windows.append((time.perf_counter() - begin, start.elapsed_time(end) / 1e3 / 5))
-    samples = _samples(smi)
-    first = [w for t, w in windows if t <= 1.0] or [windows[0][1]]
-    tail = [w for t, w in windows if t >= seconds / 2] or [windows[-1][1]]
-    clocks, powers = [c for c, _, _ in samples], [p for _, p, _ in samples]
-    half = len(samples) // 2
+    windows, seen = _windows(step, 5, seconds)
+    first, tail = _first_and_tail(windows, seconds)
     return {
         "kind": "training steps, llama3-8b width, 4 layers, 8192 tokens",
         "seconds": seconds,
         "steps": 5 * len(windows),
-        "first_s_step_s": statistics.median(first),
-        "second_half_step_s": statistics.median(tail),
-        "first_over_tail": statistics.median(first) / statistics.median(tail),
-        "clock_mhz_first": statistics.median(clocks[:4]) if clocks else None,
-        "clock_mhz_second_half": statistics.median(clocks[half:]) if clocks else None,
-        "clock_mhz_min": min(clocks) if clocks else None,
-        "power_w_second_half": statistics.median(powers[half:]) if powers else None,
-        "power_w_max": max(powers) if powers else None,
-        "temp_c_max": max(t for _, _, t in samples) if samples else None,
-        "trace": [
-            (round(t, 2), round(w * 1e3, 2)) for t, w in windows[:: max(1, len(windows) // 40)]
-        ],
+        "first_s_step_s": first,
+        "second_half_step_s": tail,
+        "first_over_tail": first / tail,
+        **seen,
+        "trace": _trace(windows, 1e3),
     }
+
+
+def _clocks(d: dict[str, Any]) -> str:
+    return (
+        f"SM clock {d['clock_mhz_first']} -> {d['clock_mhz_second_half']} MHz (min "
+        f"{d['clock_mhz_min']}), power {d['power_w_second_half']} W (max {d['power_w_max']}), "
+        f"{d['temp_c_max']} C max"
+    )
 
 
 # -- step -----------------------------------------------------------------------------------
@@ -372,19 +373,14 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"sustained {s['kind']}: {s['first_s_tflops']:.0f} TFLOP/s in the first second, "
                 f"{s['second_half_tflops']:.0f} over the second half "
-                f"({s['tail_over_first']:.3f}x); "
-                f"SM clock {s['clock_mhz_first']} -> {s['clock_mhz_second_half']} MHz (min "
-                f"{s['clock_mhz_min']}), power {s['power_w_second_half']} W (max "
-                f"{s['power_w_max']}), {s['temp_c_max']} C max"
+                f"({s['tail_over_first']:.3f}x); {_clocks(s)}"
             )
     if "training" in args.parts:
         t = found["training"] = sustained_training(args.seconds)
         print(
             f"sustained {t['kind']}: {t['first_s_step_s'] * 1e3:.2f} ms per step in the first "
             f"second, {t['second_half_step_s'] * 1e3:.2f} over the second half (rate "
-            f"{t['first_over_tail']:.3f}x); SM clock {t['clock_mhz_first']} -> "
-            f"{t['clock_mhz_second_half']} MHz (min {t['clock_mhz_min']}), power "
-            f"{t['power_w_second_half']} W (max {t['power_w_max']}), {t['temp_c_max']} C max"
+            f"{t['first_over_tail']:.3f}x); {_clocks(t)}"
         )
     if "step" in args.parts:
         s = found["step"] = step_costs(args.repeat)

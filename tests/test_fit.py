@@ -260,25 +260,14 @@ def test_gpt_spec_states_a_llama_shape_exactly() -> None:
         gpt_model(spec + ";vocab=32000;window=4096")
 
 
-def test_a_fitted_gemm_fraction_carries_fp8_at_its_measured_ratio() -> None:
+@pytest.mark.parametrize(("kind", "same"), [("gemm", "gemm_fp8"), ("attention", "attention_fa2")])
+def test_a_fitted_fraction_carries_its_sibling_at_the_measured_ratio(kind: str, same: str) -> None:
+    # FP8 GEMMs and FlashAttention-2 keep their measured ratio to the fitted fraction
     from planner.fit import CONSTANTS, with_constants
 
     base = load_cluster("h100", gpus=8)
-    ratio = base.achieved["gemm_fp8"] / base.achieved["gemm"]
+    ratio = base.achieved[same] / base.achieved[kind]
     x = np.array([c.read(_true(base)) for c in CONSTANTS])
     fitted = with_constants(base, x)
-    assert fitted.achieved["gemm"] == pytest.approx(TRUE["achieved"]["gemm"])
-    assert fitted.achieved["gemm_fp8"] == pytest.approx(TRUE["achieved"]["gemm"] * ratio)
-
-
-def test_a_fitted_attention_fraction_carries_flash_attention_2_at_its_measured_ratio() -> None:
-    from planner.fit import CONSTANTS, with_constants
-
-    base = load_cluster("h100", gpus=8)
-    ratio = base.achieved["attention_fa2"] / base.achieved["attention"]
-    x = np.array([c.read(_true(base)) for c in CONSTANTS])
-    fitted = with_constants(base, x)
-    assert fitted.achieved["attention"] == pytest.approx(TRUE["achieved"]["attention"])
-    assert fitted.achieved["attention_fa2"] == pytest.approx(
-        TRUE["achieved"]["attention"] * ratio
-    )
+    assert fitted.achieved[kind] == pytest.approx(TRUE["achieved"][kind])
+    assert fitted.achieved[same] == pytest.approx(TRUE["achieved"][kind] * ratio)
