@@ -32,7 +32,8 @@ full, DeepSpeed's none and full), as a team that tuned the run would have picked
 stacks (Llama 3, DeepSeek-V3) overlap as Megatron-LM does; rows whose
 ``tp_comm_overlap`` is false (Megatron-LM before ``--tp-comm-overlap`` existed or without it,
 torchtitan without async TP) leave the tensor-parallel collectives exposed
-(``TrainingJob.tp_comm_overlap``); a blank one has the framework's overlap on. Data
+(``TrainingJob.tp_comm_overlap``); a blank one has the framework's overlap on; an MoE
+row without a dispatcher runs NCCL all-to-all (Megatron-LM's default). Data
 parallelism is ZeRO-1 (Megatron-LM's distributed optimizer) except where the row says FSDP
 (ZeRO-3) and for torchtitan (FSDP2, ZeRO-3).
 
@@ -216,6 +217,8 @@ def cost(row: dict[str, str]) -> tuple[float, float, Costed]:
         if row["model"].startswith("gpt:")
         else planner.load_model(row["model"])
     )
+    if model.num_experts and not row.get("dispatcher", "").strip():
+        assumed.append("NCCL all-to-all dispatcher")
     cluster = planner.load_cluster(PROFILES.get(gpu, gpu), gpus=int(row["num_gpus"]))
     measured = measured_step(row, model, cluster.bf16_flops)
     fields["metric"], fields["value"] = "step_s", str(measured)
