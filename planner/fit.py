@@ -11,9 +11,12 @@ The constants fitted (``CONSTANTS``), each as the unit in which a step is linear
   ``achieved.ib``: fractions of the datasheet's peak; a step is linear in their inverses
   (seconds per unit of work scale with 1/fraction). Bounds: no fraction above 1 (line rate),
   GEMMs no higher than the cluster's ``achieved_max["gemm"]`` (the best matmul rate measured
-  on that GPU, cited in its catalog file) where it states one;
+  on that GPU, cited in its catalog file) where it states one; none below
+  ``FRACTION_FLOORS`` (under the slowest rate measured for that kind at training shapes);
 - ``kernel_overhead_s``, ``host_overhead_s``, ``nvlink_latency_s``, ``ib_latency_s``: seconds,
-  at least 1 us each (never free).
+  at least 1 us each (never free), at most ``SECONDS_CEILINGS`` (above every measured figure).
+A fitted constant at one of these bounds is reported as such (``FitReport.at_bound``): the
+runs ask for a value no kernel or link has, so some mechanism they contain is not modelled.
 
 A constant no run is sensitive to (InfiniBand on single-node runs, attention without flash
 attention) keeps the cluster's value and is reported as not informed.
@@ -48,6 +51,34 @@ from planner.layout import Layout
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 
 MIN_SECONDS = 1e-6  # lower bound of a fitted overhead or latency (s)
+# The slowest a fit may make each kind of work, as a fraction of peak: below the slowest rate
+# measured or published for that kind at training shapes on any catalog GPU, so a fit that
+# reaches one says a mechanism is missing rather than describes a kernel. GEMMs (the BF16
+# tile-model fraction): 0.78-0.87 (MAMF: A100 0.869, H100 0.803, B200 0.776; one H200
+# measured 0.79-0.805, benchmarks/RESULTS.md 2026-11-26); the GPU's fastest fused attention:
+# 0.39-0.58 at 4K-16K tokens and 16-64 heads (cuDNN on an H200, gpu_attention.py), 0.50-0.61
+# for FlashAttention-2 on the A100 at 4K-16K (published_kernels.csv); memory-bound kernels:
+# 0.67-0.88 (copy, add, RMSNorm on an H200); NVLink and InfiniBand collectives: 0.78-0.96 of
+# line rate at large messages (nccl-tests, the catalog's sources).
+FRACTION_FLOORS: dict[str, float] = {
+    "gemm": 0.6,
+    "attention": 0.3,
+    "memory_bound": 0.5,
+    "nvlink": 0.5,
+    "ib": 0.5,
+}
+# The most a fit may charge per kernel or per message (s), above every measured figure:
+# GPU time per kernel 1.8 us on an H200 (planner calibrate --sweep), 22 us the largest any
+# source fits (vTrain's A100 rows); the host's time per counted kernel 64-70 us on eager dense
+# layers, 103-119 us under recompute, 231-243 us on eager MoE layers (gpu_host.py on an H200);
+# NCCL's latency per step 0.6-4.4 us over NVLink and up to about 10 us over the network
+# (its tuner's base latencies by protocol, src/graph/tuning.cc).
+SECONDS_CEILINGS: dict[str, float] = {
+    "kernel_overhead_s": 25e-6,
+    "host_overhead_s": 250e-6,
+    "nvlink_latency_s": 10e-6,
+    "ib_latency_s": 20e-6,
+}
 STEP = 0.01  # relative size of the finite differences
 
 
@@ -158,6 +189,7 @@ class FitReport:
     folds: int
     informed: tuple[str, ...]  # constants some run is sensitive to (the others are kept)
     values: dict[str, float] = field(default_factory=dict)  # displayed values of CONSTANTS
+    at_bound: tuple[str, ...] = ()  # informed constants the fit left at a bound of ``bounds``
 
     @staticmethod
     def mape(predicted: np.ndarray, measured: np.ndarray) -> float:
@@ -178,7 +210,9 @@ class FitReport:
     def fitted_text(self) -> str:
         """The informed constants' fitted values, with units: ``gemm 0.869, ... 22.9 us``."""
         return ", ".join(
-            f"{c.key} {self.values[c.name]:.3g}" + ("" if c.fraction else " us")
+            f"{c.key} {self.values[c.name]:.3g}"
+            + ("" if c.fraction else " us")
+            + (" (at its bound)" if c.name in self.at_bound else "")
             for c in CONSTANTS
             if c.name in self.informed
         )
@@ -254,6 +288,17 @@ def fit_runs(
         folds=folds if folds >= 2 else 0,
         informed=tuple(CONSTANTS[i].name for i in informed),
         values={c.name: c.show(v) for c, v in zip(CONSTANTS, x, strict=True)},
+        at_bound=_at_bound(cluster, x, informed),
+    )
+
+
+def _at_bound(cluster: ClusterSpec, x: np.ndarray, informed: Sequence[int]) -> tuple[str, ...]:
+    """The informed constants ``x`` holds at a bound (within 0.1%)."""
+    lo, hi = bounds(cluster)
+    return tuple(
+        CONSTANTS[i].name
+        for i in informed
+        if math.isclose(x[i], lo[i], rel_tol=1e-3) or math.isclose(x[i], hi[i], rel_tol=1e-3)
     )
 
 
@@ -273,9 +318,10 @@ def bounds(cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray]:
     for c in CONSTANTS:
         if c.fraction:
             lo.append(1.0 / min(1.0, cluster.achieved_max.get(c.key, 1.0)))
+            hi.append(1.0 / FRACTION_FLOORS[c.key])
         else:
             lo.append(MIN_SECONDS)
-        hi.append(math.inf)
+            hi.append(SECONDS_CEILINGS[c.key])
     return np.array(lo), np.array(hi)
 
 
