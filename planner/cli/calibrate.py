@@ -159,11 +159,13 @@ def _fit_runs(args: argparse.Namespace) -> None:
         before = c.show(c.read(base))
         after = report.values[c.name]
         informed = c.name in report.informed
+        note = "no run depends on it: kept"
+        if c.name in report.at_bound:
+            note = "at its physical bound: the runs hold something the model does not price"
+        elif informed:
+            note = ""
         constants.add_row(
-            c.name,
-            f"{before:.3g}{unit}",
-            f"{after:.3g}{unit}" if informed else "-",
-            "" if informed else "no run depends on it: kept",
+            c.name, f"{before:.3g}{unit}", f"{after:.3g}{unit}" if informed else "-", note
         )
     console.print(constants)
     rows = Table(title="seconds per step: measured, and predicted before and after the fit")
