@@ -157,8 +157,11 @@ def _first_and_tail(windows: list[tuple[float, float]], seconds: float) -> tuple
     return statistics.median(first), statistics.median(tail)
 
 
-def _trace(windows: list[tuple[float, float]], scale: float) -> list[tuple[float, float]]:
-    return [(round(t, 2), round(w * scale, 2)) for t, w in windows[:: max(1, len(windows) // 40)]]
+def _trace(
+    windows: list[tuple[float, float]], shown: Callable[[float], float]
+) -> list[tuple[float, float]]:
+    """About 40 windows: (seconds since the start, ``shown`` of the seconds per call)."""
+    return [(round(t, 2), round(shown(w), 2)) for t, w in windows[:: max(1, len(windows) // 40)]]
 
 
 def sustained(kind: str, seconds: float) -> dict[str, Any]:
@@ -184,7 +187,7 @@ def sustained(kind: str, seconds: float) -> dict[str, Any]:
         "min_tflops": flops / max(w for _, w in windows) / 1e12,
         "tail_over_first": first / tail,
         **seen,
-        "trace": [(t, round(flops / w / 1e12, 1)) for t, w in _trace(windows, 1.0)],
+        "trace": _trace(windows, lambda w: flops / w / 1e12),
     }
 
 
@@ -215,7 +218,7 @@ def sustained_training(seconds: float) -> dict[str, Any]:
         "second_half_step_s": tail,
         "first_over_tail": first / tail,
         **seen,
-        "trace": _trace(windows, 1e3),
+        "trace": _trace(windows, lambda w: w * 1e3),
     }
 
 
