@@ -100,6 +100,7 @@ MACHINE_FIELDS = (
     "ib_latency_us",
     "kernel_overhead_us",
     "host_overhead_us",
+    "framework_host_overhead_us",
 )
 MACHINE_KEYS = (
     "name",
@@ -208,6 +209,10 @@ def load_cluster(source: str | Path, *, gpus: int) -> ClusterSpec:
                 )
                 if key in data
             },
+            framework_host_overhead_s={
+                name: float(us) * 1e-6
+                for name, us in (data.get("framework_host_overhead_us") or {}).items()
+            },
             # What the CUDA runtime reports as the device's total; a file without it (a
             # user's own machine) gets the nominal HBM (ClusterSpec's default).
             **(
@@ -250,6 +255,11 @@ def cluster_yaml(cluster: ClusterSpec, *, sources: dict[str, str] | None = None)
         "host_overhead_us": cluster.host_overhead_s * 1e6,
         "achieved": {k: float(v) for k, v in cluster.achieved.items()},
     }
+    if cluster.framework_host_overhead_s:
+        data["framework_host_overhead_us"] = {
+            name: _short(seconds * 1e6)
+            for name, seconds in cluster.framework_host_overhead_s.items()
+        }
     data = {k: _short(v) for k, v in data.items()}
     data["achieved"] = {k: _short(v) for k, v in data["achieved"].items()}
     if cluster.achieved_max:

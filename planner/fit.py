@@ -15,6 +15,10 @@ The constants fitted (``CONSTANTS``), each as the unit in which a step is linear
   ``FRACTION_FLOORS`` (under the slowest rate measured for that kind at training shapes);
 - ``kernel_overhead_s``, ``host_overhead_s``, ``nvlink_latency_s``, ``ib_latency_s``: seconds,
   at least 1 us each (never free), at most ``SECONDS_CEILINGS`` (above every measured figure).
+  The host's time per kernel is fitted once per framework among the runs
+  (``constants_for``; written to ``ClusterSpec.framework_host_overhead_s``): it is the
+  framework's Python as much as the CPU, so runs of one software stack say nothing of
+  another's.
 A fitted constant at one of these bounds is reported as such (``FitReport.at_bound``): the
 runs ask for a value no kernel or link has, so some mechanism they contain is not modelled.
 
@@ -112,9 +116,13 @@ class Constant:
 
     key: str  # ClusterSpec.achieved key (a fraction) or ClusterSpec attribute (seconds)
     fraction: bool
+    # The host's time per kernel of one framework's jobs (ClusterSpec.framework_host_overhead_s)
+    framework: str = ""
 
     @property
     def name(self) -> str:
+        if self.framework:
+            return f"{self.key}[{self.framework}]"
         return f"achieved.{self.key}" if self.fraction else self.key
 
     @property
@@ -125,6 +133,8 @@ class Constant:
     def read(self, cluster: ClusterSpec) -> float:
         if self.fraction:
             return 1.0 / cluster.achieved.get(self.key, 1.0)
+        if self.framework:
+            return cluster.framework_host_overhead_s.get(self.framework, cluster.host_overhead_s)
         return float(getattr(cluster, self.key))
 
     def show(self, x: float) -> float:
@@ -145,12 +155,31 @@ CONSTANTS: tuple[Constant, ...] = (
 )
 
 
-def with_constants(cluster: ClusterSpec, x: np.ndarray) -> ClusterSpec:
-    """``cluster`` with the constants set to the linear units ``x``."""
+def constants_for(runs: Sequence[Run]) -> tuple[Constant, ...]:
+    """The constants a fit to ``runs`` sets: ``CONSTANTS``, with the host's time per kernel
+    one per framework among the runs (it is the framework's Python as much as the CPU: a
+    source run by one stack says nothing of another's)."""
+    frameworks = sorted({r.job.framework for r in runs})
+    out: list[Constant] = []
+    for c in CONSTANTS:
+        if c.key == "host_overhead_s":
+            out += [Constant(c.key, False, framework=f) for f in frameworks]
+        else:
+            out.append(c)
+    return tuple(out)
+
+
+def with_constants(
+    cluster: ClusterSpec, x: np.ndarray, constants: Sequence[Constant] = CONSTANTS
+) -> ClusterSpec:
+    """``cluster`` with ``constants`` set to the linear units ``x``."""
     update: dict[str, Any] = {}
     achieved = dict(cluster.achieved)
-    for c, value in zip(CONSTANTS, x, strict=True):
-        if c.fraction:
+    by_framework = dict(cluster.framework_host_overhead_s)
+    for c, value in zip(constants, x, strict=True):
+        if c.framework:
+            by_framework[c.framework] = float(value)
+        elif c.fraction:
             # FP8 GEMMs and FlashAttention-2 keep their measured ratios to what is fitted
             for kind, same in (("gemm", "gemm_fp8"), ("attention", "attention_fa2")):
                 if c.key == kind and same in achieved:
@@ -159,6 +188,7 @@ def with_constants(cluster: ClusterSpec, x: np.ndarray) -> ClusterSpec:
         else:
             update[c.key] = float(value)
     update["achieved"] = achieved
+    update["framework_host_overhead_s"] = by_framework
     return cluster.model_copy(update=update)
 
 
@@ -188,8 +218,9 @@ class FitReport:
     heldout_s: np.ndarray | None  # each run predicted by the fold that did not see it
     folds: int
     informed: tuple[str, ...]  # constants some run is sensitive to (the others are kept)
-    values: dict[str, float] = field(default_factory=dict)  # displayed values of CONSTANTS
+    values: dict[str, float] = field(default_factory=dict)  # displayed values, by name
     at_bound: tuple[str, ...] = ()  # informed constants the fit left at a bound of ``bounds``
+    constants: tuple[Constant, ...] = CONSTANTS  # what was fitted (``constants_for``)
 
     @staticmethod
     def mape(predicted: np.ndarray, measured: np.ndarray) -> float:
@@ -210,10 +241,10 @@ class FitReport:
     def fitted_text(self) -> str:
         """The informed constants' fitted values, with units: ``gemm 0.869, ... 22.9 us``."""
         return ", ".join(
-            f"{c.key} {self.values[c.name]:.3g}"
+            f"{c.name.removeprefix('achieved.')} {self.values[c.name]:.3g}"
             + ("" if c.fraction else " us")
             + (" (at its bound)" if c.name in self.at_bound else "")
-            for c in CONSTANTS
+            for c in self.constants
             if c.name in self.informed
         )
 
@@ -227,11 +258,13 @@ def fit_runs(
     start: dict[str, float] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> FitReport:
-    """Fit ``CONSTANTS`` of ``cluster`` to ``runs`` (``Run`` or ``(model, job, layout,
+    """Fit the constants of ``cluster`` (``constants_for(runs)``: ``CONSTANTS`` with the
+    host's time per kernel one per framework) to ``runs`` (``Run`` or ``(model, job, layout,
     measured_step_s)`` tuples) and cross-validate over ``folds`` folds (runs i, i+k, ...;
     0 or 1: no cross-validation). ``start`` sets where named constants start (displayed
-    units: a fraction, or microseconds), else at the cluster's values; the fit also starts
-    once from the host's time per kernel at its lower bound (``_fit``)."""
+    units: a fraction, or microseconds; ``host_overhead_s`` names every framework's), else at
+    the cluster's values; the fit also starts once from the host's time per kernel at its
+    lower bound (``_fit``)."""
     items = tuple(Run.of(r, i) for i, r in enumerate(runs))
     if not items:
         raise PlannerError("runs: need at least one measured run")
@@ -245,22 +278,26 @@ def fit_runs(
         raise PlannerError(f"folds={folds}: must be between 0 and the number of runs {len(items)}")
     say = progress or (lambda _: None)
     measured = np.array([r.measured_step_s for r in items])
+    consts = constants_for(items)
     begin = cluster
     if start:
-        known = {c.name: c for c in CONSTANTS}
-        unknown = sorted(set(start) - set(known))
+        known = {c.name for c in consts} | {c.key for c in consts if c.framework}
+        unknown = sorted(set(start) - known)
         if unknown:
-            raise PlannerError(f"start: unknown constant {unknown[0]!r}; known: {', '.join(known)}")
-        x0 = np.array([c.read(cluster) for c in CONSTANTS])
-        for i, c in enumerate(CONSTANTS):
-            if c.name in start:
-                x0[i] = c.unshow(start[c.name])
-        begin = with_constants(cluster, x0)
-    start_x = np.array([c.read(begin) for c in CONSTANTS])
+            raise PlannerError(
+                f"start: unknown constant {unknown[0]!r}; known: {', '.join(sorted(known))}"
+            )
+        x0 = np.array([c.read(cluster) for c in consts])
+        for i, c in enumerate(consts):
+            named = c.name if c.name in start else c.key if c.framework else None
+            if named in start:
+                x0[i] = c.unshow(start[named])
+        begin = with_constants(cluster, x0, consts)
+    start_x = np.array([c.read(begin) for c in consts])
     say(f"costing {len(items)} runs with the given constants")
     before = predict(cluster, items)
-    x, informed = _fit(cluster, items, measured, start_x, rounds, say, "all runs")
-    fitted_cluster = with_constants(cluster, x)
+    x, informed = _fit(cluster, items, measured, start_x, rounds, say, "all runs", consts)
+    fitted_cluster = with_constants(cluster, x, consts)
     fitted = predict(fitted_cluster, items)
     heldout = None
     if folds >= 2:
@@ -276,8 +313,10 @@ def fit_runs(
                 rounds,
                 say,
                 f"fold {f + 1}/{folds}",
+                consts,
             )
-            heldout[test] = predict(with_constants(cluster, xf), [items[i] for i in test])
+            fold = with_constants(cluster, xf, consts)
+            heldout[test] = predict(fold, [items[i] for i in test])
     return FitReport(
         cluster=fitted_cluster,
         runs=items,
@@ -286,17 +325,20 @@ def fit_runs(
         fitted_s=fitted,
         heldout_s=heldout,
         folds=folds if folds >= 2 else 0,
-        informed=tuple(CONSTANTS[i].name for i in informed),
-        values={c.name: c.show(v) for c, v in zip(CONSTANTS, x, strict=True)},
-        at_bound=_at_bound(cluster, x, informed),
+        informed=tuple(consts[i].name for i in informed),
+        values={c.name: c.show(v) for c, v in zip(consts, x, strict=True)},
+        at_bound=_at_bound(cluster, x, informed, consts),
+        constants=consts,
     )
 
 
-def _at_bound(cluster: ClusterSpec, x: np.ndarray, informed: Sequence[int]) -> tuple[str, ...]:
+def _at_bound(
+    cluster: ClusterSpec, x: np.ndarray, informed: Sequence[int], consts: Sequence[Constant]
+) -> tuple[str, ...]:
     """The informed constants ``x`` holds at a bound (within 0.1%)."""
-    lo, hi = bounds(cluster)
+    lo, hi = bounds(cluster, consts)
     return tuple(
-        CONSTANTS[i].name
+        consts[i].name
         for i in informed
         if math.isclose(x[i], lo[i], rel_tol=1e-3) or math.isclose(x[i], hi[i], rel_tol=1e-3)
     )
@@ -312,10 +354,12 @@ def fit_profile(
     return fit_runs(cluster, runs, **options).cluster
 
 
-def bounds(cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray]:
+def bounds(
+    cluster: ClusterSpec, consts: Sequence[Constant] = CONSTANTS
+) -> tuple[np.ndarray, np.ndarray]:
     """Lower and upper limits of each constant's linear unit (see the module docstring)."""
     lo, hi = [], []
-    for c in CONSTANTS:
+    for c in consts:
         if c.fraction:
             lo.append(1.0 / min(1.0, cluster.achieved_max.get(c.key, 1.0)))
             hi.append(1.0 / FRACTION_FLOORS[c.key])
@@ -333,25 +377,31 @@ def _fit(
     rounds: int,
     say: Callable[[str], None],
     what: str,
+    consts: Sequence[Constant] = CONSTANTS,
 ) -> tuple[np.ndarray, list[int]]:
     """The fit from ``start`` and from ``start`` with the host's time per kernel at its
     lower bound, whichever reproduces ``runs`` better. The host's time enters a step only
     through a maximum with the GPU's: where it binds at the start, the runs it binds say
     nothing of the GPU's constants, and where it does not, nothing of it, so one start can
     settle in the other's blind spot."""
-    lo, _ = bounds(cluster)
-    host = next(i for i, c in enumerate(CONSTANTS) if c.key == "host_overhead_s")
+    lo, _ = bounds(cluster, consts)
+    present = {r.job.framework for r in runs}
+    hosts = [
+        i
+        for i, c in enumerate(consts)
+        if c.key == "host_overhead_s" and (not c.framework or c.framework in present)
+    ]
     starts = [start]
-    if start[host] > lo[host]:
+    if any(start[h] > lo[h] for h in hosts):
         starts.append(start.copy())
-        starts[-1][host] = lo[host]
+        starts[-1][hosts] = lo[hosts]
     best: tuple[float, np.ndarray, list[int]] | None = None
     for i, x0 in enumerate(starts):
         label = what if len(starts) == 1 else f"{what}, start {i + 1}/{len(starts)}"
-        x, informed = _fit_from(cluster, runs, measured, x0, rounds, say, label)
-        if i and host not in informed:  # the runs say the host never binds: that is news
-            informed = sorted([*informed, host])
-        error = _mape(predict(with_constants(cluster, x), runs), measured)
+        x, informed = _fit_from(cluster, runs, measured, x0, rounds, say, label, consts)
+        if i:  # the runs say a host never binds: that is news
+            informed = sorted({*informed, *hosts})
+        error = _mape(predict(with_constants(cluster, x, consts), runs), measured)
         if best is None or error < best[0]:
             best = (error, x, informed)
     assert best is not None
@@ -366,14 +416,15 @@ def _fit_from(
     rounds: int,
     say: Callable[[str], None],
     what: str,
+    consts: Sequence[Constant] = CONSTANTS,
 ) -> tuple[np.ndarray, list[int]]:
-    lo, hi = bounds(cluster)
+    lo, hi = bounds(cluster, consts)
     x = np.clip(start, lo, hi)
     informed: list[int] = []
     best: tuple[float, np.ndarray] | None = None  # the lowest error evaluated, and where
     for r in range(rounds):
-        say(f"{what}: round {r + 1}/{rounds}, {len(runs) * (len(CONSTANTS) + 1)} costings")
-        base, slopes = _coefficients(cluster, runs, x)
+        say(f"{what}: round {r + 1}/{rounds}, {len(runs) * (len(consts) + 1)} costings")
+        base, slopes = _coefficients(cluster, runs, x, consts)
         error = _mape(base, measured)
         if best is not None and error > best[0]:
             # The linearisation overshot (a max switched terms): back half-way and re-read.
@@ -393,7 +444,8 @@ def _fit_from(
             weights = 1 / np.sqrt(np.maximum(np.abs(sub @ sol - rest), 1e-3))
         x = x.copy()
         x[informed] = sol
-    if best is not None and _mape(predict(with_constants(cluster, x), runs), measured) > best[0]:
+    last = _mape(predict(with_constants(cluster, x, consts), runs), measured)
+    if best is not None and last > best[0]:
         x = best[1]  # the last step made it worse: keep the best point evaluated
     kept = [i for i in range(len(x)) if i not in informed]
     x[kept] = start[kept]  # what no run informs stays as given, even outside the fit's bounds
@@ -405,16 +457,17 @@ def _mape(predicted: np.ndarray, measured: np.ndarray) -> float:
 
 
 def _coefficients(
-    cluster: ClusterSpec, runs: Sequence[Run], x: np.ndarray
+    cluster: ClusterSpec, runs: Sequence[Run], x: np.ndarray, consts: Sequence[Constant]
 ) -> tuple[np.ndarray, np.ndarray]:
     """The predicted steps at ``x``, and d(predicted step)/d(unit) per run and constant by
     forward differences."""
-    base = predict(with_constants(cluster, x), runs)
+    base = predict(with_constants(cluster, x, consts), runs)
     cols = []
     for i in range(len(x)):
         bumped = x.copy()
         bumped[i] *= 1 + STEP
-        cols.append((predict(with_constants(cluster, bumped), runs) - base) / (STEP * x[i]))
+        bumped_cluster = with_constants(cluster, bumped, consts)
+        cols.append((predict(bumped_cluster, runs) - base) / (STEP * x[i]))
     return base, np.column_stack(cols)
 
 

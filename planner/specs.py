@@ -8,6 +8,7 @@ error instead of a silently ignored setting. ``Layout`` (the answer's shape) liv
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -303,6 +304,12 @@ class ClusterSpec(Spec):
         "autograd and the launch, overlapped with the GPU's work; 0 when the host never binds. "
         "The catalog's machines state 70 us, measured on an eager PyTorch layer.",
     )
+    framework_host_overhead_s: dict[str, float] = Field(
+        default_factory=dict,
+        description="Host time per counted kernel (s) for jobs of the frameworks named, where "
+        "it differs from host_overhead_s: the host's time is the framework's Python as much as "
+        "the CPU's (planner calibrate --runs fits one per framework among the runs).",
+    )
     achieved: dict[str, float] = Field(
         description="Achieved fraction of peak per kind of work (gemm, attention, memory_bound, "
         "nvlink, ib): starting points before calibration."
@@ -328,6 +335,17 @@ class ClusterSpec(Spec):
         for key, value in self.achieved.items():
             if not 0 < value <= 1:
                 raise PlannerError(f"ClusterSpec.achieved.{key}={value}: must be in (0, 1]")
+        for name, seconds in self.framework_host_overhead_s.items():
+            if name not in FRAMEWORKS:
+                raise PlannerError(
+                    f"ClusterSpec.framework_host_overhead_s.{name}: not a framework; use one of "
+                    f"{', '.join(FRAMEWORK_NAMES)}"
+                )
+            if not (math.isfinite(seconds) and seconds >= 0):
+                raise PlannerError(
+                    f"ClusterSpec.framework_host_overhead_s.{name}={seconds}: must be a "
+                    "non-negative number of seconds"
+                )
         return self
 
     @property

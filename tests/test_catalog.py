@@ -222,6 +222,26 @@ def test_optional_overheads_are_read_in_microseconds(tmp_path: Path) -> None:
     assert (default.kernel_overhead_s, default.host_overhead_s) == (4e-6, 0.0)
 
 
+def test_a_frameworks_own_host_time_round_trips_and_is_charged(tmp_path: Path) -> None:
+    from planner.catalog import cluster_yaml
+    from planner.costs.compute import Rates
+
+    source = (HARDWARE_DIR / "h100.yaml").read_text()
+    path = tmp_path / "h100-fitted.yaml"
+    path.write_text(source + "framework_host_overhead_us:\n  megatron: 180\n")
+    cluster = planner.load_cluster(path, gpus=8)
+    assert cluster.framework_host_overhead_s == {"megatron": pytest.approx(180e-6)}
+    assert cluster_yaml(cluster)["framework_host_overhead_us"] == {"megatron": 180}
+    job = planner.TrainingJob(seq_len=1024, global_batch=8)
+    assert Rates.of(cluster, job).host_s == pytest.approx(180e-6)  # Megatron-LM's own
+    torchtitan = job.with_framework("torchtitan")
+    assert Rates.of(cluster, torchtitan).host_s == cluster.host_overhead_s  # the machine's
+    bad = tmp_path / "h100-bad.yaml"
+    bad.write_text(source + "framework_host_overhead_us:\n  megatorn: 180\n")
+    with pytest.raises(planner.PlannerError, match=r"framework_host_overhead_s\.megatorn"):
+        planner.load_cluster(bad, gpus=8)
+
+
 # -- where the catalogs are ---------------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[1]

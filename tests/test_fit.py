@@ -80,7 +80,9 @@ def test_the_fit_finds_a_host_that_binds_and_one_that_does_not() -> None:
         report = fit_runs(base, _runs(truth), folds=0, rounds=3)
         assert report.fit_mape < 0.005
         assert report.cluster.achieved["gemm"] == pytest.approx(TRUE["achieved"]["gemm"], rel=0.03)
-        assert report.cluster.host_overhead_s == pytest.approx(truth.host_overhead_s, rel=0.05)
+        # the runs are Megatron-LM's: the fit sets that framework's host time
+        host = report.cluster.framework_host_overhead_s["megatron"]
+        assert host == pytest.approx(truth.host_overhead_s, rel=0.05)
 
 
 def test_fit_stays_within_physical_bounds() -> None:
@@ -297,3 +299,25 @@ def test_a_fitted_fraction_carries_its_sibling_at_the_measured_ratio(kind: str, 
     fitted = with_constants(base, x)
     assert fitted.achieved[kind] == pytest.approx(TRUE["achieved"][kind])
     assert fitted.achieved[same] == pytest.approx(TRUE["achieved"][kind] * ratio)
+
+
+def test_the_host_time_is_fitted_per_framework() -> None:
+    # One machine, two software stacks: the host's time per kernel is each stack's own
+    base = load_cluster("h100", gpus=8)
+    truth = _true(base).model_copy(
+        update={"framework_host_overhead_s": {"megatron": 150e-6, "deepspeed": 40e-6}}
+    )
+    megatron = _runs(truth)
+    deepspeed = []
+    for r in megatron:
+        job = r.job.with_framework("deepspeed")
+        step = predict(truth, [planner.Run(r.model, job, r.layout, 1.0)])[0]
+        deepspeed.append(planner.Run(r.model, job, r.layout, float(step), r.name + " ds"))
+    report = fit_runs(base, megatron + deepspeed, folds=0, rounds=3)
+    fitted = report.cluster.framework_host_overhead_s
+    assert fitted["megatron"] == pytest.approx(150e-6, rel=0.05)
+    assert fitted["deepspeed"] == pytest.approx(40e-6, rel=0.05)
+    assert {"host_overhead_s[megatron]", "host_overhead_s[deepspeed]"} <= set(report.informed)
+    # Runs of one framework say nothing of another's: the other keeps the cluster's value
+    alone = fit_runs(base, megatron, folds=0, rounds=3).cluster
+    assert "deepspeed" not in alone.framework_host_overhead_s

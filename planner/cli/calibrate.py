@@ -114,7 +114,6 @@ def _fit_runs(args: argparse.Namespace) -> None:
     import yaml
 
     from planner.catalog import cluster_yaml
-    from planner.fit import CONSTANTS as FIT_CONSTANTS
     from planner.fit import fit_runs, read_runs
 
     if args.cluster is None:
@@ -154,7 +153,7 @@ def _fit_runs(args: argparse.Namespace) -> None:
     constants = Table(title=f"{path}: constants fitted to {len(runs)} measured runs")
     for col in ("constant", "before", "fitted", ""):
         constants.add_column(col, justify="left" if col in ("constant", "") else "right")
-    for c in FIT_CONSTANTS:
+    for c in report.constants:
         unit = "" if c.fraction else " us"
         before = c.show(c.read(base))
         after = report.values[c.name]

@@ -27,7 +27,8 @@ Each kind of work in ``planner.costs.work.Work`` runs at its own rate:
 - memory-bound kernels at ``HBM bandwidth x achieved["memory_bound"]``;
 - plus ``cluster.kernel_overhead_s`` per kernel on the GPU: launch latency.
 
-The host issues the kernels, ``cluster.host_overhead_s`` per kernel the model counts (the
+The host issues the kernels, ``cluster.host_overhead_s`` per kernel the model counts (or the
+job's framework's own, ``cluster.framework_host_overhead_s``, where a fit to its runs set one; the
 framework's Python, autograd and the CUDA launch), asynchronously: a phase of work takes the
 longer of the GPU's time and the host's. The model counts a fused stack's kernels (13 forward
 and 19 backward for a Llama layer), fewer than an eager stack launches, so the figure is per
@@ -100,7 +101,7 @@ class Rates:
             attention_flops=cluster.bf16_flops * attention,
             memory_Bps=cluster.hbm_bandwidth_Bps * achieved.get("memory_bound", 1.0),
             kernel_s=cluster.kernel_overhead_s,
-            host_s=cluster.host_overhead_s,
+            host_s=cluster.framework_host_overhead_s.get(job.framework, cluster.host_overhead_s),
             weight_bytes=1 if job.compute_dtype == "fp8" else DTYPE_BYTES[job.working_weight_dtype],
             sms=cluster.sm_count,
             pcie_Bps=cluster.pcie_Bps * achieved.get("pcie", 1.0),
