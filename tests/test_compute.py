@@ -176,3 +176,16 @@ def test_flash_attention_2_runs_at_its_own_fraction_on_hopper_and_at_the_best_el
 def test_an_unknown_attention_kernel_is_one_line() -> None:
     with pytest.raises(PlannerError, match="attention_kernel='fa3'"):
         planner.TrainingJob(seq_len=4096, global_batch=8, attention_kernel="fa3")
+
+
+def test_the_plan_says_when_attention_is_priced_as_flash_attention_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from planner.cli import main
+
+    args = ["evaluate", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "8"]
+    args += ["--seq-len", "4096", "--global-batch", "8", "--tp", "1", "--zero", "3"]
+    assert main([*args, "--attention-kernel", "fa2"]) == 0
+    assert "(attention as FlashAttention-2)" in capsys.readouterr().out.replace("\n", " ")
+    assert main(args) == 0
+    assert "FlashAttention-2" not in capsys.readouterr().out

@@ -26,7 +26,7 @@ def evaluate_command(args: argparse.Namespace) -> bool:
         return est.fits
     print_memory(model.name, layout, est, job.memory_margin)
     if args.command == "evaluate":
-        print_time(est, job.framework)
+        print_time(est, job)
     return est.fits
 
 

@@ -107,8 +107,10 @@ def _summarise(layout: Layout, chunks: list[int]) -> str:
     return " | ".join(out)
 
 
-def print_time(est: Estimate, framework: str) -> None:
+def print_time(est: Estimate, job: TrainingJob) -> None:
     """The step time by part on the critical rank, throughput and MFU, and what is priced."""
+    framework = job.framework
+    kernel = " (attention as FlashAttention-2)" if job.attention_kernel == "fa2" else ""
     console = Console(width=max(Console().width, 100))
     table = Table(title=f"step time: {est.step_time_s:.3f} s")
     table.add_column("part")
@@ -121,7 +123,8 @@ def print_time(est: Estimate, framework: str) -> None:
         f"Parts of the critical pipeline rank {est.critical_rank}. "
         f"{est.tokens_per_s:,.0f} tokens/s, {est.tflops_per_gpu:.0f} model TFLOP/s per GPU, MFU "
         f"{est.mfu:.1%} (6 x active matmul parameters + causal attention per token, against "
-        f"the dense BF16 peak). Includes compute at the machine catalog's efficiencies, recompute, "
+        f"the dense BF16 peak). Includes compute at the machine catalog's efficiencies{kernel}, "
+        f"the host's time per kernel where it binds, recompute, "
         f"the tensor-parallel and expert all-to-all communication {framework} leaves exposed, "
         f"the context-parallel ring's sends attention does not hide, "
         f"pipeline sends and bubble, links and SMs shared by overlapped collectives, exposed "
