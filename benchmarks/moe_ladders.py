@@ -177,12 +177,12 @@ def cost(r: dict[str, str]) -> Row:
                 row = {**r, "vp": str(v), "schedule": "interleaved" if v > 1 else r["schedule"]}
             try:
                 layout = _layout(model, row, recompute)
-                found.append((0.0, layout, planner.evaluate(model, cluster, job, layout)))
+                est = planner.evaluate(model, cluster, job, layout)
             except planner.PlannerError:
                 if v == 1:
                     raise
                 continue
-            found[-1] = (0.0 if found[-1][2].headroom >= 0 else 1.0, *found[-1][1:])
+            found.append((0.0 if est.headroom >= 0 else 1.0, layout, est))
         _, layouts[recompute], est = min(found, key=lambda f: (f[0], f[2].step_time_s))
         return est
 

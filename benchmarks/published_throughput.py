@@ -156,21 +156,29 @@ def fastest_fitting(
     not the planner's cap under its margin: the run trained) at the shortest predicted step;
     where none fits, the one of least peak memory. Recompute only adds work, so a choice
     whose modules hold all of a fitting choice's is not tried (``none`` fitting ends the
-    search)."""
+    search). A choice the layout refuses (``PlannerError``) is passed over; where every one
+    is, the last refusal is raised."""
     best: tuple[tuple[int, float], str, planner.Estimate] | None = None
     fitting: list[frozenset[str]] = []
+    refused: PlannerError | None = None
     for choice in choices:
         modules = frozenset() if choice == "none" else frozenset(choice.split("+"))
         if any(f <= modules for f in fitting):
             continue
-        est = estimate(choice)
+        try:
+            est = estimate(choice)
+        except PlannerError as exc:
+            refused = exc
+            continue
         fits = est.headroom >= 0
         key = (0, est.step_time_s) if fits else (1, float(est.peak_bytes))
         if best is None or key < best[0]:
             best = (key, choice, est)
         if fits:
             fitting.append(modules)
-    assert best is not None
+    if best is None:
+        assert refused is not None
+        raise refused
     return best[1], best[2]
 
 

@@ -72,9 +72,11 @@ FRACTION_FLOORS: dict[str, float] = {
     "ib": 0.5,
 }
 # The most a fit may charge per kernel or per message (s), above every measured figure:
-# GPU time per kernel 1.8 us on an H200 (planner calibrate --sweep), 22 us the largest any
-# source fits (vTrain's A100 rows); the host's time per counted kernel 64-70 us on eager dense
-# layers, 103-119 us under recompute, 231-243 us on eager MoE layers (gpu_host.py on an H200);
+# GPU time 1.7-1.8 us per launched kernel on an H200 (planner calibrate --sweep,
+# gpu_graph.py), 6.7-23 us per counted kernel of an eager layer (gpu_graph.py), 22 us the
+# largest any source fits (vTrain's A100 rows); the host's time per counted kernel 64-70 us
+# on eager dense layers, 103-119 us under recompute, 231-243 us on eager MoE layers
+# (gpu_host.py on an H200);
 # NCCL's latency per step 0.6-4.4 us over NVLink and up to about 10 us over the network
 # (its tuner's base latencies by protocol, src/graph/tuning.cc).
 SECONDS_CEILINGS: dict[str, float] = {
@@ -289,7 +291,7 @@ def fit_runs(
             )
         x0 = np.array([c.read(cluster) for c in consts])
         for i, c in enumerate(consts):
-            named = c.name if c.name in start else c.key if c.framework else None
+            named = c.key if c.framework and c.name not in start else c.name
             if named in start:
                 x0[i] = c.unshow(start[named])
         begin = with_constants(cluster, x0, consts)

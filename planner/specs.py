@@ -537,10 +537,6 @@ class TrainingJob(Spec):
         "grouped kernel with device-side splits, not one launch per local expert. Only where "
         "the framework launches them one by one (Megatron-LM); torchtitan's are one kernel.",
     )
-    # Megatron-LM overlaps tensor-parallel collectives only under --tp-comm-overlap (off by
-    # default in its parser; Transformer Engine's userbuffers, with sequence parallelism);
-    # torchtitan only under parallelism.enable_async_tensor_parallel, which runs under
-    # torch.compile of the model (job_config.py at v0.2.2). The exports write the switches.
     attention_kernel: Literal["fused", "fa2"] = Field(
         default="fused",
         description="The fused attention kernel the training runs: 'fused' the GPU's fastest "
@@ -549,6 +545,10 @@ class TrainingJob(Spec):
         "SDPA flash backend, which torchtitan picked on Hopper before October 2025; "
         "achieved['attention_fa2'], well below the fastest on Hopper).",
     )
+    # Megatron-LM overlaps tensor-parallel collectives only under --tp-comm-overlap (off by
+    # default in its parser; Transformer Engine's userbuffers, with sequence parallelism);
+    # torchtitan only under parallelism.enable_async_tensor_parallel, which runs under
+    # torch.compile of the model (job_config.py at v0.2.2). The exports write the switches.
     tp_comm_overlap: bool = Field(
         default=True,
         description="The framework's tensor-parallel communication overlap is switched on "

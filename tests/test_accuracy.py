@@ -14,6 +14,7 @@ import json
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -89,3 +90,27 @@ def test_measured_figures_convert_to_seconds_per_step(metric: str) -> None:
     }[metric]
     row |= {"metric": metric, "value": str(value)}
     assert bench.measured_step(row, model, 989.4e12) == pytest.approx(step)
+
+
+def test_unstated_recompute_is_the_fastest_choice_that_fits_and_skips_refused_ones() -> None:
+    from types import SimpleNamespace
+
+    bench = _bench()
+    # (headroom, step seconds, peak bytes) per choice; "mlp" is refused by the layout
+    made = {"none": (-1, 1.0, 9), "mlp": None, "layernorm": (0, 1.2, 7), "full": (0, 1.5, 5)}
+    asked: list[str] = []
+
+    def estimate(choice: str) -> Any:
+        asked.append(choice)
+        if made[choice] is None:
+            raise PlannerError(f"recompute={choice!r}: refused")
+        h, t, p = made[choice]
+        return SimpleNamespace(headroom=h, step_time_s=t, peak_bytes=p)
+
+    choice, _ = bench.fastest_fitting(
+        ["none", "mlp", "layernorm", "layernorm+mlp", "full"], estimate
+    )
+    assert choice == "layernorm"
+    assert "layernorm+mlp" not in asked  # holds a fitting choice's modules: only slower
+    with pytest.raises(PlannerError, match="refused"):
+        bench.fastest_fitting(["mlp"], estimate)
