@@ -75,3 +75,27 @@ def test_residuals_group_by_ranges_and_by_each_flag() -> None:
     assert lines["a: with"]["bias"] == pytest.approx(-0.3)
     assert lines["b: with"]["mape"] == pytest.approx(0.1)
     assert lines["b: without"]["bias"] == pytest.approx(-0.15)
+
+
+def test_a_layout_measured_twice_is_one_layout_in_the_ranking() -> None:
+    def item(layout: str, measured: float, predicted: float) -> object:
+        return rankings.Item("g", layout, layout, measured, predicted)
+
+    items = [item("a", 1.0, 0.5), item("b", 2.0, 0.9), item("a", 3.0, 0.7)]
+    measured, predicted = rankings.by_layout(items)
+    # "a" measured twice: the means of its rows, in order of first appearance
+    assert measured == pytest.approx([2.0, 2.0]) and predicted == pytest.approx([0.6, 0.9])
+
+
+def test_layout_ceiling_is_what_the_mean_of_each_layout_can_order() -> None:
+    def item(layout: str, measured: float) -> object:
+        return rankings.Item("g", layout, layout, measured, 1.0)
+
+    # one layout's rows straddle the other's: "a" (1 and 3, mean 2) against "b" (2.5): of the
+    # two cross pairs, (1, 2.5) agrees with the means and (3, 2.5) disagrees
+    tau, regret = rankings.layout_ceiling([item("a", 1.0), item("a", 3.0), item("b", 2.5)])
+    assert tau == pytest.approx(0.0)
+    assert regret == pytest.approx(1.0)  # the best mean (2) over the fastest row (1)
+    # repeats close together leave the order intact
+    tau, regret = rankings.layout_ceiling([item("a", 1.0), item("a", 1.02), item("b", 2.0)])
+    assert tau == 1.0 and regret == pytest.approx(0.01)
