@@ -123,6 +123,9 @@ class Framework:
     fp8_cache: bool = False  # a switch to keep the FP8 activation input (Layout.fp8_cache)
     probs_in_expert: bool = False  # routing probabilities applied inside the expert
     loss_copies_logits: bool = False  # the eager loss keeps an FP32 copy of the logits
+    # Its linears and grouped experts run Transformer Engine's GEMMs, each with TE's own
+    # workspace in the caching allocator (costs.memory.workspace_bytes)
+    transformer_engine: bool = False
     op_sac: bool = False  # per-op selective checkpointing ("op" recompute)
     zero_shards_weights_from: int = 3  # the ZeRO stage from which weights are sharded
     # The one ZeRO stage at which it keeps optimizer moments narrower than FP32
@@ -216,6 +219,7 @@ FRAMEWORKS: dict[str, Framework] = {
         # (--moe-use-grouped-tensor: TE's grouped tensor path, one kernel with device-side
         # splits; costs.compute.Rates.of).
         expert_gemm_launch_s=52e-6,
+        transformer_engine=True,
         # --exp-avg-dtype / --exp-avg-sq-dtype take effect only on the precision-aware
         # optimizer, which needs --use-distributed-optimizer (arguments.py at d98e8a64): the
         # distributed optimizer's ZeRO-1. Elsewhere the moments are FP32.

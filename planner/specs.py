@@ -572,6 +572,16 @@ class TrainingJob(Spec):
         ge=0,
         description="NCCL communication buffers per GPU (bytes); seed 001 section 6: 0.8-2 GB.",
     )
+    workspace_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="GEMM libraries' workspaces held in PyTorch's caching allocator for the "
+        "whole run, per GPU (bytes): PyTorch's cuBLAS workspace, and where the framework runs "
+        "Transformer Engine its GEMM workspace and, with routed experts, its grouped GEMM's "
+        "four streams' (planner.costs.memory.workspace_bytes). None: those libraries' sizes "
+        "at compute capability 9.0 and up (32 MiB each); older GPUs take less "
+        "(planner.costs.memory.workspace_bytes(..., sm90=False)).",
+    )
     fragmentation: float = Field(
         default=0.10,
         ge=0,

@@ -23,6 +23,8 @@ the same):
   parallelism the ring's receive buffers (a block's keys and values and their gradients, in
   use and arriving: 4 times its K and V), and for an eager PyTorch runtime the gradients a
   backward holds in flight.
+- ``buffers`` also hold the GEMM libraries' workspaces, allocated once through PyTorch's
+  caching allocator and kept for the run (``workspace_bytes``).
 - ``context``: CUDA context and kernels.
 - ``fragmentation``: the job's fraction of all allocated bytes above.
 
@@ -187,6 +189,47 @@ def shard_of(job: TrainingJob, layout: Layout) -> Shard:
     )
 
 
+MIB = 2**20
+# PyTorch's cuBLAS workspace, one per handle and stream, from its caching allocator
+# (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize: 4096 KiB x 8 at compute
+# capability 9.0 and up, else 2 x 4096 KiB + 8 x 16 KiB; CUBLAS_WORKSPACE_CONFIG overrides;
+# cuBLASLt shares it by default, TORCH_CUBLASLT_UNIFIED_WORKSPACE). One stream runs the
+# GEMMs PyTorch issues itself.
+TORCH_CUBLAS_WORKSPACE = {True: 32 * MIB, False: 8 * MIB + 128 * 1024}
+# Transformer Engine's GEMM workspace (transformer_engine/pytorch/module/base.py,
+# get_cublas_workspace_size_bytes: 32 MiB + 256 B at compute capability 9.0 and up, else
+# 4 MiB, torch.empty on first use) and, for its grouped GEMMs, one such per stream of
+# get_multi_stream_cublas_workspace (tex.get_num_cublas_streams(): 4).
+TE_WORKSPACE = {True: 32 * MIB + 256, False: 4 * MIB}
+TE_GROUPED_STREAMS = 4
+
+
+def workspace_bytes(
+    model: ModelSpec,
+    job: TrainingJob,
+    *,
+    sm90: bool = True,
+    cublas_bytes: int | None = None,
+    transformer_engine: bool | None = None,
+    grouped_experts: bool | None = None,
+) -> int:
+    """Bytes the GEMM libraries hold in the caching allocator for the whole run:
+    ``job.workspace_bytes`` where stated, else PyTorch's cuBLAS workspace (``cublas_bytes``
+    where CUBLAS_WORKSPACE_CONFIG sets it) plus, where the framework runs Transformer Engine
+    (``transformer_engine`` overrides), TE's workspace and, for routed experts run as
+    grouped GEMMs (``grouped_experts``; by default whenever the model has them), its four
+    streams' workspaces. ``sm90``: the sizes at compute capability 9.0 and up (Hopper,
+    Blackwell), else Ampere's."""
+    if job.workspace_bytes is not None:
+        return job.workspace_bytes
+    total = TORCH_CUBLAS_WORKSPACE[sm90] if cublas_bytes is None else cublas_bytes
+    te = framework(job.framework).transformer_engine
+    if te if transformer_engine is None else transformer_engine:
+        grouped = bool(model.num_experts) if grouped_experts is None else grouped_experts
+        total += TE_WORKSPACE[sm90] * (1 + TE_GROUPED_STREAMS * grouped)
+    return total
+
+
 def reduce_bucket_bytes(model: ModelSpec, job: TrainingJob, layout: Layout) -> float:
     """ZeRO-2 and -3 shard the gradients, but a block's gradients exist whole on the rank
     until they are reduce-scattered: one reduce bucket, here the largest block's gradients
@@ -324,7 +367,7 @@ def _rank_memory(
         layout=layout,
         ema_on_gpu=ema_on_gpu,
     )
-    buffers = float(job.comm_buffer_bytes)
+    buffers = float(job.comm_buffer_bytes + workspace_bytes(model, job))
     if torch_pp:  # receive buffers per chunk and micro-batch
         ends = sum((c > 0) + (c < last) for c in dict.fromkeys(chunks))
         buffers += ends * num_microbatches * hidden

@@ -70,8 +70,8 @@ def small_job(seq_len: int = 256, global_batch: int = 8, *, dtype: str = "fp32")
     device's measurement dtype, BF16, on CUDA); no CUDA context, communication buffers or
     fragmentation in the prediction (the CUDA context and NCCL's buffers lie outside the
     caching allocator the measurement reads; fragmentation is its reserved peak, reported
-    beside); the eager ``torch`` runtime, which runs each collective in turn with the
-    compute, as ``run_layout`` does."""
+    beside), and on the CPU (FP32) no cuBLAS workspace; the eager ``torch`` runtime, which
+    runs each collective in turn with the compute, as ``run_layout`` does."""
     return TrainingJob(
         seq_len=seq_len,
         global_batch=global_batch,
@@ -83,6 +83,7 @@ def small_job(seq_len: int = 256, global_batch: int = 8, *, dtype: str = "fp32")
         activation_dtype=dtype,
         cuda_context_bytes=0,
         comm_buffer_bytes=0,
+        workspace_bytes=0 if dtype == "fp32" else None,
         fragmentation=0.0,
     )
 

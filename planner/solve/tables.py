@@ -31,7 +31,12 @@ from planner.costs.activations import activation_levels
 from planner.costs.blocks import BlockCost, Param, Shard, block_cost, block_names
 from planner.costs.comm import Network, Transfer
 from planner.costs.compute import Rates
-from planner.costs.memory import reduce_bucket_bytes, ring_buffer_bytes, shard_of
+from planner.costs.memory import (
+    reduce_bucket_bytes,
+    ring_buffer_bytes,
+    shard_of,
+    workspace_bytes,
+)
 from planner.costs.overlap import overlap_of
 from planner.costs.quantities import Bytes, StageComm
 from planner.costs.state import shards, state_bytes
@@ -290,7 +295,8 @@ def build(
         else rank_orders(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
     )
     fixed_state, fixed_bytes = _fixed_tables(model, job, config, proto, shard)
-    buffers = float(job.comm_buffer_bytes) + (2 * act if config.pp > 1 else 0.0)
+    buffers = float(job.comm_buffer_bytes + workspace_bytes(model, job))
+    buffers += 2 * act if config.pp > 1 else 0.0
     buffers += reduce_bucket_bytes(model, job, proto)
     if config.cp > 1:  # the context ring's buffers, as ``costs.memory.stage_memory`` counts
         kinds_at = [f"layer.{layer_kinds.index(k)}" for k in dict.fromkeys(layer_kinds)]
