@@ -71,6 +71,13 @@ class Estimate(BaseModel):
         "the same model over published runs on this GPU (planner/accuracy.json, written by "
         "benchmarks/published_throughput.py --write), or that none were compared.",
     )
+    memory_risk: str = Field(
+        default="",
+        description="How likely the heaviest rank is to run out of memory: of the published "
+        "runs of the job's framework whose memory the model was checked against "
+        "(planner/memory_accuracy.json, written by benchmarks/published_memory.py --write), "
+        "how many it under-predicted by more than this layout's headroom.",
+    )
     mfu_note: str = Field(
         default="",
         description="Set when the predicted MFU exceeds every MFU measured on this GPU and "
@@ -109,6 +116,9 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: L
         tflops_per_gpu=flops_per_s / 1e12,
         tokens_per_s=tokens_per_s,
         expected_error=expected_error(cluster.name),
+        memory_risk=memory_risk(
+            job.framework, 1 - max(s.peak_bytes for s in memory) / usable_hbm(cluster)
+        ),
         mfu_note=mfu_note(
             cluster.name, job.compute_dtype, cluster.num_gpus, flops_per_s / cluster.bf16_flops
         ),
@@ -142,6 +152,46 @@ def expected_error(gpu: str) -> str:
     return (
         f"±{row['mape']:.0%}: mean absolute error over {row['rows']} published {gpu} runs "
         f"(predicted step {row['bias']:+.0%} on average; benchmarks/published_runs.csv)"
+    )
+
+
+MEMORY_ACCURACY = package_file("memory_accuracy.json")
+
+
+@functools.lru_cache(maxsize=1)
+def _memory_accuracy() -> dict[str, Any]:
+    try:
+        return dict(json.loads(MEMORY_ACCURACY.read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def memory_risk(framework_name: str, headroom: float) -> str:
+    """The risk, in words, that a rank whose predicted peak leaves ``headroom`` (a fraction
+    of usable HBM) free runs out of memory: how many of the published ``framework_name``
+    runs the model under-predicted by more than that. A run's real peak is the predicted
+    one over (1 + error), so it exceeds usable HBM when the error is below -headroom."""
+    from planner.frameworks import framework
+
+    label = framework(framework_name).label
+    row = _memory_accuracy().get("by_framework", {}).get(framework_name)
+    if not row or not row.get("errors"):
+        return f"no published {label} memory measurements to judge the risk of running out by"
+    errors = row["errors"]
+    worst = -min(min(errors), 0.0)
+    where = f"published {label} runs"
+    if headroom < 0:  # its real peak stays within usable HBM only if over-predicted by more
+        saved = sum(e >= -headroom for e in errors)
+        return (
+            f"the predicted peak is {-headroom:.1%} of usable HBM over it: it runs out unless "
+            f"the model over-predicts it by more, as it did on {saved} of {len(errors)} "
+            f"{where} (benchmarks/published_memory.csv)"
+        )
+    short = sum(e < -headroom for e in errors)
+    return (
+        f"on {short} of {len(errors)} {where} the model's peak fell short of the measured one "
+        f"by more than the {headroom:.1%} of usable HBM this layout leaves free (largest "
+        f"shortfall {worst:.1%}; benchmarks/published_memory.csv)"
     )
 
 

@@ -20,7 +20,7 @@ import pytest
 
 import planner
 from planner.errors import PlannerError
-from planner.estimate import ACCURACY, expected_error
+from planner.estimate import ACCURACY, MEMORY_ACCURACY, expected_error, memory_risk
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "published_throughput.py"
 
@@ -114,3 +114,57 @@ def test_unstated_recompute_is_the_fastest_choice_that_fits_and_skips_refused_on
     assert "layernorm+mlp" not in asked  # holds a fitting choice's modules: only slower
     with pytest.raises(PlannerError, match="refused"):
         bench.fastest_fitting(["mlp"], estimate)
+
+
+@functools.cache
+def _memory_bench():  # type: ignore[no-untyped-def]
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "published_memory.py"
+    spec = importlib.util.spec_from_file_location("published_memory", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stored_memory_errors_are_todays() -> None:
+    bench = _memory_bench()
+    signed: dict[str, list[float]] = defaultdict(list)
+    for row, result in bench.costed(bench.read_rows()):
+        if not isinstance(result, str):
+            measured, predicted, _, _ = result
+            signed[bench.framework_of(row)].append(predicted / measured - 1)
+    assert sum(map(len, signed.values())) >= 25
+    assert json.loads(MEMORY_ACCURACY.read_text()) == bench.accuracy_data(signed)
+
+
+def test_memory_risk_counts_the_runs_under_predicted_beyond_the_headroom(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import planner.estimate as estimate
+
+    errors = [-0.30, -0.08, -0.02, 0.01, 0.20]  # predicted / measured - 1
+    monkeypatch.setattr(
+        estimate, "_memory_accuracy", lambda: {"by_framework": {"torchtitan": {"errors": errors}}}
+    )
+    # a real peak is the predicted one over (1 + error): it passes usable HBM when the error
+    # is below -headroom
+    assert memory_risk("torchtitan", 0.10).startswith("on 1 of 5 published torchtitan runs")
+    assert memory_risk("torchtitan", 0.05).startswith("on 2 of 5")
+    assert memory_risk("torchtitan", 0.01).startswith("on 3 of 5")
+    assert "largest shortfall 30.0%" in memory_risk("torchtitan", 0.1)
+    # over usable HBM by 1%: it runs only if the model over-predicted it by 1% or more
+    assert "runs out unless the model over-predicts it by more, as it did on 2 of 5" in (
+        memory_risk("torchtitan", -0.01)
+    )
+    assert memory_risk("deepspeed", 0.1).startswith("no published DeepSpeed memory")
+
+
+def test_estimates_state_their_memory_risk() -> None:
+    model = planner.load_model("llama3-8b")
+    cluster = planner.load_cluster("h100", gpus=8)
+    job = planner.TrainingJob(seq_len=4096, global_batch=8, framework="megatron")
+    est = planner.evaluate(model, cluster, job, planner.Layout.uniform(model, dp=8, zero=3))
+    assert est.headroom > 0
+    stored = json.loads(MEMORY_ACCURACY.read_text())["by_framework"]["megatron"]
+    assert f"of {stored['rows']} published Megatron-LM runs" in est.memory_risk
+    assert f"{est.headroom:.1%} of usable HBM" in est.memory_risk

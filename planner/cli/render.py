@@ -50,9 +50,12 @@ def print_memory(name: str, layout: Layout, est: Estimate, margin: float) -> Non
     console.print(table)
     console.print(
         f"{_memory_summary(est, margin)} Includes weights, gradients, optimizer state, EMA, "
-        "saved activations of the schedule's in-flight micro-batches, communication buffers, "
-        "CUDA context and fragmentation; ignores optimizer-step temporaries."
+        "saved activations of the schedule's in-flight micro-batches, communication buffers "
+        "and GEMM workspaces, CUDA context and fragmentation; ignores optimizer-step "
+        "temporaries."
     )
+    if est.memory_risk:
+        console.print(f"Risk of running out of memory: {est.memory_risk}.")
     host = max(s.host_bytes for s in est.memory)
     if host:
         held = []
