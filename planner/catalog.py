@@ -24,7 +24,7 @@ import yaml
 from planner.configs import model_from_config
 from planner.data import catalog_dir
 from planner.errors import PlannerError, UnknownNameError
-from planner.specs import ClusterSpec, ModelSpec
+from planner.specs import MAX_GPUS, ClusterSpec, ModelSpec
 
 MODELS_DIR = catalog_dir("models")
 HARDWARE_DIR = catalog_dir("hardware")
@@ -167,8 +167,8 @@ def _check_machine(data: dict[str, Any], path: Path) -> None:
 
 def load_cluster(source: str | Path, *, gpus: int) -> ClusterSpec:
     """A ``ClusterSpec`` of ``gpus`` GPUs of the machine type ``source`` (name or YAML path)."""
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus <= 0:
-        raise PlannerError(f"gpus={gpus!r}: must be a positive whole number of GPUs")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 0 < gpus <= MAX_GPUS:
+        raise PlannerError(f"gpus={gpus!r}: must be a whole number of GPUs from 1 to {MAX_GPUS:,}")
     path = resolve_source(source, HARDWARE_DIR, ".yaml", "cluster", cluster_names())
     data = _read(path)
     _check_machine(data, path)

@@ -250,11 +250,19 @@ class ModelSpec(Spec):
         return model_param_count(self, active=active, include_mtp=include_mtp)
 
 
+MAX_GPUS = 2**24  # ClusterSpec.num_gpus: the enumeration of degrees takes O(sqrt) of it
+
+
 class ClusterSpec(Spec):
     """A homogeneous GPU cluster: ``num_nodes`` nodes of ``gpus_per_node`` identical GPUs."""
 
     name: str = Field(description="Machine type name (catalog name or a label).")
-    num_gpus: int = Field(gt=0, description="Total GPUs in the job.")
+    num_gpus: int = Field(
+        gt=0,
+        le=MAX_GPUS,
+        description=f"Total GPUs in the job (at most {MAX_GPUS:,}, a hundred times the largest "
+        "clusters built).",
+    )
     gpus_per_node: int = Field(gt=0, description="GPUs sharing one NVLink domain.")
     hbm_bytes: int = Field(gt=0, description="Nominal HBM capacity per GPU (bytes).")
     hbm_reserved_bytes: int = Field(

@@ -638,3 +638,39 @@ def test_quick_layouts_give_each_rank_the_fastest_choice_its_memory_fits(
             over = stage_memory(model, job, faster, num_microbatches=32)
             assert any(over[r].peak_bytes > cap for r in holders[c])
     assert mixed  # some ranks recompute what others keep
+
+
+def test_divisors_come_in_square_root_time_and_in_order() -> None:
+    from planner.solve.space import _divisors
+
+    for n in range(1, 300):
+        assert _divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+    assert len(_divisors(10**9)) == 100  # (9 + 1) ** 2, at once
+
+
+@pytest.mark.parametrize("limit", [float("inf"), float("nan"), 0.0, -1.0])
+def test_the_time_limit_must_be_finite_and_positive(limit: float) -> None:
+    model = planner.load_model("llama3-8b")
+    cluster = planner.load_cluster("h100", gpus=8)
+    job = planner.TrainingJob(seq_len=4096, global_batch=64)
+    with pytest.raises(planner.PlannerError, match=r"^time_limit_s=.*finite positive"):
+        planner.plan(model, cluster, job, time_limit_s=limit)
+
+
+def test_a_step_of_too_many_micro_batches_is_refused_before_any_work() -> None:
+    from planner.solve.space import MAX_MICROBATCHES
+
+    model = planner.load_model("llama3-8b")
+    cluster = planner.load_cluster("h100", gpus=8)
+    # 8 GPUs at micro-batch 8 hold 64 sequences a step at most in flight: one more than
+    # MAX_MICROBATCHES micro-batches of them is refused, by name, before the search
+    job = planner.TrainingJob(seq_len=4096, global_batch=64 * MAX_MICROBATCHES + 64)
+    with pytest.raises(planner.PlannerError, match=r"^TrainingJob.global_batch=\d+: every layout"):
+        planner.plan(model, cluster, job, time_limit_s=1)
+    # the search leaves out layouts of more micro-batches than that, keeps the others
+    from planner.solve.space import enumerate_configs
+
+    edge = job.model_copy(update={"global_batch": 8 * MAX_MICROBATCHES})
+    configs = list(enumerate_configs(model, cluster, edge, planner.SearchSpace()))
+    assert configs and max(c.num_microbatches for c in configs) <= MAX_MICROBATCHES
+    assert min(c.num_microbatches for c in configs) == MAX_MICROBATCHES // 8

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from planner.catalog import load_cluster, load_model
@@ -130,8 +131,8 @@ def _flag_layout(args: argparse.Namespace, model: ModelSpec) -> Layout:
 
 
 def positive_seconds(value: float) -> None:
-    """Refuse a ``--time-limit`` that is not a positive number of seconds."""
-    if not value > 0:
+    """Refuse a ``--time-limit`` that is not a finite positive number of seconds."""
+    if not (math.isfinite(value) and value > 0):
         raise PlannerError(f"--time-limit={value:g}: must be a positive number of seconds")
 
 

@@ -87,7 +87,7 @@ from planner.solve.lanesearch import (
     lane_step,
 )
 from planner.solve.result import Alternative, FrameworkBest, Plan
-from planner.solve.space import enumerate_configs, for_target
+from planner.solve.space import check_step_size, enumerate_configs, for_target
 from planner.solve.tables import (
     Config,
     states,
@@ -125,10 +125,14 @@ def plan(
     caller whose answer must not depend on the machine's load (a sweep) sets it well past
     the time the budget takes."""
     started = time.perf_counter()
-    if not time_limit_s > 0:
-        raise PlannerError(f"time_limit_s={time_limit_s:g}: must be a positive number of seconds")
-    if clock_limit_s is not None and not clock_limit_s > 0:
-        raise PlannerError(f"clock_limit_s={clock_limit_s:g}: must be a positive number of seconds")
+    if not (math.isfinite(time_limit_s) and time_limit_s > 0):
+        raise PlannerError(
+            f"time_limit_s={time_limit_s:g}: must be a finite positive number of seconds"
+        )
+    if clock_limit_s is not None and not (math.isfinite(clock_limit_s) and clock_limit_s > 0):
+        raise PlannerError(
+            f"clock_limit_s={clock_limit_s:g}: must be a finite positive number of seconds"
+        )
     if processes is not None and processes < 1:
         raise PlannerError(f"processes={processes}: must be a positive process count")
     asked = space or SearchSpace()
@@ -151,6 +155,7 @@ def plan(
         )
     space = for_target(asked, job)
     job = _framework_for(job, space)
+    check_step_size(cluster, job, space)
     configs = list(enumerate_configs(model, cluster, job, space))
     if job.ema and space.ema is None:
         # The EMA goes to host RAM (no HBM, no step time) unless the host cannot hold it;

@@ -10,6 +10,7 @@ schedule's reference implementation accepts). The dominance rules the search rel
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 
 from planner.costs.blocks import Shard, block_cost
@@ -24,6 +25,11 @@ from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 
 DEFAULT_SCHEDULES = tuple(name for name, s in SCHEDULES.items() if s.searched)
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
+# The most micro-batches a pipeline's step may hold for the search to cost it: costing a
+# schedule walks its op order, so its time grows with them (a layout of 100,000 takes seconds,
+# and the search costs many). Published runs hold up to about 15,000 (DeepSeek-V3's 15,360
+# sequences a step, one a micro-batch, over 8 data-parallel ranks: 1,920).
+MAX_MICROBATCHES = 100_000
 DEFAULT_VIRTUAL = (2, 4)
 
 
@@ -172,6 +178,8 @@ def _per_degrees(
         if job.global_batch % (dp * mb):
             continue
         m = job.global_batch // (dp * mb)
+        if m > MAX_MICROBATCHES:
+            continue
         for v in _virtuals(space, entry.virtual_stages):
             stages = pp * v
             if stages > model.num_layers + 2:
@@ -241,4 +249,22 @@ def _tp_fits(model: ModelSpec, tp: int) -> bool:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n``, ascending (in O(sqrt n))."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if d * d != n]
+
+
+def check_step_size(cluster: ClusterSpec, job: TrainingJob, space: SearchSpace) -> None:
+    """Refuse, in one line, a job whose every layout would hold more than
+    ``MAX_MICROBATCHES`` micro-batches a pipeline per step: no data-parallel degree exceeds
+    the GPU count, nor a micro-batch the largest the space allows."""
+    largest = max(space.micro_batch or DEFAULT_MICRO_BATCHES)
+    fewest = math.ceil(job.global_batch / (cluster.num_gpus * largest))
+    if fewest > MAX_MICROBATCHES:
+        raise PlannerError(
+            f"TrainingJob.global_batch={job.global_batch}: every layout on "
+            f"{cluster.num_gpus} GPUs holds at least {fewest:,} micro-batches per pipeline a "
+            f"step (micro-batch {largest}); the planner costs steps of at most "
+            f"{MAX_MICROBATCHES:,}: use fewer sequences per step, more GPUs or a larger "
+            "micro-batch"
+        )
