@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.catalog import load_cluster, load_model
+from planner.children import die_with_parent
 from planner.errors import PlannerError
 from planner.layout import Layout
 from planner.specs import ModelSpec, SearchSpace, TrainingJob
@@ -366,13 +367,14 @@ def _local(
         return
     n = max(1, min(workers or multiprocessing.cpu_count(), len(pending)))
     context = multiprocessing.get_context("spawn")  # no inherited threads or solver state
-    with ProcessPoolExecutor(max_workers=n, mp_context=context) as pool:
-        running: dict[Future[dict[str, Any]], str] = {}
+    pool = ProcessPoolExecutor(max_workers=n, mp_context=context, initializer=die_with_parent)
+    running: dict[Future[dict[str, Any]], str] = {}
 
-        def submit() -> None:
-            for key, case, hints in feed.ready(n - len(running)):
-                running[pool.submit(run_case, case, hints)] = key
+    def submit() -> None:
+        for key, case, hints in feed.ready(n - len(running)):
+            running[pool.submit(run_case, case, hints)] = key
 
+    try:
         submit()
         report(len(running))
         while running:
@@ -382,6 +384,13 @@ def _local(
                 finish(key, _result(future))
             submit()
             report(len(running))
+    except BaseException:  # Ctrl-C or an error: what finished is stored; stop the rest now
+        children = list(getattr(pool, "_processes", {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for child in children:
+            child.terminate()
+        raise
+    pool.shutdown()
 
 
 def _result(future: Future[dict[str, Any]]) -> dict[str, Any]:

@@ -558,3 +558,42 @@ def test_the_package_runs_as_a_module() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "deepseek-v3" in {m["name"] for m in json.loads(out.stdout)}
+
+
+def test_output_files_that_cannot_be_written_are_refused_before_any_work(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    missing = str(tmp_path / "missing" / "t.json")
+    err = refused(capsys, "simulate", *LLAMA, "--trace", missing)
+    assert err == f"planner: --trace='{missing}': cannot write (no such directory " + (
+        f"'{tmp_path / 'missing'}')\n"
+    )
+    db = tmp_path / "sweep.sqlite"
+    sweep = ["--model", "llama3-8b", "--gpus", "8", "--seq-len", "4096", "--global-batch", "64"]
+    err = refused(capsys, "sweep", *sweep, "--db", str(db), "--out", str(tmp_path))
+    assert err == f"planner: --out='{tmp_path}': is a directory; give a file name\n"
+    assert not db.exists()  # no case ran
+
+
+@pytest.mark.parametrize(
+    ("raised", "code", "line"),
+    [
+        (KeyboardInterrupt(), 130, "planner: interrupted\n"),
+        (OSError(28, "No space left on device", "rows.csv"), 2, "planner: rows.csv: No space left"),
+    ],
+)
+def test_interrupts_and_file_errors_are_one_line(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    raised: BaseException,
+    code: int,
+    line: str,
+) -> None:
+    import planner.cli as cli
+
+    def command(args: object) -> None:
+        raise raised
+
+    monkeypatch.setitem(cli.COMMANDS, "plan", command)
+    assert main(["plan", *LLAMA]) == code
+    assert says(capsys.readouterr().err, line)

@@ -8,6 +8,7 @@ printing is in ``render``, and each command (or family of commands) has its own 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -38,6 +39,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], bool | None]] = {
 
 # Exit codes: a script can tell a plan that fits from an infeasible job from bad input.
 EXIT_FITS, EXIT_BAD_INPUT, EXIT_INFEASIBLE = 0, 2, 3
+EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as shells report it
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -50,4 +53,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PlannerError as exc:
         print(f"planner: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BrokenPipeError:  # the reader of stdout went away (| head): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except OSError as exc:  # a file the command reads or writes (disk full, permissions)
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"planner: {where}{exc.strerror or exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("planner: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return EXIT_INFEASIBLE if fits is False else EXIT_FITS

@@ -9,7 +9,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from planner.cli.inputs import build
+from planner.cli.inputs import build, writable_file
 from planner.cli.render import GiB, plot_estimate, print_memory, print_time
 from planner.estimate import evaluate
 from planner.simulate import simulate
@@ -32,6 +32,7 @@ def evaluate_command(args: argparse.Namespace) -> bool:
 
 def simulate_command(args: argparse.Namespace) -> None:
     """Print the layout's step event by event per pipeline rank, against the estimate."""
+    writable_file("--trace", args.trace)
     model, cluster, job, layout = build(args)
     sim = simulate(model, cluster, job, layout)
     est = evaluate(model, cluster, job, layout)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 
 from planner.catalog import load_cluster, load_model
@@ -128,6 +129,22 @@ def _flag_layout(args: argparse.Namespace, model: ModelSpec) -> Layout:
         sequence_parallel=not args.no_sequence_parallel,
         optimizer_offload=args.optimizer_offload,
     )
+
+
+def writable_file(flag: str, value: str | None) -> Path | None:
+    """The output file ``value`` of ``flag``, refused in one line before any work when it
+    cannot be written: its folder missing or read-only, the file a folder or read-only."""
+    if value is None:
+        return None
+    path = Path(value)
+    folder = path.parent
+    if path.is_dir():
+        raise PlannerError(f"{flag}={value!r}: is a directory; give a file name")
+    if not folder.is_dir():
+        raise PlannerError(f"{flag}={value!r}: cannot write (no such directory {str(folder)!r})")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise PlannerError(f"{flag}={value!r}: cannot write (permission denied)")
+    return path
 
 
 def positive_seconds(value: float) -> None:

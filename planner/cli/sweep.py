@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from planner.cli.inputs import positive_seconds, training_job
+from planner.cli.inputs import positive_seconds, training_job, writable_file
 from planner.cli.render import writable
 from planner.errors import PlannerError
 from planner.plots import picture_format
@@ -29,6 +29,8 @@ def sweep_command(args: argparse.Namespace) -> None:
     jobs = [training_job(args, s, b) for s in args.seq_len for b in args.global_batch]
     if args.plot:
         picture_format(args.plot, option="--plot")
+    writable_file("--out", args.out)  # before the cases run, not after
+    writable_file("--db", args.db)
     # Bad input fails here, in one line, before any progress bar is drawn.
     todo = cases(
         args.model,

@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from multiprocessing.pool import AsyncResult, Pool
 from typing import Any
 
+from planner.children import die_with_parent
+
 LANES = 2  # jobs per batch, whatever the processes: the plan does not depend on the machine
 
 Job = tuple[Callable[..., Any], tuple[Any, ...]]  # (function, arguments)
@@ -89,7 +91,7 @@ def _can_fork() -> bool:
 def _pool(lane: int) -> Pool:
     """The one-process pool of lane ``lane`` (1 and up), started on first use."""
     while len(_POOLS) < lane:
-        _POOLS.append(multiprocessing.get_context("fork").Pool(1))
+        _POOLS.append(multiprocessing.get_context("fork").Pool(1, initializer=die_with_parent))
     return _POOLS[lane - 1]
 
 
