@@ -107,9 +107,9 @@ def test_partial_single_node_is_allowed() -> None:
     assert planner.load_cluster("h100", gpus=4).num_nodes == 1
 
 
-@pytest.mark.parametrize("gpus", [0, -8])
-def test_gpu_count_must_be_positive(gpus: int) -> None:
-    with pytest.raises(planner.PlannerError, match="must be a positive whole number"):
+@pytest.mark.parametrize("gpus", [0, -8, 2**24 + 8])
+def test_gpu_count_must_be_positive_and_bounded(gpus: int) -> None:
+    with pytest.raises(planner.PlannerError, match=r"must be a whole number of GPUs from 1 to"):
         planner.load_cluster("h100", gpus=gpus)
 
 
