@@ -36,6 +36,20 @@ def model_from_config(cfg: dict[str, Any], *, name: str) -> ModelSpec:
             f"model config {name}: model_type={kind!r} is not supported; supported: "
             f"{', '.join(sorted(_READERS))}"
         )
+    for field in _WHOLE_FIELDS.intersection(cfg):
+        value = cfg[field]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise PlannerError(
+                f"model config {name}: {field}={json.dumps(value)} must be a whole number "
+                "(a JSON number, not a string)"
+            )
+    for field in _REAL_FIELDS.intersection(cfg):
+        value = cfg[field]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise PlannerError(
+                f"model config {name}: {field}={json.dumps(value)} must be a number "
+                "(a JSON number, not a string)"
+            )
     try:
         fields = reader(cfg)
         _refuse_uncosted(cfg, _COSTED.get(str(kind), frozenset()), str(kind))
@@ -83,7 +97,32 @@ _COST_FIELDS = {
     "q_lora_rank": "latent attention",
     "kv_lora_rank": "latent attention",
     "num_nextn_predict_layers": "multi-token-prediction modules",
+    "final_logit_softcapping": "a tanh soft cap on the logits",
+    "attn_logit_softcapping": "a tanh soft cap on the attention scores",
 }
+
+
+# Fields the readers take as counts (widths, layers, heads, experts) and as rates or
+# factors: what a config states as anything else (a string "4096") is refused by name.
+_WHOLE_FIELDS = frozenset(
+    {
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "intermediate_size", "vocab_size", "head_dim", "moe_intermediate_size",
+        "shared_expert_intermediate_size", "num_experts", "num_local_experts",
+        "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "experts_per_token",
+        "first_k_dense_replace", "moe_layer_freq", "decoder_sparse_step", "n_group",
+        "topk_group", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+        "v_head_dim", "num_nextn_predict_layers", "sliding_window", "n_embd", "n_head",
+        "n_inner", "n_layer", "n_positions",
+    }
+)  # fmt: skip
+_REAL_FIELDS = frozenset(
+    {
+        "attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop", "rms_norm_eps",
+        "layer_norm_eps", "layer_norm_epsilon", "rope_theta", "routed_scaling_factor",
+        "swiglu_limit",
+    }
+)  # fmt: skip
 
 
 def _inert(field: str, value: Any) -> bool:

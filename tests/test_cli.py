@@ -597,3 +597,17 @@ def test_interrupts_and_file_errors_are_one_line(
     monkeypatch.setitem(cli.COMMANDS, "plan", command)
     assert main(["plan", *LLAMA]) == code
     assert says(capsys.readouterr().err, line)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--ep", "8"], "Layout.ep=8: llama3-8b has no routed experts"),
+        (["--recompute", "mla_up_proj"], "recompute='mla_up_proj': llama3-8b has no mla_up_proj"),
+        (["--recompute", "core_attn+moe_act"], "llama3-8b has no moe_act module"),
+    ],
+)
+def test_settings_the_model_cannot_have_are_refused_by_name(
+    capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    assert says(refused(capsys, "evaluate", *LLAMA, *flags), message)

@@ -178,8 +178,30 @@ def test_gpt_oss_alternates_windowed_and_full_layers() -> None:
             "model config custom: mlp_only_layers=[0, 1] is not supported (only [], every "
             "layer MoE, is costed)",
         ),
+        (
+            {**LLAMA, "final_logit_softcapping": 30.0},
+            "model config custom: final_logit_softcapping=30.0 is not supported (a tanh soft "
+            "cap on the logits; the llama reader does not cost it)",
+        ),
+        (
+            {**LLAMA, "hidden_size": str(LLAMA["hidden_size"])},
+            f'model config custom: hidden_size="{LLAMA["hidden_size"]}" must be a whole '
+            "number (a JSON number, not a string)",
+        ),
+        (
+            {**LLAMA, "rms_norm_eps": "1e-5"},
+            'model config custom: rms_norm_eps="1e-5" must be a number (a JSON number, not a '
+            "string)",
+        ),
     ],
-    ids=["llama-window", "qwen3-window", "qwen3-moe-dense-layers"],
+    ids=[
+        "llama-window",
+        "qwen3-window",
+        "qwen3-moe-dense-layers",
+        "gemma-softcap-under-llama",
+        "width-as-string",
+        "epsilon-as-string",
+    ],
 )
 def test_uncosted_fields_are_refused(cfg: dict[str, object], message: str) -> None:
     with pytest.raises(planner.PlannerError) as info:
