@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import planner
 from planner.cli import COMMANDS, main
 
 PLANNER = shutil.which("planner", path=str(Path(sys.executable).parent)) or "planner"
@@ -611,3 +612,18 @@ def test_settings_the_model_cannot_have_are_refused_by_name(
     capsys: pytest.CaptureFixture[str], flags: list[str], message: str
 ) -> None:
     assert says(refused(capsys, "evaluate", *LLAMA, *flags), message)
+
+
+def test_layout_flags_beside_a_layout_file_or_recipe_are_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    model = planner.load_model("llama3-8b")
+    path = tmp_path / "layout.json"
+    path.write_text(planner.Layout.uniform(model, dp=8).model_dump_json())
+    err = refused(capsys, "evaluate", *LLAMA, "--layout", str(path), "--tp", "8")
+    assert err == f"planner: --tp=8: --layout='{path}' states the whole layout; leave the " + (
+        "layout flags out\n"
+    )
+    recipe = ["--recipe", "llama3-70b-megatron-bridge-64"]
+    err = refused(capsys, "memory", *recipe, "--recompute", "full")
+    assert err.startswith("planner: --recompute=full: --recipe=llama3-70b-megatron-bridge-64")

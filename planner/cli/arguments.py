@@ -103,6 +103,16 @@ def _job_args(cmd: argparse.ArgumentParser) -> None:
     )
 
 
+# The layout flags' destinations and defaults: a --layout file states them all, so beside it
+# any of them set otherwise is refused (planner.cli.inputs.build).
+LAYOUT_DEFAULTS: dict[str, object] = {
+    "tp": 1, "cp": 1, "pp": 1, "ep": 1, "etp": 1, "zero": 1, "micro_batch": 1,
+    "schedule": DEFAULT_SCHEDULE, "virtual_stages": None, "recompute": "none",
+    "fp8_cache": False, "ema_on_host": False, "optimizer_offload": 0.0, "offload_layers": 0,
+    "no_sequence_parallel": False,
+}  # fmt: skip
+
+
 def _layout_args(cmd: argparse.ArgumentParser) -> None:
     """The job and one stated layout, by flags or by a file (memory, evaluate, simulate)."""
     _job_args(cmd)

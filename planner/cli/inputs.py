@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from planner.catalog import load_cluster, load_model
-from planner.cli.arguments import JOB_FLAGS
+from planner.cli.arguments import JOB_FLAGS, LAYOUT_DEFAULTS
 from planner.errors import PlannerError
 from planner.layout import Layout
 from planner.recipes import Recipe, load_recipe
@@ -86,6 +86,15 @@ def build(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJob
     layout flags."""
     recipe = _recipe(args)
     model, cluster, job = model_cluster_job(args, recipe)
+    if args.layout or recipe is not None:
+        source = f"--layout={args.layout!r}" if args.layout else f"--recipe={args.recipe}"
+        for dest, default in LAYOUT_DEFAULTS.items():
+            if getattr(args, dest, default) != default:
+                flag = "--" + dest.replace("_", "-")
+                raise PlannerError(
+                    f"{flag}={getattr(args, dest)}: {source} states the whole layout; leave "
+                    "the layout flags out"
+                )
     if recipe is not None and not args.layout:
         return model, cluster, job, recipe.layout
     if args.layout:
