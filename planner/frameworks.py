@@ -81,6 +81,7 @@ class Launcher:
     sequence_parallel: tuple[bool, ...] | None = None
     even_stages: bool = False
     pipeline_zero: tuple[int, ...] | None = None  # ZeRO stages allowed with pp > 1
+    tensor_zero: tuple[int, ...] | None = None  # ZeRO stages allowed with tp > 1
 
     @property
     def schedules(self) -> tuple[str, ...]:
@@ -337,6 +338,10 @@ FRAMEWORKS: dict[str, Framework] = {
             recompute=("none", "full"),
             even_stages=True,
             pipeline_zero=(0, 1),
+            # AutoTP asserts ZeRO stage <= 2 (deepspeed/runtime/engine.py,
+            # _configure_tensor_parallel_states at 38327e07: "the compatibility between
+            # 'autotp' and 'zero_stage = 3' has not been validated")
+            tensor_zero=(0, 1, 2),
             cp=(1,),  # DeepSpeed's sequence parallelism is Ulysses (heads by all-to-all)
             sequence_parallel=(False,),  # AutoTP all-reduces whole activations
         ),

@@ -627,3 +627,15 @@ def test_layout_flags_beside_a_layout_file_or_recipe_are_refused(
     recipe = ["--recipe", "llama3-70b-megatron-bridge-64"]
     err = refused(capsys, "memory", *recipe, "--recompute", "full")
     assert err.startswith("planner: --recompute=full: --recipe=llama3-70b-megatron-bridge-64")
+
+
+def test_a_stated_layout_that_does_not_fit_says_why_on_stderr(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    big = ["--model", "llama3-70b", "--cluster", "h100", "--gpus", "8"]
+    big += ["--seq-len", "8192", "--global-batch", "8"]
+    for command in ("memory", "evaluate"):
+        assert main([command, *big]) == 3
+        err = capsys.readouterr().err
+        assert err.startswith("planner: the layout does not fit: its heaviest rank peaks ")
+        assert err.count("\n") == 1

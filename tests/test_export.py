@@ -337,6 +337,23 @@ def test_deepspeed_config_keeps_its_batch_rule_and_zero_limits() -> None:
     assert "--num_nodes 2048 --num_gpus 8" in out.files["launch.sh"]
 
 
+def test_deepspeed_autotp_runs_zero_2_at_most() -> None:
+    """AutoTP asserts ZeRO stage <= 2 (deepspeed/runtime/engine.py,
+    _configure_tensor_parallel_states): a ZeRO-3 plan with tp > 1 exports ZeRO-2 and says so,
+    and a search for DeepSpeed never returns one."""
+    model = planner.load_model("llama3-8b").model_copy(update={"num_layers": 4})
+    cluster = planner.load_cluster("h100", gpus=16)
+    job = planner.TrainingJob(seq_len=2048, global_batch=64, framework="deepspeed")
+    layout = Layout.uniform(model, tp=2, dp=8, zero=3, sequence_parallel=False)
+    out = planner.export.deepspeed(plan_of(model, cluster, job, layout))
+    assert json.loads(out.files["ds_config.json"])["zero_optimization"]["stage"] == 2
+    assert any(d.startswith("ZeRO-3 with tensor parallelism") for d in out.differences)
+    space = planner.SearchSpace(framework="deepspeed", tp=[2], zero=[3])
+    result = planner.plan(model, cluster, job, space, time_limit_s=5)
+    assert result.status == "infeasible" and result.layout is None
+    assert any("ZeRO stage" in fix for fix in result.explanation.fixes)  # type: ignore[union-attr]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["megatron", "torchtitan", "deepspeed"])
 def test_a_plan_searched_for_a_target_exports_exactly(target: str) -> None:

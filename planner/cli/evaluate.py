@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from rich.console import Console
 from rich.table import Table
@@ -23,10 +24,18 @@ def evaluate_command(args: argparse.Namespace) -> bool:
         plot_estimate(args.plot, est, model.name)
     if args.json:
         print(json.dumps({"layout": layout.model_dump(), "estimate": est.model_dump()}, indent=1))
-        return est.fits
-    print_memory(model.name, layout, est, job.memory_margin)
-    if args.command == "evaluate":
-        print_time(est, job)
+    else:
+        print_memory(model.name, layout, est, job.memory_margin)
+        if args.command == "evaluate":
+            print_time(est, job)
+    if not est.fits:  # exit 3: the reason on stderr too, where scripts look
+        over = (est.peak_bytes - est.cap_bytes) / 2**30
+        print(
+            f"planner: the layout does not fit: its heaviest rank peaks {over:.2f} GiB over the "
+            f"cap of {est.cap_bytes / 2**30:.2f} GiB (usable HBM less the "
+            f"{job.memory_margin:.0%} margin)",
+            file=sys.stderr,
+        )
     return est.fits
 
 

@@ -6,14 +6,16 @@ release 0.19.8). DeepSpeed's rule is train_batch_size = micro-batch x gradient a
 steps x data-parallel size, and with pipeline parallelism the micro-batches per step are the
 gradient accumulation steps.
 
-What maps exactly: ZeRO 0-3 without pipeline parallelism, ZeRO 0-1 with it, tensor
-parallelism (``tensor_parallel.autotp_size``), micro-batch and batch sizes, the 1F1B schedule
-with equal stages (``PipelineModule(partition_method="uniform")``), no or full recompute of
-every layer (``deepspeed.checkpointing``).
+What maps exactly: ZeRO 0-3 without pipeline or tensor parallelism, ZeRO 0-1 with pipeline
+parallelism, ZeRO 0-2 with tensor parallelism (``tensor_parallel.autotp_size``), micro-batch
+and batch sizes, the 1F1B schedule with equal stages
+(``PipelineModule(partition_method="uniform")``), no or full recompute of every layer
+(``deepspeed.checkpointing``).
 
 What does not: ZeRO-2/3 with pipeline parallelism (DeepSpeed's pipeline engine refuses them;
-runs ZeRO-1), every schedule but 1F1B and stages of unequal size (DeepSpeed runs its own 1F1B
-on ``uniform`` stages), selective recompute (DeepSpeed checkpoints whole layers), an EMA.
+runs ZeRO-1), ZeRO-3 with tensor parallelism (AutoTP asserts stage <= 2; runs ZeRO-2), every
+schedule but 1F1B and stages of unequal size (DeepSpeed runs its own 1F1B on ``uniform``
+stages), selective recompute (DeepSpeed checkpoints whole layers), an EMA.
 Expert parallelism is set in the model code (``deepspeed.moe.layer.MoE(ep_size=...)``).
 
 The model: a DeepSpeed config builds none. The user's ``train.py`` brings the model code; the
@@ -77,6 +79,12 @@ def deepspeed(plan: Plan) -> Export:
             "ZeRO-1"
         )
         runs = runs.model_copy(update={"zero": 1})
+    if runs.tp > 1 and runs.zero == 3:
+        differences.append(
+            "ZeRO-3 with tensor parallelism: DeepSpeed's AutoTP asserts ZeRO stage <= 2 "
+            "(deepspeed/runtime/engine.py); runs ZeRO-2"
+        )
+        runs = runs.model_copy(update={"zero": 2})
     runs = without_host_offload(runs, "DeepSpeed", differences)
     choice = uniform_recompute(runs)
     if choice not in ("none", "full"):

@@ -82,6 +82,7 @@ def enumerate_configs(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, 
     space = for_target(space, job)
     rules = target_rules(space)
     pipeline_zero = rules.pipeline_zero if rules is not None else None
+    tensor_zero = rules.tensor_zero if rules is not None else None
     tps = space.tp or [t for t in _divisors(cluster.gpus_per_node) if n % t == 0]
     cps = space.cp or context_parallel_degrees(job.seq_len, n)
     for tp, cp in itertools.product(tps, cps):
@@ -107,6 +108,8 @@ def enumerate_configs(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, 
                     continue
                 for config in _per_degrees(model, cluster, job, space, tp, pp, dp, ep, cp, etp):
                     if pp > 1 and pipeline_zero and config.zero not in pipeline_zero:
+                        continue
+                    if tp > 1 and tensor_zero and config.zero not in tensor_zero:
                         continue
                     yield config
 
