@@ -250,6 +250,7 @@ class ModelSpec(Spec):
         return model_param_count(self, active=active, include_mtp=include_mtp)
 
 
+DEFAULT_TIME_LIMIT_S = 10.0  # planner.plan's, the CLI's and a sweep case's search limit
 MAX_GPUS = 2**24  # ClusterSpec.num_gpus: the enumeration of degrees takes O(sqrt) of it
 
 

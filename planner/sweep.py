@@ -40,7 +40,7 @@ from planner.catalog import load_cluster, load_model
 from planner.children import die_with_parent
 from planner.errors import PlannerError
 from planner.layout import Layout
-from planner.specs import ModelSpec, SearchSpace, TrainingJob
+from planner.specs import DEFAULT_TIME_LIMIT_S, ModelSpec, SearchSpace, TrainingJob
 
 GiB = 2**30
 
@@ -103,7 +103,7 @@ def cases(
     clusters: Sequence[str] = ("h100",),
     jobs: Sequence[TrainingJob],
     space: SearchSpace | None = None,
-    time_limit_s: float = 10.0,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     warm_start: bool = True,
 ) -> list[Case]:
     """Every combination, in a stable order (model, machine type, job, GPU count); with
@@ -243,7 +243,7 @@ def sweep(
     clusters: Sequence[str] = ("h100",),
     jobs: Sequence[TrainingJob],
     space: SearchSpace | None = None,
-    time_limit_s: float = 10.0,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     db: str | Path = "sweep.sqlite",
     workers: int | None = None,
     ray_address: str | None = None,

@@ -10,6 +10,7 @@ from typing import Any
 from planner.frameworks import FRAMEWORK_NAMES, LAUNCHERS
 from planner.layout import SCHEDULES
 from planner.schedules import DEFAULT_SCHEDULE
+from planner.specs import DEFAULT_TIME_LIMIT_S
 
 # ``planner --help``'s opening words (argparse rewraps them).
 DESCRIPTION = (
@@ -199,7 +200,12 @@ def _plan_args(cmd: argparse.ArgumentParser) -> None:
         "them (default: --framework's, megatron); several or 'any': the best plan of each, "
         "and the fastest of them",
     )
-    cmd.add_argument("--time-limit", type=float, default=10.0, help="wall-clock seconds")
+    cmd.add_argument(
+        "--time-limit",
+        type=float,
+        default=DEFAULT_TIME_LIMIT_S,
+        help=f"seconds the search may take (default {DEFAULT_TIME_LIMIT_S:g})",
+    )
     cmd.add_argument("--json", action="store_true", help="print the plan as JSON")
     cmd.add_argument("--plot", default=None, metavar="PREFIX", help=PLOT_PREFIX_HELP)
 
@@ -226,7 +232,12 @@ def _sweep_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--seq-len", type=int, nargs="+", required=True, help="tokens/sequence")
     cmd.add_argument("--global-batch", type=int, nargs="+", required=True, help="sequences/step")
     _precision_args(cmd)
-    cmd.add_argument("--time-limit", type=float, default=10.0, help="per case (s)")
+    cmd.add_argument(
+        "--time-limit",
+        type=float,
+        default=DEFAULT_TIME_LIMIT_S,
+        help=f"seconds per case (default {DEFAULT_TIME_LIMIT_S:g})",
+    )
     cmd.add_argument("--db", default="sweep.sqlite", help="results database (resumes from it)")
     cmd.add_argument("--workers", type=int, default=None, help="local processes (default: CPUs)")
     cmd.add_argument("--ray", default=None, metavar="ADDRESS", help="run on Ray: auto | local")
@@ -330,6 +341,14 @@ def _precision_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--moment-dtype", default="fp32", help="optimizer moment dtype")
     cmd.add_argument("--grad-dtype", default=None, help="gradient dtype (default: the framework's)")
     cmd.add_argument("--ema", default=None, help="EMA dtype (omit for no EMA)")
+    cmd.add_argument(
+        "--memory-margin",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="share of usable HBM kept free for the memory model's error (default 0.05); "
+        "each estimate states the risk its headroom leaves",
+    )
     cmd.add_argument(
         "--framework",
         default=None,

@@ -39,6 +39,11 @@ def training_job(args: argparse.Namespace, seq_len: int, global_batch: int) -> T
             if getattr(args, "attention_kernel", None)
             else {}
         ),
+        **(
+            {"memory_margin": args.memory_margin}
+            if getattr(args, "memory_margin", None) is not None
+            else {}
+        ),
     )
 
 
@@ -74,11 +79,20 @@ def model_cluster_job(
     """The model, cluster and job the flags or ``--recipe`` state."""
     recipe = recipe or _recipe(args)
     if recipe is not None:
-        return recipe.model, recipe.cluster, recipe.job
+        return recipe.model, recipe.cluster, with_margin(args, recipe.job)
     model = load_model(args.model)
     cluster = load_cluster(args.cluster, gpus=args.gpus)
     job = training_job(args, args.seq_len, args.global_batch)
     return model, cluster, job
+
+
+def with_margin(args: argparse.Namespace, job: TrainingJob) -> TrainingJob:
+    """``job`` with ``--memory-margin`` where given (a recipe's job too: the margin is how
+    much the planner keeps free, not part of the published run)."""
+    margin = getattr(args, "memory_margin", None)
+    if margin is None:
+        return job
+    return TrainingJob.model_validate({**job.model_dump(), "memory_margin": margin})
 
 
 def build(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingJob, Layout]:

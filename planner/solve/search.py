@@ -93,7 +93,13 @@ from planner.solve.tables import (
     states,
     tie_break,
 )
-from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
+from planner.specs import (
+    DEFAULT_TIME_LIMIT_S,
+    ClusterSpec,
+    ModelSpec,
+    SearchSpace,
+    TrainingJob,
+)
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +110,7 @@ def plan(
     job: TrainingJob,
     space: SearchSpace | None = None,
     *,
-    time_limit_s: float = 30.0,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     top_k: int = 4,
     workers: int = 1,
     seed: int = 0,
