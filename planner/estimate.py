@@ -289,6 +289,13 @@ def ep_overlap_rule(model: ModelSpec, job: TrainingJob, layout: Layout) -> str:
     return ""
 
 
+# The most micro-batches a pipeline's step may hold to be costed: costing a schedule walks
+# its op order, so its time grows with them (a layout of 100,000 takes seconds, and the search
+# costs many). Published runs hold up to about 15,000 (DeepSeek-V3's 15,360 sequences a step,
+# one a micro-batch, over 8 data-parallel ranks: 1,920).
+MAX_MICROBATCHES = 100_000
+
+
 ABSENT_WHY = {
     "mla_up_proj": "its attention is not multi-head latent attention",
     "moe": "it has no routed experts",
@@ -329,6 +336,12 @@ def check_layout(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layou
             f"dp*micro_batch={per_step}"
         )
     m = job.global_batch // per_step
+    if m > MAX_MICROBATCHES:
+        raise PlannerError(
+            f"TrainingJob.global_batch={job.global_batch}: {m:,} micro-batches per pipeline a "
+            f"step at dp*micro_batch={per_step}; the planner costs steps of at most "
+            f"{MAX_MICROBATCHES:,}: use fewer sequences per step or a larger dp or micro-batch"
+        )
     if layout.num_microbatches is not None and layout.num_microbatches != m:
         raise PlannerError(
             f"Layout.num_microbatches={layout.num_microbatches}: global_batch/(dp*micro_batch)"

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from planner.costs.blocks import Shard, block_cost
 from planner.costs.state import optimizer_offload_rule
 from planner.errors import PlannerError
-from planner.estimate import ep_overlap_unmet
+from planner.estimate import MAX_MICROBATCHES, ep_overlap_unmet
 from planner.frameworks import Launcher, framework, launcher, names_with
 from planner.layout import parse_recompute
 from planner.schedules import SCHEDULES
@@ -25,11 +25,6 @@ from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 
 DEFAULT_SCHEDULES = tuple(name for name, s in SCHEDULES.items() if s.searched)
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
-# The most micro-batches a pipeline's step may hold for the search to cost it: costing a
-# schedule walks its op order, so its time grows with them (a layout of 100,000 takes seconds,
-# and the search costs many). Published runs hold up to about 15,000 (DeepSeek-V3's 15,360
-# sequences a step, one a micro-batch, over 8 data-parallel ranks: 1,920).
-MAX_MICROBATCHES = 100_000
 DEFAULT_VIRTUAL = (2, 4)
 
 
