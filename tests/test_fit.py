@@ -261,6 +261,7 @@ def test_cli_writes_a_profile_evaluate_reads(
     text = capsys.readouterr().out
     assert "held-out" in text and "MAPE" in text
     assert "at its physical bound" in text  # four tp-only layouts push fractions to a floor
+    assert "runs that pin it:" in text  # and what data would tell them apart
     data = yaml.safe_load(out.read_text())
     assert "fit" in data["sources"]
     cluster = load_cluster(out, gpus=8)

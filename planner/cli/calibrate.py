@@ -17,6 +17,20 @@ if TYPE_CHECKING:
     from planner.run.device import Device
 
 
+# For a constant a fit leaves at its bound: the runs whose time it sets apart from the others.
+PINNED_BY = {
+    "gemm": "large models at large micro-batches, where the step is mostly GEMMs",
+    "attention": "long sequences (8,192 tokens and more) at several lengths",
+    "memory_bound": "small hidden sizes, where norms and activations weigh",
+    "nvlink": "tensor parallelism of 2 to 8 within a node at several widths",
+    "ib": "data or pipeline parallelism across nodes at several GPU counts",
+    "kernel_overhead_s": "small models, where the GPU's time per kernel shows",
+    "host_overhead_s": "small models at micro-batch 1, where the host's launches bind",
+    "nvlink_latency_s": "small messages within a node (high tp, small micro-batches)",
+    "ib_latency_s": "small messages across nodes (many nodes, small micro-batches)",
+}
+
+
 def calibrate_command(args: argparse.Namespace) -> None:
     """Fit to runs, sweep one device, or measure this machine into a profile YAML."""
     if args.runs is not None:
@@ -160,7 +174,10 @@ def _fit_runs(args: argparse.Namespace) -> None:
         informed = c.name in report.informed
         note = "no run depends on it: kept"
         if c.name in report.at_bound:
-            note = "at its physical bound: the runs hold something the model does not price"
+            note = (
+                "at its physical bound: the runs hold something the model does not price; "
+                f"runs that pin it: {PINNED_BY.get(c.key, 'more varied runs')}"
+            )
         elif informed:
             note = ""
         constants.add_row(
@@ -190,4 +207,11 @@ def _fit_runs(args: argparse.Namespace) -> None:
             else ""
         )
     )
+    if held is not None and held >= report.before_mape:
+        console.print(
+            f"The fit predicts the runs it did not see no better than {args.cluster}'s own "
+            f"constants ({held:.1%} held out against {report.before_mape:.1%}): keep "
+            f"--cluster {args.cluster}, or add runs that differ in what the constants price "
+            "(GPU counts across nodes, model sizes, micro-batches, tp)."
+        )
     console.print(f"Use it with --cluster {path} (plan, evaluate, simulate).")
