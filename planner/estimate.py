@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -126,14 +127,24 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: L
 
 
 ACCURACY = package_file("accuracy.json")  # shipped in the wheel as package data
+MEMORY_ACCURACY = package_file("memory_accuracy.json")  # likewise
 
 
-@functools.lru_cache(maxsize=1)
-def _accuracy() -> dict[str, Any]:
+@functools.lru_cache(maxsize=2)
+def _table(path: Path) -> dict[str, Any]:
+    """A shipped accuracy table (empty where it cannot be read: estimates then say so)."""
     try:
-        return dict(json.loads(ACCURACY.read_text()))
+        return dict(json.loads(path.read_text()))
     except (OSError, ValueError):
         return {}
+
+
+def _accuracy() -> dict[str, Any]:
+    return _table(ACCURACY)
+
+
+def _memory_accuracy() -> dict[str, Any]:
+    return _table(MEMORY_ACCURACY)
 
 
 def expected_error(gpu: str) -> str:
@@ -153,17 +164,6 @@ def expected_error(gpu: str) -> str:
         f"±{row['mape']:.0%}: mean absolute error over {row['rows']} published {gpu} runs "
         f"(predicted step {row['bias']:+.0%} on average; benchmarks/published_runs.csv)"
     )
-
-
-MEMORY_ACCURACY = package_file("memory_accuracy.json")
-
-
-@functools.lru_cache(maxsize=1)
-def _memory_accuracy() -> dict[str, Any]:
-    try:
-        return dict(json.loads(MEMORY_ACCURACY.read_text()))
-    except (OSError, ValueError):
-        return {}
 
 
 def memory_risk(framework_name: str, headroom: float) -> str:
