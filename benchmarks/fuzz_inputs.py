@@ -7,7 +7,8 @@ cost a stated layout, so each input is quick to check) drawn by Hypothesis: cata
 and names that are not, machine types, GPU counts, sequence lengths and global batches from
 the plausible to the absurd (zero, negative, 10^12), every degree, ZeRO stage, schedule,
 recompute choice and precision the flags take and values they do not, a model config file
-with a count stated as a string or an uncosted field, a layout file that is not a layout.
+with a count stated as a string or an uncosted field, a machine file with a string for a
+number or a negative bandwidth, a layout file that is not a layout.
 ``tests/test_fuzz_inputs.py`` runs a few hundred; this runs 10,000 and prints how each
 ended.
 
@@ -29,6 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.cli import main
+from planner.data import catalog_dir
 
 MODELS = ["llama3-8b", "mixtral-8x7b", "deepseek-v3", "gpt-oss-20b", "gpt-5", ""]
 CLUSTERS = ["h100", "a100", "h800", "b200", "tpu"]
@@ -81,6 +83,27 @@ def config_files(folder: Path) -> list[str]:
     return out
 
 
+def cluster_files(folder: Path) -> list[str]:
+    """Machine files: the catalog's H100 as it is, and with a string for a number, a negative
+    bandwidth, a fraction above 1, a missing key, broken YAML."""
+    text = (catalog_dir("hardware") / "h100.yaml").read_text()
+    cases = {
+        "c_ok.yaml": text,
+        "c_string.yaml": text.replace("hbm_bandwidth_GBps: 3350", 'hbm_bandwidth_GBps: "fast"'),
+        "c_negative.yaml": text.replace("nic_Gbps: 400", "nic_Gbps: -400"),
+        "c_fraction.yaml": text.replace("  gemm: 0.80", "  gemm: 3.0"),
+        "c_missing.yaml": "\n".join(
+            line for line in text.splitlines() if not line.startswith("gpus_per_node")
+        ),
+        "c_broken.yaml": "name: [unclosed\n",
+    }
+    out = []
+    for name, body in cases.items():
+        (folder / name).write_text(body)
+        out.append(str(folder / name))
+    return out
+
+
 def layout_files(folder: Path) -> list[str]:
     """Layout files: not a layout, an infeasible plan, an empty object."""
     cases = {"lay_empty.json": {}, "lay_plan.json": {"status": "infeasible", "layout": None}}
@@ -92,7 +115,11 @@ def layout_files(folder: Path) -> list[str]:
     return out
 
 
-def commands(files: list[str], layouts: list[str]) -> st.SearchStrategy[list[str]]:
+def commands(
+    files: list[str],
+    layouts: list[str],
+    clusters: list[str] = (),  # type: ignore[assignment]
+) -> st.SearchStrategy[list[str]]:
     def flag(name: str, values: st.SearchStrategy[object]) -> st.SearchStrategy[list[str]]:
         """The flag left out three times in four, else given a value."""
         given_ = values.map(lambda v: [name, str(v)])
@@ -105,7 +132,7 @@ def commands(files: list[str], layouts: list[str]) -> st.SearchStrategy[list[str
         mostly(st.sampled_from(MODELS[:4]), st.sampled_from(MODELS[4:] + files)).map(
             lambda m: ["--model", str(m)]
         ),
-        mostly(st.sampled_from(CLUSTERS[:4]), st.just(CLUSTERS[4])).map(
+        mostly(st.sampled_from(CLUSTERS[:4]), st.sampled_from([CLUSTERS[4], *clusters])).map(
             lambda c: ["--cluster", str(c)]
         ),
         GPUS.map(lambda n: ["--gpus", str(n)]),
@@ -173,6 +200,7 @@ def main_(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         files, layouts = config_files(Path(tmp)), layout_files(Path(tmp))
+        clusters = cluster_files(Path(tmp))
 
         @settings(
             max_examples=args.examples,
@@ -181,7 +209,7 @@ def main_(argv: list[str] | None = None) -> int:
             database=None,
             suppress_health_check=list(HealthCheck),
         )
-        @given(commands(files, layouts))
+        @given(commands(files, layouts, clusters))
         def run(cmd: list[str]) -> None:
             check(cmd, tally)
 

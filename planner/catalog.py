@@ -163,6 +163,13 @@ def _check_machine(data: dict[str, Any], path: Path) -> None:
     for section, allowed in sections:
         if data.get(section) is not None:
             check_keys(data[section], allowed, file=file, where=section)
+    numbers = [(k, v) for k, v in data.items() if k not in ("name", "description", "sources")]
+    for section in ("achieved", "achieved_max", "framework_host_overhead_us"):
+        numbers = [(k, v) for k, v in numbers if k != section]
+        numbers += [(f"{section}.{k}", v) for k, v in (data.get(section) or {}).items()]
+    for key, value in numbers:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise PlannerError(f"{file}: {key}={value!r} must be a number")
 
 
 def load_cluster(source: str | Path, *, gpus: int) -> ClusterSpec:

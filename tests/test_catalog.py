@@ -348,3 +348,11 @@ def test_a_misspelt_index_key_is_one_line(tmp_path: Path) -> None:
     assert str(info.value) == (
         f"model index {path}: unknown key 'sorce' in llama3-8b; allowed: {', '.join(INDEX_KEYS)}"
     )
+
+
+def test_a_machine_file_with_a_string_for_a_number_is_one_line(tmp_path: Path) -> None:
+    text = (planner.catalog.HARDWARE_DIR / "h100.yaml").read_text()
+    path = tmp_path / "m.yaml"
+    path.write_text(text.replace("hbm_bandwidth_GBps: 3350", 'hbm_bandwidth_GBps: "fast"'))
+    with pytest.raises(planner.PlannerError, match=r"hbm_bandwidth_GBps='fast' must be a number$"):
+        planner.load_cluster(path, gpus=8)

@@ -30,6 +30,7 @@ fuzz = _fuzz()
 def test_generated_command_lines_end_in_one_of_three_ways(tmp_path_factory) -> None:  # type: ignore[no-untyped-def]
     folder = tmp_path_factory.mktemp("fuzz")
     files, layouts = fuzz.config_files(folder), fuzz.layout_files(folder)
+    clusters = fuzz.cluster_files(folder)
     tally: Counter[str] = Counter()
 
     @settings(
@@ -39,7 +40,7 @@ def test_generated_command_lines_end_in_one_of_three_ways(tmp_path_factory) -> N
         database=None,
         suppress_health_check=list(HealthCheck),
     )
-    @given(fuzz.commands(files, layouts))
+    @given(fuzz.commands(files, layouts, clusters))
     def run(argv: list[str]) -> None:
         fuzz.check(argv, tally)
 
