@@ -23,14 +23,18 @@ another.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import itertools
 import json
 import multiprocessing
+import os
+import socket
 import sqlite3
+import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -393,6 +397,42 @@ def _local(
     pool.shutdown()
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 sent to /dev/null for the block: what native libraries write there
+    (Ray's C++ client) as well as Python's."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+RAY_CONNECT_S = 5.0  # how long a Ray head's address may take to accept a connection
+
+
+def check_reachable(address: str) -> None:
+    """Refuse, in one line and before Ray starts (whose native client logs a score of lines
+    while it retries), a ``host:port`` Ray address nothing answers at; "auto" (a head this
+    machine knows of) is left to Ray."""
+    if address == "auto":
+        return
+    target = address.removeprefix("ray://")
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise PlannerError(f"--ray={address!r}: expected host:port, local or auto")
+    try:
+        socket.create_connection((host, int(port)), timeout=RAY_CONNECT_S).close()
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__.replace("Error", " error").strip()
+        raise PlannerError(f"--ray={address!r}: cannot reach a Ray head there ({why})") from None
+
+
 def _result(future: Future[dict[str, Any]]) -> dict[str, Any]:
     try:
         return future.result()
@@ -420,7 +460,12 @@ def _ray(
         if ray_address == "local":
             ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
         else:
-            ray.init(address=ray_address, log_to_driver=False)
+            check_reachable(ray_address or "auto")
+            with _native_stderr_silenced():  # its client's retries log a line a second
+                try:
+                    ray.init(address=ray_address, log_to_driver=False)
+                except (ConnectionError, RuntimeError) as exc:
+                    raise PlannerError(f"--ray={ray_address!r}: {exc}") from None
     try:
         task = ray.remote(run_case)
         refs: dict[Any, str] = {}

@@ -240,3 +240,13 @@ def test_each_gpu_count_starts_from_the_plan_of_the_one_before() -> None:
     finished[key] = {"status": "optimal", "plan": {"layout": layout}}
     [(_, case, hints)] = feed.ready(8)
     assert case.gpus == 16 and hints == [layout]
+
+
+def test_a_ray_address_nothing_answers_at_is_one_line() -> None:
+    from planner.sweep import check_reachable
+
+    with pytest.raises(planner.PlannerError, match=r"^--ray='127.0.0.1:1': cannot reach"):
+        check_reachable("127.0.0.1:1")  # nothing listens on port 1: refused at once
+    with pytest.raises(planner.PlannerError, match=r"expected host:port, local or auto$"):
+        check_reachable("headnode")
+    check_reachable("auto")  # left to Ray
