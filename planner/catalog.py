@@ -163,9 +163,9 @@ def _check_machine(data: dict[str, Any], path: Path) -> None:
     for section, allowed in sections:
         if data.get(section) is not None:
             check_keys(data[section], allowed, file=file, where=section)
-    numbers = [(k, v) for k, v in data.items() if k not in ("name", "description", "sources")]
-    for section in ("achieved", "achieved_max", "framework_host_overhead_us"):
-        numbers = [(k, v) for k, v in numbers if k != section]
+    sections_of_numbers = ("achieved", "achieved_max", "framework_host_overhead_us")
+    numbers = [(k, data[k]) for k in MACHINE_FIELDS if k in data and k not in sections_of_numbers]
+    for section in sections_of_numbers:
         numbers += [(f"{section}.{k}", v) for k, v in (data.get(section) or {}).items()]
     for key, value in numbers:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
