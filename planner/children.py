@@ -4,8 +4,9 @@ A sweep's workers and the search's forked lanes are children of the ``planner`` 
 that process is killed outright (``kill -9``, the out-of-memory killer), nothing of Python's
 runs to stop them, and they would go on computing for a parent that is gone. On Linux each
 child asks the kernel for a signal when its parent dies (``prctl(PR_SET_PDEATHSIG)``), set in
-the child itself since a fork clears it. Ctrl-C reaches every process of the terminal's group:
-children ignore it and the parent, which keeps what finished, stops them.
+the child itself since a fork clears it. The signal follows the thread that started the child,
+so only children the main thread starts ask for it. Ctrl-C reaches every process of the
+terminal's group: children ignore it and the parent, which keeps what finished, stops them.
 """
 
 from __future__ import annotations

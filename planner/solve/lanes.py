@@ -21,6 +21,7 @@ import atexit
 import multiprocessing
 import os
 import sys
+import threading
 import zlib
 from collections.abc import Callable, Sequence
 from multiprocessing.pool import AsyncResult, Pool
@@ -91,7 +92,11 @@ def _can_fork() -> bool:
 def _pool(lane: int) -> Pool:
     """The one-process pool of lane ``lane`` (1 and up), started on first use."""
     while len(_POOLS) < lane:
-        _POOLS.append(multiprocessing.get_context("fork").Pool(1, initializer=die_with_parent))
+        # The kernel's parent-death signal follows the thread that forked: only a pool the
+        # main thread starts asks for it (a worker thread's exit would end lanes still in use).
+        main = threading.current_thread() is threading.main_thread()
+        context = multiprocessing.get_context("fork")
+        _POOLS.append(context.Pool(1, initializer=die_with_parent if main else None))
     return _POOLS[lane - 1]
 
 
