@@ -67,7 +67,7 @@ from planner.estimate import ACCURACY, mfu_class, model_flops_per_token
 from planner.export.megatron_model import hf_repo
 from planner.fit import Run, fit_runs, gpt_model, run_from_row
 from planner.frameworks import framework as framework_of
-from planner.layout import RECOMPUTE_MODULES
+from planner.layout import model_modules
 
 DATA = Path(__file__).resolve().parent / "published_runs.csv"
 SCHEDULES = {"1f1b": "1f1b", "interleaved": "interleaved", "dualpipe": "dualpipe", "zb": "zb-h1"}
@@ -133,16 +133,7 @@ def recompute_choices(model: planner.ModelSpec, framework: str) -> list[str]:
     stated = fw.launcher.recompute if fw.launcher else ("none", "full")
     if stated is not None:
         return ["none", *(["op"] if fw.op_sac else []), "full"]
-    has = {
-        "core_attn": True,
-        "layernorm": True,
-        "mla_up_proj": model.kv_lora_rank > 0,
-        "mlp": any(not model.is_moe_layer(i) for i in range(model.num_layers)),
-        "moe": model.num_experts > 0,
-        "moe_act": model.num_experts > 0,
-        "shared_experts": model.num_shared_experts > 0,
-    }
-    modules = [m for m in RECOMPUTE_MODULES if has[m]]
+    modules = model_modules(model)
     combos = [
         "+".join(c) for n in range(1, len(modules) + 1) for c in itertools.combinations(modules, n)
     ]

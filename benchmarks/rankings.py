@@ -334,24 +334,27 @@ def groups(
     found: dict[tuple[str, str], list[Item]] = defaultdict(list)
     for source, item in costed_items(sources, vtrain_rows, coarse):
         found[(source, item.group)].append(item)
-    out = []
-    for (source, name), items in found.items():
-        if len(items) < 2:
-            continue
-        g = Group(name, source, items)
-        flags = {str(i.features.get("flags", "")) for i in items}
-        if len(flags) == 1 and flags != {""}:
-            g.settings = ";".join(items[0].features["flags"])  # type: ignore[arg-type]
-        if len({i.layout for i in items}) < 2:
-            g.note = "one layout, measured under several releases or settings: not a ranking"
-        else:
-            measured, predicted = by_layout(items)
-            g.tau, g.backwards, g.pairs = kendall(measured, predicted)
-            g.regret = regret(measured, predicted)
-            if len(measured) < len(items):  # repeats: how far a layout-only model could get
-                g.ceiling = layout_ceiling(items)
-        out.append(g)
-    return out
+    return [
+        ranked(name, source, items) for (source, name), items in found.items() if len(items) > 1
+    ]
+
+
+def ranked(name: str, source: str, items: list[Item]) -> Group:
+    """The group of ``items`` with its figures: tau and regret over its distinct layouts
+    (repeats at their means), and where a layout repeats, what a layout-only model reaches."""
+    g = Group(name, source, items)
+    flags = {str(i.features.get("flags", "")) for i in items}
+    if len(flags) == 1 and flags != {""}:
+        g.settings = ";".join(items[0].features["flags"])  # type: ignore[arg-type]
+    if len({i.layout for i in items}) < 2:
+        g.note = "one layout, measured under several releases or settings: not a ranking"
+        return g
+    measured, predicted = by_layout(items)
+    g.tau, g.backwards, g.pairs = kendall(measured, predicted)
+    g.regret = regret(measured, predicted)
+    if len(measured) < len(items):  # repeats: how far a layout-only model could get
+        g.ceiling = layout_ceiling(items)
+    return g
 
 
 def print_group(g: Group) -> None:

@@ -29,7 +29,7 @@ from planner.costs.memory import StageMemory, stage_memory
 from planner.costs.timing import StageTime, optimizer_time, stage_times
 from planner.data import package_file
 from planner.errors import PlannerError
-from planner.layout import Layout, parse_recompute
+from planner.layout import Layout, model_lacks, parse_recompute
 from planner.schedules import ep_overlap_forbids, schedule_of
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 
@@ -296,28 +296,6 @@ def ep_overlap_rule(model: ModelSpec, job: TrainingJob, layout: Layout) -> str:
 MAX_MICROBATCHES = 100_000
 
 
-ABSENT_WHY = {
-    "mla_up_proj": "its attention is not multi-head latent attention",
-    "moe": "it has no routed experts",
-    "moe_act": "it has no routed experts",
-    "expert_fc1": "it has no routed experts",
-    "shared_experts": "it has no shared experts",
-}
-
-
-def absent_modules(model: ModelSpec) -> frozenset[str]:
-    """Recompute and offload modules (``RECOMPUTE_MODULES``, ``offload:<module>``) that
-    ``model`` has nothing of: naming one is a mistake, not a choice."""
-    absent = set()
-    if model.attention != "mla":
-        absent.add("mla_up_proj")
-    if not model.num_experts:
-        absent |= {"moe", "moe_act", "expert_fc1"}
-    if not model.num_shared_experts:
-        absent.add("shared_experts")
-    return frozenset(absent | {f"offload:{m}" for m in absent})
-
-
 def check_layout(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: Layout) -> int:
     """Raise a one-line ``PlannerError`` for a layout that cannot run; return the number of
     micro-batches per step."""
@@ -357,15 +335,14 @@ def check_layout(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layou
                     f"Layout.{degree}={getattr(layout, degree)}: {model.name} has no routed "
                     "experts; expert parallelism applies to MoE models only"
                 )
-    absent = absent_modules(model)
-    for stage in layout.stages:
-        for b in stage.blocks:
-            chosen = parse_recompute(b.recompute)
-            if isinstance(chosen, frozenset) and chosen & absent:
-                module = sorted(chosen & absent)[0]
+    for choice in {b.recompute for stage in layout.stages for b in stage.blocks}:
+        chosen = parse_recompute(choice)
+        for module in sorted(chosen) if isinstance(chosen, frozenset) else ():
+            name = module.removeprefix("offload:")
+            why = model_lacks(model, name)
+            if why:
                 raise PlannerError(
-                    f"recompute={b.recompute!r}: {model.name} has no {module.split(':')[-1]} "
-                    f"module ({ABSENT_WHY[module.split(':')[-1]]})"
+                    f"recompute={choice!r}: {model.name} has no {name} module ({why})"
                 )
     placed = [b.block for stage in layout.stages for b in stage.blocks]
     expected = block_names(model)

@@ -15,7 +15,7 @@ ranks of one pipeline position hold the same amount of memory.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -39,6 +39,36 @@ RECOMPUTE_MODULES: tuple[str, ...] = (
     "moe_act",
     "shared_experts",
 )
+
+
+# What a model must have for each recompute or offload module to name anything in it, and
+# what naming the module without that means.
+_NEEDS: dict[str, tuple[str, Callable[[ModelSpec], bool]]] = {
+    "mla_up_proj": (
+        "its attention is not multi-head latent attention",
+        lambda m: m.attention == "mla",
+    ),
+    "mlp": (
+        "every layer is MoE (recompute moe or moe_act)",
+        lambda m: any(not m.is_moe_layer(i) for i in range(m.num_layers)),
+    ),
+    "moe": ("it has no routed experts", lambda m: m.num_experts > 0),
+    "moe_act": ("it has no routed experts", lambda m: m.num_experts > 0),
+    "expert_fc1": ("it has no routed experts", lambda m: m.num_experts > 0),
+    "shared_experts": ("it has no shared experts", lambda m: m.num_shared_experts > 0),
+}
+
+
+def model_lacks(model: ModelSpec, module: str) -> str:
+    """Why ``model`` has nothing for the recompute or offload ``module`` to name ("" when it
+    has)."""
+    why, has = _NEEDS.get(module, ("", lambda m: True))
+    return "" if has(model) else why
+
+
+def model_modules(model: ModelSpec) -> list[str]:
+    """The ``RECOMPUTE_MODULES`` that name something in ``model``, in that order."""
+    return [m for m in RECOMPUTE_MODULES if not model_lacks(model, m)]
 
 
 def parse_recompute(choice: str) -> frozenset[str] | Literal["full", "offload"]:

@@ -168,3 +168,29 @@ def test_estimates_state_their_memory_risk() -> None:
     stored = json.loads(MEMORY_ACCURACY.read_text())["by_framework"]["megatron"]
     assert f"of {stored['rows']} published Megatron-LM runs" in est.memory_risk
     assert f"{est.headroom:.1%} of usable HBM" in est.memory_risk
+
+
+def test_a_functional_test_row_is_read_as_megatron_logs_it() -> None:
+    """Megatron-LM logs mem-max-allocated-bytes from the last global rank (its TensorBoard
+    writer, global_vars.py), on the last pipeline stage; an A100 row run deterministically with
+    the attention backend at auto does not state its attention; CUBLAS_WORKSPACE_CONFIG
+    :4096:8 is 8 x 4096 KiB of cuBLAS workspace (PyTorch's CublasHandlePool.cpp)."""
+    bench = _memory_bench()
+    row = {
+        "gpu": "h100",
+        "flash_attention": "true",
+        "mem_max_allocated_bytes": str(2**30),
+        "flags": "deterministic-mode;NVTE_ALLOW_NONDETERMINISTIC_ALGO=0;"
+        "CUBLAS_WORKSPACE_CONFIG=:4096:8;transformer-impl=local",
+        "platform": "dgx_h100",
+    }
+    read = bench.harvested(row)
+    assert (read["measured_gib"], read["kind"], read["pp_rank"]) == ("1.0", "allocated", "-1")
+    assert "unstated" not in read
+    assert bench.harvested({**row, "gpu": "a100"})["unstated"] == bench.AUTO_ATTENTION_SM80
+    stated = {**row, "gpu": "a100", "flags": row["flags"] + ";attention-backend=flash"}
+    assert "unstated" not in bench.harvested(stated)
+    model = planner.load_model("llama3-8b")
+    job = planner.TrainingJob(seq_len=1024, global_batch=8)
+    # no Transformer Engine under --transformer-impl local: PyTorch's 32 MiB alone
+    assert bench.workspaces(row, model, job) == 32 * 2**20

@@ -115,3 +115,22 @@ def test_bad_fields_name_field_value_and_rule(kwargs: dict[str, object], message
 def test_misspelled_field_is_an_error() -> None:
     with pytest.raises(PlannerError, match=r"seqlen.*unknown field"):
         planner.TrainingJob(seqlen=4096, global_batch=8)  # type: ignore[call-arg]
+
+
+def test_recompute_modules_are_those_the_model_has() -> None:
+    """Llama 3 is dense with plain attention; Mixtral routes every layer's MLP to experts
+    (no dense MLP, no shared expert); DeepSeek-V3 has latent attention, 3 dense layers, routed
+    and shared experts (their model cards)."""
+    from planner.layout import model_modules
+
+    names = {n: model_modules(planner.load_model(n)) for n in ("llama3-8b", "mixtral-8x7b")}
+    assert names["llama3-8b"] == ["core_attn", "layernorm", "mlp"]
+    assert names["mixtral-8x7b"] == ["core_attn", "layernorm", "moe", "moe_act"]
+    assert model_modules(planner.load_model("deepseek-v3")) == list(
+        planner.layout.RECOMPUTE_MODULES
+    )
+    mixtral = planner.load_model("mixtral-8x7b")
+    layout = planner.Layout.uniform(mixtral, dp=8, ep=8, recompute="mlp")
+    job = planner.TrainingJob(seq_len=4096, global_batch=64)
+    with pytest.raises(planner.PlannerError, match=r"^recompute='mlp': mixtral-8x7b has no mlp"):
+        planner.evaluate(mixtral, planner.load_cluster("h100", gpus=8), job, layout)

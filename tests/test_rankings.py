@@ -99,3 +99,16 @@ def test_layout_ceiling_is_what_the_mean_of_each_layout_can_order() -> None:
     # repeats close together leave the order intact
     tau, regret = rankings.layout_ceiling([item("a", 1.0), item("a", 1.02), item("b", 2.0)])
     assert tau == 1.0 and regret == pytest.approx(0.01)
+
+
+def test_a_group_ranks_its_distinct_layouts() -> None:
+    def item(layout: str, measured: float, predicted: float) -> object:
+        return rankings.Item("g", layout, layout, measured, predicted)
+
+    # "a" measured twice (1.0 and 1.4, mean 1.2) against "b" (1.3): a is faster, and the
+    # model (0.5 and 0.7 against 0.9) agrees; counted row by row, one pair would disagree
+    g = rankings.ranked("g", "ci", [item("a", 1.0, 0.5), item("a", 1.4, 0.7), item("b", 1.3, 0.9)])
+    assert (g.tau, g.backwards, g.pairs, g.regret) == (1.0, 0, 1, 0.0)
+    assert g.ceiling is not None  # a layout repeats: the layout-only ceiling is reported
+    one = rankings.ranked("g", "ci", [item("a", 1.0, 0.5), item("a", 1.4, 0.7)])
+    assert one.tau is None and one.note.startswith("one layout")
