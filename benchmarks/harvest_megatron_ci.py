@@ -690,6 +690,11 @@ def build_row(
         # --attention-backend flash: Transformer Engine's FlashAttention path, the flash-attn
         # package (FlashAttention-2); auto runs cuDNN's fused attention
         "attention_kernel": "fa2" if args.stated("--attention-backend", "auto") == "flash" else "",
+        # --cross-entropy-loss-fusion: the compiled cross-entropy, native unless the
+        # implementation is stated (ModelParallelConfig.cross_entropy_fusion_impl)
+        "loss_fusion": args.stated("--cross-entropy-fusion-impl", "native")
+        if args.get("--cross-entropy-loss-fusion")
+        else "",
         "etp": str(etp),
         "zero": str(zero),
         "mem_allocated_bytes": number(measured.mem_allocated),

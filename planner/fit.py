@@ -528,6 +528,8 @@ OPTIONAL_COLUMNS = {
     "switched on (TrainingJob.tp_comm_overlap)",
     "attention_kernel": "fused (default) or fa2: the fused attention kernel the run used "
     "(TrainingJob.attention_kernel)",
+    "loss_fusion": "none (default), native or te: Megatron-LM's fused cross-entropy "
+    "(TrainingJob.loss_fusion)",
     "dispatcher": "alltoall (default), allgather or deepep: how MoE tokens reach their "
     "experts (TrainingJob.moe_dispatcher)",
     "step_s": "measured seconds per step (or metric + value)",
@@ -725,6 +727,7 @@ def layout_from_row(
             compiled_loss=compiled,
             tp_comm_overlap=overlap_tp,
             attention_kernel=text("attention_kernel", "fused").lower(),
+            loss_fusion=text("loss_fusion", "none").lower(),
             moe_dispatcher=text("dispatcher", "alltoall").lower(),
             **({"grad_dtype": text("grad_dtype").lower()} if text("grad_dtype") else {}),
         )

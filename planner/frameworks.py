@@ -124,6 +124,8 @@ class Framework:
     fp8_cache: bool = False  # a switch to keep the FP8 activation input (Layout.fp8_cache)
     probs_in_expert: bool = False  # routing probabilities applied inside the expert
     loss_copies_logits: bool = False  # the eager loss keeps an FP32 copy of the logits
+    # The fused cross-entropy implementations it offers (TrainingJob.loss_fusion).
+    loss_fusions: tuple[str, ...] = ("none",)
     # Its linears and grouped experts run Transformer Engine's GEMMs, each with TE's own
     # workspace in the caching allocator (costs.memory.workspace_bytes)
     transformer_engine: bool = False
@@ -220,6 +222,9 @@ FRAMEWORKS: dict[str, Framework] = {
         # (--moe-use-grouped-tensor: TE's grouped tensor path, one kernel with device-side
         # splits; costs.compute.Rates.of).
         expert_gemm_launch_s=52e-6,
+        # --cross-entropy-loss-fusion with --cross-entropy-fusion-impl native or te
+        # (megatron/core/models/common/language_module/language_module.py at d98e8a64).
+        loss_fusions=("none", "native", "te"),
         transformer_engine=True,
         # --exp-avg-dtype / --exp-avg-sq-dtype take effect only on the precision-aware
         # optimizer, which needs --use-distributed-optimizer (arguments.py at d98e8a64): the

@@ -421,6 +421,16 @@ class TrainingJob(Spec):
         return self
 
     @model_validator(mode="after")
+    def _loss_fusion_framework(self) -> TrainingJob:
+        offered = framework(self.framework).loss_fusions
+        if self.loss_fusion not in offered:
+            raise PlannerError(
+                f"TrainingJob.loss_fusion={self.loss_fusion!r}: framework={self.framework!r} "
+                f"offers {', '.join(offered)} (the fused cross-entropy is Megatron-LM's)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _dispatcher_framework(self) -> TrainingJob:
         runs = framework(self.framework).dispatchers
         if self.moe_dispatcher not in runs:
@@ -443,12 +453,15 @@ class TrainingJob(Spec):
     def with_framework(self, name: str) -> TrainingJob:
         """This job run by framework ``name``: the dtypes it was given stay, the others become
         that framework's defaults; a compiled loss stays only where the framework compiles
-        its loss (torchtitan, torch), the others run their own cross-entropy; the grouped
+        its loss (torchtitan, torch), the others run their own cross-entropy, and a fused one
+        only where the framework offers it (Megatron-LM); the grouped
         expert kernel only where the framework would otherwise launch its experts one by one
         (elsewhere they already are one kernel)."""
         given = self.model_dump(include=self.model_fields_set - {"framework"})
         if not framework(name).compiles_loss:
             given.pop("compiled_loss", None)
+        if given.get("loss_fusion") not in framework(name).loss_fusions:
+            given.pop("loss_fusion", None)
         if not framework(name).expert_gemm_launch_s:
             given.pop("moe_grouped_tensor", None)
         return TrainingJob(**given, framework=name)
@@ -512,6 +525,19 @@ class TrainingJob(Spec):
         "compile.enable since April 2025, or an eager torch runtime that compiles it): the "
         "loss keeps the logits in the activation dtype and no FP32 copy. torchtitan and torch "
         "only.",
+    )
+    # Megatron-LM's fused cross-entropy (--cross-entropy-loss-fusion, with
+    # --cross-entropy-fusion-impl; planner.costs.blocks prices what each holds). Megatron-LM's
+    # own training script refuses the TE implementation since 2025 ("disabled due to
+    # stability issues", megatron/training/arguments.py at d98e8a64); Megatron-Bridge runs it
+    # (its performance recipes set cross_entropy_fusion_impl: "te").
+    loss_fusion: Literal["none", "native", "te"] = Field(
+        default="none",
+        description="Megatron-LM's fused cross-entropy: 'none' (the vocab-parallel "
+        "cross-entropy in place over one FP32 copy of the logits), 'native' "
+        "(--cross-entropy-loss-fusion: the same under torch.compile, one FP32 copy more while "
+        "it runs) or 'te' (--cross-entropy-fusion-impl te: Transformer Engine's kernel writes "
+        "the gradient over the logits, no FP32 copy). Megatron-LM only.",
     )
     # Default 1.04: Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for
     # Mixture-of-Experts" (arXiv 2408.15664), Table 2: MaxVio_global = max expert load / mean

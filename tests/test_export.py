@@ -584,3 +584,21 @@ def test_flash_attention_2_is_exported_as_megatrons_flash_backend() -> None:
     fa2 = args(job.model_copy(update={"attention_kernel": "fa2"}))
     assert fa2[fa2.index("--attention-backend") + 1] == "flash"
     assert "--attention-backend" not in args(job)  # auto: Transformer Engine's cuDNN attention
+
+
+def test_the_fused_cross_entropy_is_exported_as_megatron_runs_it() -> None:
+    """native: --cross-entropy-loss-fusion with --cross-entropy-fusion-impl native; te, which
+    pretrain_gpt.py refuses (megatron/training/arguments.py at d98e8a64), is a difference."""
+    model = planner.load_model("llama3-8b")
+    cluster = planner.load_cluster("h100", gpus=8)
+    layout = planner.Layout.uniform(model, tp=1, dp=8)
+
+    def export(fusion: str) -> planner.export.Export:
+        job = planner.TrainingJob(seq_len=4096, global_batch=8, loss_fusion=fusion)
+        return planner.export.megatron(plan_of(model, cluster, job, layout))
+
+    native, te, none = export("native"), export("te"), export("none")
+    assert native.exact and "--cross-entropy-loss-fusion" in native.args
+    assert native.args[native.args.index("--cross-entropy-fusion-impl") + 1] == "native"
+    assert not te.exact and "cross-entropy fusion te" in " ".join(te.differences)
+    assert "--cross-entropy-loss-fusion" not in none.args

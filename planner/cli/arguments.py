@@ -102,6 +102,14 @@ def _job_args(cmd: argparse.ArgumentParser) -> None:
         help="the loss runs under torch.compile (torchtitan with compile on, or torch): BF16 "
         "logits kept, no FP32 copy",
     )
+    cmd.add_argument(
+        "--loss-fusion",
+        default=None,
+        choices=["none", "native", "te"],
+        help="Megatron-LM's fused cross-entropy (default none): native "
+        "(--cross-entropy-loss-fusion, one FP32 copy of the logits more while it runs) or te "
+        "(--cross-entropy-fusion-impl te, the gradient written over the logits)",
+    )
 
 
 # The layout flags' destinations and defaults: a --layout file states them all, so beside it

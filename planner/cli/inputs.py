@@ -29,6 +29,7 @@ def training_job(args: argparse.Namespace, seq_len: int, global_batch: int) -> T
         **({"grad_dtype": args.grad_dtype} if args.grad_dtype else {}),
         **({"framework": args.framework} if getattr(args, "framework", None) else {}),
         **({"compiled_loss": True} if getattr(args, "compiled_loss", False) else {}),
+        **({"loss_fusion": args.loss_fusion} if getattr(args, "loss_fusion", None) else {}),
         **(
             {"moe_dispatcher": args.moe_dispatcher} if getattr(args, "moe_dispatcher", None) else {}
         ),
@@ -58,6 +59,7 @@ def _recipe(args: argparse.Namespace) -> Recipe | None:
         "tp_comm_overlap": "--no-tp-comm-overlap",
         "moe_grouped_tensor": "--moe-grouped-tensor",
         "attention_kernel": "--attention-kernel",
+        "loss_fusion": "--loss-fusion",
     }
     given += [flag for f, flag in flags.items() if getattr(args, f, None) is not None]
     if args.recipe is None:

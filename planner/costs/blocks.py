@@ -141,9 +141,11 @@ class Shard:
     # probabilities' gradient; otherwise (a weighted sum after the combine) it keeps them.
     probs_in_expert: bool = False
     # The loss upcasts the logits to an FP32 copy of its own (torch's cross-entropy on
-    # logits.float(), as torchtitan runs it) rather than in place (Megatron's fused
-    # vocab-parallel cross-entropy; planner.run's loss).
+    # logits.float(), as torchtitan runs it) rather than in place (Megatron's vocab-parallel
+    # cross-entropy; planner.run's loss).
     loss_copies_logits: bool = False
+    # Megatron-LM's fused cross-entropy (TrainingJob.loss_fusion): none, native or te.
+    loss_fusion: str = "none"
     # The loss is compiled (TrainingJob.compiled_loss): it keeps the logits in the activation
     # dtype and writes their gradient in it, with no FP32 copy.
     loss_compiled: bool = False
@@ -617,20 +619,48 @@ def _head(cost: BlockBuilder, model: ModelSpec, shard: Shard, *, prefix: str = "
         cost.transient = max(cost.transient, round(elements * shard.act_bytes))
         cost.elementwise(2 * logits)
         return
+    if shard.loss_fusion == "te":
+        # Transformer Engine's parallel_cross_entropy (transformer_engine/pytorch/
+        # cross_entropy.py): its Triton kernel forms the loss and writes the logits' gradient
+        # over the logits in forward, keeps them in their own dtype, and scales them in place
+        # in backward, which returns that same tensor: the logits kept, nothing beside.
+        cost.save(prefix + "logits", elements * shard.act_bytes)
+        cost.elementwise(2 * logits)
+        return
     cost.save(prefix + "logits", logits)
-    # Logits narrower than FP32 live while the loss forms its FP32 softmax from them (and,
-    # with a separate FP32 copy, that copy too); FP32 logits become the softmax in place.
-    # Its backward holds as much in gradients.
-    # With tp > 1 the copying loss is DTensor's loss-parallel log-softmax (torchtitan's
-    # default, parallelism.disable_loss_parallel false), which follows the decomposition:
-    # the FP32 copy, the shifted copy and its exponential live at once
-    # (torch/distributed/tensor/parallel/loss.py, _log_softmax): two FP32 tensors above the
-    # one it keeps.
-    if shard.act_bytes < LOGIT_BYTES:
-        copies = (2 if shard.tp > 1 else 1) if shard.loss_copies_logits else 0
-        cost.transient = max(
-            cost.transient, round(elements * (shard.act_bytes + copies * LOGIT_BYTES))
-        )
+    if shard.loss_fusion == "native":
+        # Megatron-LM's --cross-entropy-loss-fusion (megatron/core/fusions/
+        # fused_cross_entropy.py at d98e8a64): the vocab-parallel cross-entropy's steps under
+        # torch.compile (megatron/core/jit.py). Compiled, its in-place updates of the FP32
+        # copy (-=, exp(out=), div_) write new buffers while the copy lives: one FP32 logits
+        # more than the unfused loss, beside the narrow logits. Megatron-LM's functional
+        # tests measure it: gpt3_mcore_te_tp2_pp2_cross_entropy_loss_fusion peaks 3.4-4.0
+        # bytes a logit above the same test without the fusion on H100, GB200 and A100
+        # (benchmarks/megatron_ci_runs.csv).
+        cost.transient = max(cost.transient, round(elements * (shard.act_bytes + LOGIT_BYTES)))
+        cost.elementwise(2 * logits)
+        return
+    # A fused loss (Megatron-LM's vocab-parallel cross-entropy, the eager runtime's): logits
+    # narrower than FP32 live while it forms the FP32 softmax from them, in place; FP32
+    # logits become the softmax in place; its backward turns the softmax into the gradient
+    # in place and holds as much again in the logits' dtype.
+    # The copying loss, cross-entropy on logits.float() (torchtitan's, Hugging Face's): the
+    # FP32 copy lives while the log-softmax it keeps is written, and in backward the
+    # incoming gradient and the input's gradient, both FP32, live beside it: 2 x 4 bytes a
+    # logit above the 4 kept, its narrow logits freed before either.
+    # With tp > 1 it is DTensor's loss-parallel log-softmax (torchtitan's default,
+    # parallelism.disable_loss_parallel false), which follows the decomposition: the FP32
+    # copy, the shifted copy and its exponential live at once beside the narrow logits
+    # (torch/distributed/tensor/parallel/loss.py, _log_softmax), 2 + 2 x 4 above the kept
+    # 4, and its backward holds three FP32 tensors beside the kept one.
+    # Measured on one H200 (benchmarks/gpu_memory.py --loss eager / parallel, the latter on
+    # a one-rank mesh): 8.00 bytes a logit above the kept log-softmax in backward (4.00 in
+    # forward), and 12.00 (10.00 in forward) for loss-parallel.
+    if shard.loss_copies_logits:
+        above = (3 if shard.tp > 1 else 2) * LOGIT_BYTES
+        cost.transient = max(cost.transient, round(elements * above))
+    elif shard.act_bytes < LOGIT_BYTES:
+        cost.transient = max(cost.transient, round(elements * shard.act_bytes))
     cost.elementwise(2 * logits)  # fp32 softmax cross-entropy: read and write the logits
 
 

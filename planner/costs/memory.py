@@ -185,6 +185,7 @@ def shard_of(job: TrainingJob, layout: Layout) -> Shard:
         probs_in_expert=fw.probs_in_expert,
         loss_copies_logits=fw.loss_copies_logits,
         loss_compiled=job.compiled_loss,
+        loss_fusion=job.loss_fusion,
         op_sac=fw.op_sac,
     )
 

@@ -19,7 +19,9 @@ What maps exactly:
 - ZeRO-1: ``--use-distributed-optimizer``; ZeRO-2/3: Megatron-FSDP with
   ``--data-parallel-sharding-strategy optim_grads`` / ``optim_grads_params``;
 - micro and global batch, sequence length, BF16 / FP8 (blockwise); FlashAttention-2
-  (``TrainingJob.attention_kernel``) as ``--attention-backend flash``;
+  (``TrainingJob.attention_kernel``) as ``--attention-backend flash``; the fused
+  cross-entropy (``TrainingJob.loss_fusion`` native) as ``--cross-entropy-loss-fusion
+  --cross-entropy-fusion-impl native`` (te, which pretrain_gpt.py refuses, is a difference);
 - the model itself: every architecture flag, from the ``ModelSpec``
   (``planner.export.megatron_model``); a feature no flag states is a difference;
 - the overlap the time model assumes for Megatron-LM (``TrainingJob.framework``):
@@ -107,6 +109,14 @@ def megatron(plan: Plan) -> Export:
     args += _optimizer_args(job, runs)
     if job.attention_kernel == "fa2":  # the flash-attn package; "auto" runs cuDNN (TE fused)
         args += ["--attention-backend", "flash"]
+    if job.loss_fusion != "none":
+        args += ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"]
+    if job.loss_fusion == "te":
+        differences.append(
+            "cross-entropy fusion te: pretrain_gpt.py refuses --cross-entropy-fusion-impl te "
+            "(arguments.py); native is written, whose compiled loss holds one FP32 copy of "
+            "the logits more (Megatron-Bridge runs te: cross_entropy_fusion_impl: te)"
+        )
     args.append("--bf16")
     if job.compute_dtype == "fp8":
         args += ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
