@@ -124,6 +124,11 @@ class Framework:
     fp8_cache: bool = False  # a switch to keep the FP8 activation input (Layout.fp8_cache)
     probs_in_expert: bool = False  # routing probabilities applied inside the expert
     loss_copies_logits: bool = False  # the eager loss keeps an FP32 copy of the logits
+    # Its model code's RMSNorm upcasts in eager ops (Hugging Face's LlamaRMSNorm): the FP32
+    # copy of the input and the normalised BF16 tensor before the weight are kept too.
+    unfused_norm: bool = False
+    # Its gated MLP multiplies act(gate) by up in eager ops: act(gate) is kept too.
+    unfused_swiglu: bool = False
     # The fused cross-entropy implementations it offers (TrainingJob.loss_fusion).
     loss_fusions: tuple[str, ...] = ("none",)
     # Its linears and grouped experts run Transformer Engine's GEMMs, each with TE's own
@@ -140,6 +145,9 @@ class Framework:
     optimizer_offload: OptimizerOffload | None = None
     activation_offload: bool = False  # layer and fine-grained activation offload
     launcher: Launcher | None = None  # None: no launch config is written for it
+    # It prices measured runs only: its layouts are not searched, since no launcher the
+    # planner knows states them (the reason, for the one-line refusal).
+    costing_only: str = ""
     # The MoE dispatchers it runs (``TrainingJob.moe_dispatcher``).
     dispatchers: tuple[str, ...] = ("alltoall",)
     # None: ZeRO-3 gathers and reduce-scatters flat buckets. Else it runs one collective per
@@ -394,6 +402,32 @@ FRAMEWORKS["deepspeed-2021"] = dataclasses.replace(
     optimizer_offload=None,
     launcher=None,
     zero3_slice_s=6e-6,
+    costing_only="it prices DeepSpeed as it ran in 2021",
+)
+
+# Hugging Face Transformers' models trained by its Trainer with DeepSpeed ZeRO (the
+# Trainer's --deepspeed ds_config.json): DeepSpeed's state, buffers and overlap, and the
+# model code's own tensors (transformers/models/llama/modeling_llama.py at v5.17.0):
+# LlamaRMSNorm upcasts its input to FP32 in eager ops (kept by pow and the multiply) and keeps
+# the normalised BF16 tensor for the weight's gradient; LlamaMLP keeps act_fn(gate) for the
+# multiply beside gate and up; ForCausalLMLoss (transformers/loss/loss_utils.py) upcasts the
+# logits and runs cross-entropy on the copy. SDPA attention keeps q, k, v at their own
+# head counts (enable_gqa), its output and the log-sum-exp, as the fused kernels do. Measured
+# with saved-tensor hooks on transformers 5.17.0's LlamaForCausalLM
+# (benchmarks/hf_saved_tensors.py): 8 ffn + 24 hidden bytes a token a layer (MHA), which
+# this entry reproduces. Time is priced as DeepSpeed's (the eager ops' extra kernels and
+# passes are not). It costs given layouts (memory, evaluate, published runs); it is not a
+# planning target (costing_only).
+FRAMEWORKS["hf-deepspeed"] = dataclasses.replace(
+    FRAMEWORKS["deepspeed"],
+    name="hf-deepspeed",
+    label="Hugging Face Trainer with DeepSpeed",
+    loss_copies_logits=True,
+    unfused_norm=True,
+    unfused_swiglu=True,
+    launcher=None,
+    costing_only="the Trainer runs data parallelism with ZeRO alone and no export states its "
+    "arguments yet",
 )
 
 FRAMEWORK_NAMES: tuple[str, ...] = tuple(FRAMEWORKS)

@@ -17,6 +17,7 @@ from planner.costs.blocks import FP8_SAVED_BYTES, block_cost
 from planner.costs.memory import shard_of, stage_memory, workspace_bytes
 from planner.costs.state import state_bytes
 from planner.export import megatron
+from planner.fit import gpt_model
 from planner.layout import parse_recompute
 from planner.solve.space import enumerate_configs
 
@@ -476,3 +477,34 @@ def test_gemm_workspaces_are_the_libraries_sizes() -> None:
         stage_memory(dense, j, layout, num_microbatches=1)[0] for j in (megatron, none)
     )
     assert with_ws.allocated_bytes - without.allocated_bytes == 32 * mib + te
+
+
+def test_hugging_face_llama_keeps_what_it_kept_on_a_gpu() -> None:
+    """transformers 5.17.0's LlamaForCausalLM (SDPA, BF16, no checkpointing), one decoder
+    layer at 4,096 tokens, every tensor autograd keeps, measured on an H200 with saved-tensor
+    hooks (benchmarks/hf_saved_tensors.py; benchmarks/RESULTS.md, 2026-11-26): 186,504 bytes a
+    token at Llama 2 7B's shape, 200,840 at Llama 3 8B's. Of those, 8 are the norms' FP32
+    reciprocal roots, which the model leaves out; the Megatron-LM entry keeps 54,784 and
+    61,440 bytes a token less (fused norms and SwiGLU: 8 hidden + 2 ffn)."""
+    shapes = {
+        (4096, 11008, 32, 32000): 186_504,
+        (4096, 14336, 8, 128256): 200_840,
+    }
+    for (h, f, kv, vocab), measured in shapes.items():
+        model = gpt_model(
+            f"gpt:hidden={h};layers=2;heads=32;kv={kv};ffn={f};swiglu=1;rmsnorm=1;rope=1;"
+            f"bias=0;tied=0;vocab={vocab};seq=4096"
+        )
+        layout = planner.Layout.uniform(model)
+        per_token = {}
+        for name in ("hf-deepspeed", "megatron"):
+            job = planner.TrainingJob(seq_len=4096, global_batch=1, framework=name)
+            cost = block_cost(model, "layer.1", shard_of(job, layout))
+            per_token[name] = sum(g.bytes for g in cost.saved) / 4096
+        assert per_token["hf-deepspeed"] == measured - 8
+        assert per_token["hf-deepspeed"] - per_token["megatron"] == 8 * h + 2 * f
+    # It prices given layouts; the Trainer's layouts are not searched.
+    job = planner.TrainingJob(seq_len=4096, global_batch=8, framework="hf-deepspeed")
+    cluster = planner.load_cluster("h100", gpus=8)
+    with pytest.raises(planner.PlannerError, match="costs given layouts only"):
+        next(enumerate_configs(LLAMA8, cluster, job, planner.SearchSpace()))

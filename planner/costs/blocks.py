@@ -146,6 +146,9 @@ class Shard:
     loss_copies_logits: bool = False
     # Megatron-LM's fused cross-entropy (TrainingJob.loss_fusion): none, native or te.
     loss_fusion: str = "none"
+    # The model code's eager RMSNorm and gated MLP (Framework.unfused_norm, unfused_swiglu).
+    unfused_norm: bool = False
+    unfused_swiglu: bool = False
     # The loss is compiled (TrainingJob.compiled_loss): it keeps the logits in the activation
     # dtype and writes their gradient in it, with no FP32 copy.
     loss_compiled: bool = False
@@ -684,6 +687,12 @@ def _saved_norm(
     op = _op(shard) if in_block else ()
     cost.save(saved, elements * kept, "layernorm", *op)
     cost.elementwise(2 * elements * shard.act_bytes, "layernorm", *op)
+    if shard.unfused_norm and model.norm == "rmsnorm":
+        # The eager RMSNorm keeps an FP32 copy of its input where the fused norm keeps the
+        # input itself (counted as the block's input), and its normalised tensor in the
+        # input's dtype for the weight's gradient: (4 - a) + a bytes an element more.
+        fp32 = DTYPE_BYTES["fp32"]
+        cost.save(saved + "_fp32", elements * fp32, "layernorm", *op)
 
 
 def _layer(
@@ -968,6 +977,8 @@ def _ffn(
         cost.save(f"{name}_fc1_out", tokens * fc1_out * kept, *modules, *off)
     act_tags = (*modules, *act_modules, *op)
     cost.save(f"{name}_act", tokens * width * shard.linear_input_bytes, *act_tags)
+    if gated and shard.unfused_swiglu and not routed:  # act(gate), kept by the multiply
+        cost.save(f"{name}_act_gate", tokens * width * a, *act_tags)
 
 
 def _fc_params(model: ModelSpec, width: int) -> int:

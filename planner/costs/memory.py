@@ -186,6 +186,8 @@ def shard_of(job: TrainingJob, layout: Layout) -> Shard:
         loss_copies_logits=fw.loss_copies_logits,
         loss_compiled=job.compiled_loss,
         loss_fusion=job.loss_fusion,
+        unfused_norm=fw.unfused_norm,
+        unfused_swiglu=fw.unfused_swiglu,
         op_sac=fw.op_sac,
     )
 

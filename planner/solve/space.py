@@ -40,6 +40,12 @@ def for_target(space: SearchSpace, job: TrainingJob) -> SearchSpace:
             f"SearchSpace.framework={space.framework!r}: one framework at a time here; "
             f"planner.plan searches each of {names} in turn"
         )
+    reason = framework(names[0] or job.framework).costing_only
+    if reason:
+        raise PlannerError(
+            f"framework={names[0] or job.framework!r}: costs given layouts only ({reason}); "
+            "plan with megatron, torchtitan or deepspeed, and cost that layout with it"
+        )
     space = space.model_copy(update={"framework": names[0]})
     rules = target_rules(space)
     if rules is None:
