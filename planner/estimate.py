@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from planner.costs.activations import long_step_lengths
 from planner.costs.blocks import block_names
 from planner.costs.cap import usable_hbm, usable_peak_bytes
 from planner.costs.comm import Network
@@ -100,7 +101,7 @@ class Estimate(BaseModel):
 
 def evaluate(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: Layout) -> Estimate:
     """Cost ``layout``: per-rank memory and the step time with its breakdown."""
-    memory, _, step = step_run(model, cluster, job, layout)
+    memory, _, step = step_run(model, cluster, job, layout, extend_long=True)
     tokens_per_s = job.tokens_per_step / step.step_s
     flops_per_s = model_flops_per_token(model, job.seq_len) * tokens_per_s / cluster.num_gpus
     return Estimate(
@@ -223,25 +224,52 @@ def mfu_note(gpu: str, precision: str, gpus: int, mfu: float) -> str:
 
 
 def step_run(
-    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: Layout
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    job: TrainingJob,
+    layout: Layout,
+    *,
+    extend_long: bool = False,
 ) -> tuple[list[StageMemory], list[StageTime], Timeline]:
     """The per-rank memory, the per-stage times and the step run task by task
     (``planner.timeline``) of a layout: what ``evaluate``, ``simulate`` and the search's
-    final choice all read."""
+    final choice all read. With ``extend_long`` a step of more than
+    ``costs.activations.LONG_STEP`` micro-batches is run shorter and extended
+    (``extended_run``): its time, critical rank and breakdown are the whole step's, its
+    ranks' tasks and chains the shorter run's."""
     from planner.costs.overlap import overlap_of
     from planner.timeline import run
 
     m = check_layout(model, cluster, job, layout)
     memory = stage_memory(model, job, layout, num_microbatches=m)
     times = stage_times(model, cluster, job, layout, Network.of(cluster))
-    step = run(
-        layout,
-        times,
-        [optimizer_time(s, cluster) for s in memory],
-        num_microbatches=m,
-        overlap=overlap_of(job, cluster, layout.schedule),
-    )
+    optimizer = [optimizer_time(s, cluster) for s in memory]
+    overlap = overlap_of(job, cluster, layout.schedule)
+    if extend_long:
+        return memory, times, extended_run(layout, times, optimizer, m, overlap)
+    step = run(layout, times, optimizer, num_microbatches=m, overlap=overlap)
     return memory, times, step
+
+
+def extended_run(
+    layout: Layout, times: list[StageTime], optimizer: list[float], m: int, overlap: Any
+) -> Timeline:
+    """One step of ``m`` micro-batches: run whole up to ``costs.activations.LONG_STEP``, else
+    run at two lengths past the fill (``long_step_lengths``) and extended linearly to ``m``:
+    with every micro-batch alike, a schedule's steady state repeats, so the step time and
+    each of its parts grow by the same amount per micro-batch (exact to rounding for every
+    schedule, tests/test_timeline.py)."""
+    from planner.timeline import Timeline, run
+
+    shorter, longer = long_step_lengths(layout.pp, layout.virtual_stages)
+    if m <= longer or not shorter:
+        return run(layout, times, optimizer, num_microbatches=m, overlap=overlap)
+    a = run(layout, times, optimizer, num_microbatches=shorter, overlap=overlap)
+    b = run(layout, times, optimizer, num_microbatches=longer, overlap=overlap)
+    grow = (m - longer) / (longer - shorter)
+    breakdown = {k: v + (v - a.breakdown.get(k, 0.0)) * grow for k, v in b.breakdown.items()}
+    step = b.step_s + (b.step_s - a.step_s) * grow
+    return Timeline(b.ranks, step, b.critical_rank, breakdown, m)
 
 
 def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:

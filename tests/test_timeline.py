@@ -18,8 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import planner
+from planner.costs.activations import LONG_STEP, activation_peak, level_points, long_step_lengths
 from planner.costs.overlap import overlap_of, task_time, values
-from planner.estimate import step_run
+from planner.costs.timing import optimizer_time
+from planner.estimate import extended_run, step_run
 from planner.layout import Layout
 from planner.schedules import op_order
 
@@ -213,3 +215,52 @@ def test_a_reduction_that_overlaps_the_backward_shares_the_nic_and_the_sms() -> 
         assert rank.end == pytest.approx(
             last + sum(s.duration for s in rank.syncs) + rank.optimizer
         )
+
+
+@pytest.mark.parametrize("schedule", [*SCHEDULES, "1f1b-ep-overlap", "interleaved-ep-overlap"])
+def test_a_long_step_extended_from_two_shorter_is_the_long_step(schedule: str) -> None:
+    """Past ``LONG_STEP`` micro-batches ``evaluate`` runs a step at two shorter lengths and
+    extends it (``estimate.extended_run``), and the activation peaks likewise: with every
+    micro-batch alike the steady state repeats. The extended step time, each part of the
+    breakdown and every rank's memory equal those of the whole step run task by task."""
+    moe = "ep-overlap" in schedule
+    model = planner.load_model("mixtral-8x7b" if moe else "llama3-8b")
+    model = model.model_copy(update={"num_layers": 8})
+    pp = 2
+    base = schedule.removesuffix("-ep-overlap")
+    v = 2 if base in ("interleaved", "dualpipev") else 1
+    layout = Layout.from_counts(
+        model,
+        counts=[8 // (pp * v)] * (pp * v),
+        pp=pp,
+        schedule=schedule,
+        virtual_stages=v,
+        dp=8,
+        tp=8 if not moe else 1,
+        ep=8 if moe else 1,
+        recompute="none" if moe else "selective",
+    )
+    cluster = planner.load_cluster("h100", gpus=layout.world_size)
+    m = LONG_STEP + 2 * pp * 37
+    job = planner.TrainingJob(seq_len=1024, global_batch=m * 8)
+    memory, times, whole = step_run(model, cluster, job, layout)
+    optimizer = [optimizer_time(s, cluster) for s in memory]
+    overlap = overlap_of(job, cluster, layout.schedule)
+    extended = extended_run(layout, times, optimizer, m, overlap)
+    assert extended.step_s == pytest.approx(whole.step_s, rel=1e-9)
+    assert extended.critical_rank == whole.critical_rank
+    for part, seconds in whole.breakdown.items():
+        assert extended.breakdown[part] == pytest.approx(seconds, abs=1e-9 * whole.step_s)
+    # Memory: the activation peaks extended (stage_memory at m) against a walk of the whole
+    # order, which level_points gives at any length.
+    shorter, longer = long_step_lengths(pp, v)
+    assert m > longer and shorter
+    for rank in range(pp):
+        chunks = dict.fromkeys(layout.chunks_of_rank(rank))
+        per_chunk = {c: 1000.0 + 7 * c for c in chunks}
+        rebuild = {c: 300.0 + c for c in chunks}
+        walked = max(
+            sum(n * per_chunk[c] for c, n in flight) + (rebuild[r] if r >= 0 else 0.0)
+            for flight, r, _, _ in level_points(schedule, pp, m, v, rank)
+        )
+        assert activation_peak(layout, rank, m, per_chunk, rebuild) == pytest.approx(walked)

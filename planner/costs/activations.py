@@ -40,6 +40,20 @@ def activation_peak(
     ``level_points`` lists the counts at the points that can be highest, once per schedule
     shape, so each call costs the points, not the order's length."""
     after_forward, after_backward = kept or ({}, {})
+    m = num_microbatches
+    shorter, longer = long_step_lengths(layout.pp, layout.virtual_stages)
+    if (
+        m > longer
+        and shorter
+        and not any(after_forward.values())
+        and not any(after_backward.values())
+    ):
+        # A long step's level at its highest points is that of a shorter step's, or grows by
+        # the same bytes per micro-batch (every micro-batch in flight, as GPipe holds them):
+        # run at two lengths past the fill and extended (estimate.extended_run's rule).
+        a = activation_peak(layout, rank, shorter, per_chunk, rebuild)
+        b = activation_peak(layout, rank, longer, per_chunk, rebuild)
+        return b + (b - a) * (m - longer) / (longer - shorter)
     peak = 0.0
     points = level_points(layout.schedule, layout.pp, num_microbatches, layout.virtual_stages, rank)
     for flight, rebuilt, forwards, backwards in points:
@@ -50,6 +64,26 @@ def activation_peak(
             level += rebuild[rebuilt]
         peak = max(peak, level)
     return peak
+
+
+# Beyond this many micro-batches, a step's timeline (``estimate.extended_run``) and its
+# activation peaks are worked out at two shorter lengths and extended: with every
+# micro-batch alike a schedule's steady state repeats, so past the fill and the drain both
+# grow by the same amount per micro-batch (exact to rounding: tests/test_timeline.py).
+LONG_STEP = 4096
+
+
+def long_step_lengths(pp: int, virtual_stages: int) -> tuple[int, int]:
+    """The two lengths a step longer than ``LONG_STEP`` is worked out at: multiples of
+    2 * pp (which every schedule's rule accepts), the shorter at least 8 * pp * v past the
+    fill; (0, ``LONG_STEP``) where the pipeline is too deep for both (then none is
+    extended)."""
+    quantum = 2 * pp
+    longer = quantum * (LONG_STEP // quantum)
+    shorter = quantum * (longer // 2 // quantum)
+    if shorter < 8 * pp * virtual_stages:
+        return 0, LONG_STEP
+    return shorter, longer
 
 
 Counts = tuple[tuple[int, int], ...]  # (chunk, count) pairs, by chunk
