@@ -217,8 +217,9 @@ def test_a_reduction_that_overlaps_the_backward_shares_the_nic_and_the_sms() -> 
         )
 
 
+@pytest.mark.parametrize("pp", [2, 4])
 @pytest.mark.parametrize("schedule", [*SCHEDULES, "1f1b-ep-overlap", "interleaved-ep-overlap"])
-def test_a_long_step_extended_from_two_shorter_is_the_long_step(schedule: str) -> None:
+def test_a_long_step_extended_from_two_shorter_is_the_long_step(schedule: str, pp: int) -> None:
     """Past ``LONG_STEP`` micro-batches ``evaluate`` runs a step at two shorter lengths and
     extends it (``estimate.extended_run``), and the activation peaks likewise: with every
     micro-batch alike the steady state repeats. The extended step time, each part of the
@@ -226,7 +227,6 @@ def test_a_long_step_extended_from_two_shorter_is_the_long_step(schedule: str) -
     moe = "ep-overlap" in schedule
     model = planner.load_model("mixtral-8x7b" if moe else "llama3-8b")
     model = model.model_copy(update={"num_layers": 8})
-    pp = 2
     base = schedule.removesuffix("-ep-overlap")
     v = 2 if base in ("interleaved", "dualpipev") else 1
     layout = Layout.from_counts(
@@ -241,7 +241,7 @@ def test_a_long_step_extended_from_two_shorter_is_the_long_step(schedule: str) -
         recompute="none" if moe else "selective",
     )
     cluster = planner.load_cluster("h100", gpus=layout.world_size)
-    m = LONG_STEP + 2 * pp * 37
+    m = LONG_STEP + 2 * pp * 37 + (0 if base in ("interleaved", "dualpipe") else 1)
     job = planner.TrainingJob(seq_len=1024, global_batch=m * 8)
     memory, times, whole = step_run(model, cluster, job, layout)
     optimizer = [optimizer_time(s, cluster) for s in memory]

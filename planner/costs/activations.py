@@ -69,21 +69,21 @@ def activation_peak(
 # Beyond this many micro-batches, a step's timeline (``estimate.extended_run``) and its
 # activation peaks are worked out at two shorter lengths and extended: with every
 # micro-batch alike a schedule's steady state repeats, so past the fill and the drain both
-# grow by the same amount per micro-batch (exact to rounding: tests/test_timeline.py).
+# grow by the same amount per micro-batch (exact to rounding: tests/test_timeline.py). A
+# step of 100,000 micro-batches then costs as one of a few hundred.
 LONG_STEP = 4096
 
 
 def long_step_lengths(pp: int, virtual_stages: int) -> tuple[int, int]:
-    """The two lengths a step longer than ``LONG_STEP`` is worked out at: multiples of
-    2 * pp (which every schedule's rule accepts), the shorter at least 8 * pp * v past the
-    fill; (0, ``LONG_STEP``) where the pipeline is too deep for both (then none is
-    extended)."""
+    """The two lengths a step longer than ``LONG_STEP`` is worked out at: the shorter 8 * pp
+    * v micro-batches (four fills past the fill and the drain), the longer twice that, both
+    multiples of 2 * pp (which every schedule's rule accepts); (0, ``LONG_STEP``) where the
+    pipeline is too deep for both to be under ``LONG_STEP`` (then none is extended)."""
     quantum = 2 * pp
-    longer = quantum * (LONG_STEP // quantum)
-    shorter = quantum * (longer // 2 // quantum)
-    if shorter < 8 * pp * virtual_stages:
+    shorter = quantum * -(-8 * pp * virtual_stages // quantum)
+    if 2 * shorter > LONG_STEP:
         return 0, LONG_STEP
-    return shorter, longer
+    return shorter, 2 * shorter
 
 
 Counts = tuple[tuple[int, int], ...]  # (chunk, count) pairs, by chunk
