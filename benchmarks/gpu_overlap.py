@@ -92,13 +92,16 @@ def main(argv: list[str] | None = None) -> int:
         m, nn_, kk = (int(x) for x in shape.split("x"))
         a = torch.randn(m, kk, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(kk, nn_, device="cuda", dtype=torch.bfloat16)
-        for _ in range(5):
-            a @ b
+
+        def gemms(count: int = args.gemms, a: torch.Tensor = a, b: torch.Tensor = b) -> None:
+            for _ in range(count):
+                a @ b
+
+        gemms(5)
         torch.cuda.synchronize()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
-        for _ in range(args.gemms):
-            a @ b
+        gemms()
         e1.record()
         torch.cuda.synchronize()
         gemm_ms = _elapsed_ms(e0, e1) / args.gemms
@@ -138,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         with torch.cuda.stream(s_gemm):
                             g0.record()
-                            for _ in range(args.gemms):
-                                a @ b
+                            gemms()
                             g1.record()
                 torch.cuda.synchronize()
                 together = _elapsed_ms(g0, g1) / args.gemms
