@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.costs.activations import long_step_lengths
+from planner.costs.activations import LONG_STEP, long_step_lengths
 from planner.costs.blocks import block_names
 from planner.costs.cap import usable_hbm, usable_peak_bytes
 from planner.costs.comm import Network
@@ -262,7 +262,7 @@ def extended_run(
     from planner.timeline import Timeline, run
 
     shorter, longer = long_step_lengths(layout.pp, layout.virtual_stages)
-    if m <= longer or not shorter:
+    if m <= LONG_STEP or not shorter:
         return run(layout, times, optimizer, num_microbatches=m, overlap=overlap)
     a = run(layout, times, optimizer, num_microbatches=shorter, overlap=overlap)
     b = run(layout, times, optimizer, num_microbatches=longer, overlap=overlap)

@@ -43,7 +43,7 @@ def activation_peak(
     m = num_microbatches
     shorter, longer = long_step_lengths(layout.pp, layout.virtual_stages)
     if (
-        m > longer
+        m > LONG_STEP
         and shorter
         and not any(after_forward.values())
         and not any(after_backward.values())

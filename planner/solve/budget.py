@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from planner.costs.activations import LONG_STEP, long_step_lengths
 from planner.solve.tables import Config
 from planner.specs import ModelSpec
 
@@ -113,23 +114,44 @@ RELAXATION_OPS = 250_000
 SECONDS_PER_OP = SECONDS_PER_MODEL_OP  # what building a model takes per op, for wall checks
 
 
-def costing_charge(model: ModelSpec, config: Config) -> float:
-    """The charge for costing one layout of ``config`` (``step_run``)."""
+def costing_charge(model: ModelSpec, config: Config, *, extended: bool = False) -> float:
+    """The charge for costing one layout of ``config``: its whole step (``step_run``, as the
+    solver runs it), or with ``extended`` as ``evaluate`` does (``costed_microbatches``)."""
     blocks = model.num_layers + model.num_mtp_layers + 2
-    return blocks * SECONDS_PER_BLOCK + order_size(config) * SECONDS_PER_TIMELINE_OP
+    ops = _ops(config, costed_microbatches(config) if extended else config.num_microbatches)
+    return blocks * SECONDS_PER_BLOCK + ops * SECONDS_PER_TIMELINE_OP
+
+
+def costed_microbatches(config: Config) -> int:
+    """The micro-batches ``evaluate`` walks to cost one of ``config``'s layouts
+    (``estimate.extended_run``): all of them up to ``LONG_STEP``, else its two shorter
+    lengths."""
+    shorter, longer = long_step_lengths(config.pp, config.virtual_stages)
+    if config.num_microbatches <= LONG_STEP or not shorter:
+        return config.num_microbatches
+    return shorter + longer
 
 
 def shape_key(config: Config) -> tuple[str, int, int, int]:
     return (config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
 
 
-def program_charge(config: Config, seen: set[tuple[str, int, int, int]]) -> float:
+def program_charge(
+    config: Config, seen: set[tuple[str, int, int, int]], *, extended: bool = False
+) -> float:
     """The charge for building ``config``'s schedule program and memory points, the first
-    time (``seen``: the shapes already charged, updated)."""
-    if shape_key(config) in seen:
+    time (``seen``: the shapes already charged, updated): the whole step's, or with
+    ``extended`` those ``evaluate`` builds (``costed_microbatches``)."""
+    m = costed_microbatches(config) if extended else config.num_microbatches
+    key = (config.schedule, config.pp, m, config.virtual_stages)
+    if key in seen:
         return 0.0
-    seen.add(shape_key(config))
-    return order_size(config) * SECONDS_PER_PROGRAM_OP * (1 + config.pp / 16)
+    seen.add(key)
+    return _ops(config, m) * SECONDS_PER_PROGRAM_OP * (1 + config.pp / 16)
+
+
+def _ops(config: Config, microbatches: int) -> int:
+    return 3 * microbatches * config.stages * config.copies
 
 
 def drain_charge(config: Config, *, new_shape: bool) -> float:
@@ -158,4 +180,4 @@ def relaxation_charge(config: Config) -> float:
 
 def order_size(c: Config) -> int:
     """Ops in all the ranks' orders of one step (a forward and a backward per chunk)."""
-    return 3 * c.num_microbatches * c.stages * c.copies
+    return _ops(c, c.num_microbatches)

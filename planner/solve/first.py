@@ -69,7 +69,10 @@ def first_fit(
         tables = bound_tables(model, cluster, job, config)
         if tables is None or not state_fits(tables, cluster, job, config):
             continue
-        budget.charge(costing_charge(model, config) + program_charge(config, programs))
+        budget.charge(
+            costing_charge(model, config, extended=True)
+            + program_charge(config, programs, extended=True)
+        )
         try:
             layout = config.layout(model, even_counts(model, config), _uniform(model, lean))
             est = evaluate(model, cluster, job, layout)
@@ -130,7 +133,7 @@ def offloaded_layouts(
             tried: dict[int, tuple[Estimate, Layout] | None] = tried,
         ) -> tuple[Estimate, Layout] | None:
             if n not in tried:
-                budget.charge(costing_charge(model, config))
+                budget.charge(costing_charge(model, config, extended=True))
                 offload = {f"layer.{i}": "offload" for i in range(n)}
                 try:
                     layout = config.layout(model, [model.num_layers], offload)
@@ -201,7 +204,10 @@ def hinted_layouts(
             )
 
         config = min(same, key=near)
-        budget.charge(costing_charge(model, config) + program_charge(config, programs))
+        budget.charge(
+            costing_charge(model, config, extended=True)
+            + program_charge(config, programs, extended=True)
+        )
         try:
             layout = Layout(
                 **{
@@ -248,7 +254,7 @@ def quick_layout(
         partitions.append(balanced(t, lambda o: o.time))
     cap = usable_peak_bytes(cluster, job)
     blocks = model.num_layers + model.num_mtp_layers + 2
-    budget.charge(program_charge(config, programs))
+    budget.charge(program_charge(config, programs, extended=True))
     holders = _holders(config)
 
     def peaks(counts: list[int], choice: dict[str, str]) -> list[float]:
@@ -285,7 +291,7 @@ def quick_layout(
                 high = [max(high)] * config.pp
             stage_choice = [ordered[max(high[r] for r in holders[c])] for c in range(config.stages)]
             layout = config.layout(model, list(counts), _by_stage(t, list(counts), stage_choice))
-            budget.charge(costing_charge(model, config))
+            budget.charge(costing_charge(model, config, extended=True))
             est = evaluate(model, cluster, job, layout)
             good = est.fits and host_ok(job, cluster, layout, est)
             if good and (best is None or est.step_time_s < best[0]):

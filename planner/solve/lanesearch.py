@@ -47,10 +47,16 @@ from planner.solve.tables import Config, tie_break
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 
 log = logging.getLogger("planner.solve.search")
-# Seconds per op of solving a step of more than LONG_STEP micro-batches, its first time:
-# Llama 3 70B on 64 H100, pp 2, 50,000 micro-batches (300,000 ops) took 7.2 s on a 2-core
-# VM, 2.4 times SECONDS_PER_OP's estimate of building its model alone.
-SECONDS_PER_LONG_OP = 2.5e-5
+# Seconds per op of solving a step of more than LONG_STEP micro-batches, times (1 + pp / 2.5)
+# (``long_solve_seconds``): Llama 3 70B on 64 H100 with 50,000 micro-batches took 7.2 s at
+# pp 2 (300,000 ops) and 20.8 s at pp 4 (600,000 ops) on a 2-core VM, its first time.
+SECONDS_PER_LONG_OP = 1.4e-5
+
+
+def long_solve_seconds(config: Config) -> float:
+    """Wall seconds a long step's solve is expected to take (``SECONDS_PER_LONG_OP``)."""
+    return order_size(config) * SECONDS_PER_LONG_OP * (1 + config.pp / 2.5)
+
 
 # A line's entry: (bound, tie-break key, tier, a set of degrees' members or a configuration).
 Entry = tuple[float, tuple[object, ...], int, Any]
@@ -333,11 +339,12 @@ class _Lane:
         wall = self.deadline - time.perf_counter()
         if order_size(config) * SECONDS_PER_OP > wall:
             return (bound, config)  # no time left to build its model
-        if config.num_microbatches > LONG_STEP and order_size(config) * SECONDS_PER_LONG_OP > wall:
+        if config.num_microbatches > LONG_STEP and 2 * long_solve_seconds(config) > wall:
             # A long step's model walks every task of it (the chains, the rank orders, its
             # layouts' timelines), which costing its layouts need not (estimate.extended_run):
-            # where the wall clock left is short of that walk, its layouts are the quick ones
-            # and its bound stays open.
+            # where the wall clock left is short of twice that walk's estimate (measured
+            # walks ran to 1.6 times it), its layouts are the quick ones and its bound stays
+            # open.
             return (bound, config)
         self.charge(program_charge(config, self.programs))
         if config not in self.relaxed:  # its warm start solves the relaxation
