@@ -68,3 +68,23 @@ def test_dualpipe_with_fewer_micro_batches_than_ranks() -> None:
     layout = planner.Layout.uniform(LLAMA, pp=8, schedule="dualpipe")
     assert [sum(in_flight(layout, r, 1).values()) for r in range(8)] == [1] * 8
     assert max(sum(in_flight(layout, r, 4).values()) for r in range(8)) == 4
+
+
+@pytest.mark.parametrize("schedule", ["1f1b-ep-overlap", "interleaved-ep-overlap"])
+def test_the_overlapped_schedules_peak_is_the_fills_however_long_the_step(schedule: str) -> None:
+    """Past 16 * pp * v micro-batches the paired schedules' resident counts at their peak
+    come from a step of that length (``_combined_peak``): the same as walking every op of
+    the longer step."""
+    from planner.schedules import _combined_counts, schedule_of
+
+    entry = schedule_of(schedule)
+    v = 2 if schedule.startswith("interleaved") else 1
+    for p in (2, 4):
+        filled = 2 * p * -(-16 * p * v // (2 * p))
+        for m in (filled + 2 * p, filled + 2 * p * 9 + (0 if v == 2 else 3)):
+            for rank in range(p):
+                walked = dict(_combined_counts(p, m, rank, v))
+                chunks = sorted(walked)
+                got = entry.peak(p, m, v, rank, chunks)
+                assert got == {c: walked.get(c, 0.0) for c in chunks}, (p, m, rank)
+                assert sum(got.values()) > 0
