@@ -26,7 +26,8 @@ step() { local limit=$1 name=$2; shift 2; [[ $steps == *" $name "* ]] || return 
   echo "== $name"; local t0=$SECONDS
   timeout "$limit" "$@" >"$out/$name.log" 2>&1; echo "== $name: exit $?, $((SECONDS - t0)) s"
   tail -n 60 "$out/$name.log"; }
-# model layers micro-batch sequence recompute allocator-setting (- for the default) [loss];
+# model layers micro-batch sequence recompute allocator-setting (- for the default) [loss
+# [eager]] (eager: the optimizer's moments made before the first step);
 # MEMGRID_CONFIGS replaces the list.
 memgrid_configs=${MEMGRID_CONFIGS:-"llama3-8b 4 1 8192 none -
 llama3-8b 4 1 8192 selective -
@@ -51,7 +52,7 @@ memgrid_one() {
   local conf=$6; [[ $conf == - ]] && conf=
   PYTORCH_CUDA_ALLOC_CONF=$conf python3 benchmarks/gpu_memory.py --model "$1" --layers "$2" \
     --micro-batch "$3" --seq "$4" --recompute "$5" --loss "${7:-eager}" --steps 3 \
-    || echo "failed: $*"
+    ${8:+--eager-state} || echo "failed: $*"
 }
 memory() {
   local conf cfg

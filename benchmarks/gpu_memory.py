@@ -188,10 +188,13 @@ def compare(path: str) -> int:
         model_kept = sum(g.bytes for g in head.saved if g.name == "logits") / logits * tp
         above = head.transient / logits * tp
         peak = r["steps"][-1]
+        # The allocator setting, and +st where the optimizer's moments were made up front.
+        setting = ("exp" if r["alloc_conf"] else "def") + ("+st" if r.get("eager_state") else "")
         gap = peak["max_reserved_MiB"] - peak["max_allocated_MiB"]
         print(
             f"{r['model']:11} {r['layers']:>2} {r['micro_batch']:>2} {r['seq']:>6} "
-            f"{r['recompute']:9} {r['loss']:5} {'exp' if r['alloc_conf'] else 'def':6} | "
+            f"{r['recompute']:9} {r['loss']:5} "
+            f"{setting:6} | "
             f"{kept:5.2f} / {model_kept:4.2f}   {fwd:5.2f} / {above:4.2f}   "
             f"{bwd:5.2f} / {above:4.2f} | "
             f"{gap:7.0f} {gap / peak['max_allocated_MiB']:6.1%} {gap * per / 4:5.2f}"
@@ -222,6 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         "parallel: torchtitan's with tensor parallelism, DTensor's loss_parallel (one rank); "
         "compiled: the eager loss under torch.compile (torchtitan with compile on)",
     )
+    p.add_argument(
+        "--eager-state",
+        action="store_true",
+        help="make the optimizer's moments before the first step (default: as AdamW does, "
+        "at the first step)",
+    )
     p.add_argument("--compare", metavar="JSONL", help="set measured runs against the model")
     args = p.parse_args(argv)
     if args.compare:
@@ -237,6 +246,16 @@ def main(argv: list[str] | None = None) -> int:
     with torch.device("cuda"):
         stack = Stack(args.model, args.layers)
     opt = torch.optim.AdamW(stack.parameters(), lr=1e-5, foreach=True)
+    if args.eager_state:
+        # The moments made before the first step, as AdamW's first step would make them
+        # (torch/optim/adamw.py, _init_group), so they do not land in the blocks the first
+        # step's transients free.
+        for param in stack.parameters():
+            opt.state[param] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+            }
     vocab = stack.head.out_features
 
     # Every step is traced phase by phase (the peak statistics reset at each mark); a step's
@@ -276,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                 "seq": args.seq,
                 "recompute": args.recompute,
                 "loss": args.loss,
+                "eager_state": args.eager_state,
                 "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
                 "steps": steps,
                 "phases": phases.rows,
