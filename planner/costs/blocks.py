@@ -643,10 +643,10 @@ def _head(cost: BlockBuilder, model: ModelSpec, shard: Shard, *, prefix: str = "
         cost.transient = max(cost.transient, round(elements * (shard.act_bytes + LOGIT_BYTES)))
         cost.elementwise(2 * logits)
         return
-    # A fused loss (Megatron-LM's vocab-parallel cross-entropy, the eager runtime's): logits
-    # narrower than FP32 live while it forms the FP32 softmax from them, in place; FP32
-    # logits become the softmax in place; its backward turns the softmax into the gradient
-    # in place and holds as much again in the logits' dtype.
+    # The in-place loss (Megatron-LM's vocab-parallel cross-entropy without the fusion, the
+    # eager runtime's): logits narrower than FP32 live while it forms the FP32 softmax from
+    # them, in place; FP32 logits become the softmax in place; its backward turns the
+    # softmax into the gradient in place and holds as much again in the logits' dtype.
     # The copying loss, cross-entropy on logits.float() (torchtitan's, Hugging Face's): the
     # FP32 copy lives while the log-softmax it keeps is written, and in backward the
     # incoming gradient and the input's gradient, both FP32, live beside it: 2 x 4 bytes a
