@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.costs.activations import LONG_STEP, long_step_lengths
+from planner.costs.activations import extended, long_step
 from planner.costs.blocks import block_names
 from planner.costs.cap import usable_hbm, usable_peak_bytes
 from planner.costs.comm import Network
@@ -233,10 +233,9 @@ def step_run(
 ) -> tuple[list[StageMemory], list[StageTime], Timeline]:
     """The per-rank memory, the per-stage times and the step run task by task
     (``planner.timeline``) of a layout: what ``evaluate``, ``simulate`` and the search's
-    final choice all read. With ``extend_long`` a step of more than
-    ``costs.activations.LONG_STEP`` micro-batches is run shorter and extended
-    (``extended_run``): its time, critical rank and breakdown are the whole step's, its
-    ranks' tasks and chains the shorter run's."""
+    final choice all read. With ``extend_long`` a long step (``costs.activations.long_step``)
+    is run shorter and extended (``extended_run``): its time, critical rank and breakdown are
+    the whole step's, its ranks' tasks and chains the shorter run's."""
     from planner.costs.overlap import overlap_of
     from planner.timeline import run
 
@@ -254,21 +253,21 @@ def step_run(
 def extended_run(
     layout: Layout, times: list[StageTime], optimizer: list[float], m: int, overlap: Any
 ) -> Timeline:
-    """One step of ``m`` micro-batches: run whole up to ``costs.activations.LONG_STEP``, else
-    run at two lengths past the fill (``long_step_lengths``) and extended linearly to ``m``:
-    with every micro-batch alike, a schedule's steady state repeats, so the step time and
-    each of its parts grow by the same amount per micro-batch (exact to rounding for every
-    schedule, tests/test_timeline.py)."""
+    """One step of ``m`` micro-batches: run whole, or for a long step
+    (``costs.activations.long_step``) run at two lengths past the fill and extended to
+    ``m``: with every micro-batch alike, a schedule's steady state repeats, so the step time
+    and each of its parts grow by the same amount per micro-batch (exact to rounding for
+    every schedule, tests/test_timeline.py)."""
     from planner.timeline import Timeline, run
 
-    shorter, longer = long_step_lengths(layout.pp, layout.virtual_stages)
-    if m <= LONG_STEP or not shorter:
+    lengths = long_step(layout.pp, layout.virtual_stages, m)
+    if lengths is None:
         return run(layout, times, optimizer, num_microbatches=m, overlap=overlap)
-    a = run(layout, times, optimizer, num_microbatches=shorter, overlap=overlap)
-    b = run(layout, times, optimizer, num_microbatches=longer, overlap=overlap)
-    grow = (m - longer) / (longer - shorter)
-    breakdown = {k: v + (v - a.breakdown.get(k, 0.0)) * grow for k, v in b.breakdown.items()}
-    step = b.step_s + (b.step_s - a.step_s) * grow
+    a, b = (run(layout, times, optimizer, num_microbatches=n, overlap=overlap) for n in lengths)
+    breakdown = {
+        k: extended(a.breakdown.get(k, 0.0), v, lengths, m) for k, v in b.breakdown.items()
+    }
+    step = extended(a.step_s, b.step_s, lengths, m)
     return Timeline(b.ranks, step, b.critical_rank, breakdown, m)
 
 

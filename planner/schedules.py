@@ -511,12 +511,21 @@ def _combined_counts(p: int, m: int, r: int, v: int) -> tuple[tuple[int, float],
     return tuple(sorted(best.items()))
 
 
+def steady_lengths(pp: int, virtual_stages: int) -> tuple[int, int]:
+    """Two step lengths well past a schedule's fill and drain, 8 and 16 times pp * v
+    micro-batches (multiples of 2 * pp, which every schedule's rule accepts): with every
+    micro-batch alike, a longer step only repeats the steady state between them, so what
+    it costs grows by the same amount per micro-batch (``costs.activations.long_step``)."""
+    shorter = 8 * pp * virtual_stages
+    return shorter, 2 * shorter
+
+
 def _combined_peak(p: int, m: int, v: int, rank: int, chunks: list[int]) -> dict[int, float]:
-    # The counts are those of the fill: past 16 * p * v micro-batches (a multiple of 2p, as
-    # the schedule's rule asks) more of them change nothing, so a long step's are read off a
-    # step of that length instead of a walk of every op (tests/test_schedules.py).
-    filled = 2 * p * -(-16 * p * v // (2 * p))
-    return dict.fromkeys(chunks, 0.0) | dict(_combined_counts(p, min(m, filled), rank, v))
+    # The counts are those of the fill: past the steady lengths more micro-batches change
+    # nothing, so a long step's are read off a step of that length instead of a walk of
+    # every op (tests/test_schedules.py).
+    filled = min(m, steady_lengths(p, v)[1])
+    return dict.fromkeys(chunks, 0.0) | dict(_combined_counts(p, filled, rank, v))
 
 
 # -- the registry -------------------------------------------------------------------------

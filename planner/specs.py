@@ -20,6 +20,7 @@ from planner.frameworks import (
     FRAMEWORKS,
     LAUNCHERS,
     framework,
+    names_with,
 )
 
 DType = Literal["fp32", "bf16", "fp16", "fp8"]
@@ -426,7 +427,8 @@ class TrainingJob(Spec):
         if self.loss_fusion not in offered:
             raise PlannerError(
                 f"TrainingJob.loss_fusion={self.loss_fusion!r}: framework={self.framework!r} "
-                f"offers {', '.join(offered)} (the fused cross-entropy is Megatron-LM's)"
+                f"offers {', '.join(offered)} (a fused cross-entropy runs under "
+                f"{names_with(lambda f: len(f.loss_fusions) > 1)})"
             )
         return self
 

@@ -80,7 +80,7 @@ def test_the_overlapped_schedules_peak_is_the_fills_however_long_the_step(schedu
     entry = schedule_of(schedule)
     v = 2 if schedule.startswith("interleaved") else 1
     for p in (2, 4):
-        filled = 2 * p * -(-16 * p * v // (2 * p))
+        filled = 16 * p * v
         for m in (filled + 2 * p, filled + 2 * p * 9 + (0 if v == 2 else 3)):
             for rank in range(p):
                 walked = dict(_combined_counts(p, m, rank, v))

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import planner
-from planner.costs.activations import LONG_STEP, activation_peak, level_points, long_step_lengths
+from planner.costs.activations import LONG_STEP, activation_peak, level_points, long_step
 from planner.costs.overlap import overlap_of, task_time, values
 from planner.costs.timing import optimizer_time
 from planner.estimate import extended_run, step_run
@@ -253,8 +253,7 @@ def test_a_long_step_extended_from_two_shorter_is_the_long_step(schedule: str, p
         assert extended.breakdown[part] == pytest.approx(seconds, abs=1e-9 * whole.step_s)
     # Memory: the activation peaks extended (stage_memory at m) against a walk of the whole
     # order, which level_points gives at any length.
-    shorter, longer = long_step_lengths(pp, v)
-    assert m > longer and shorter
+    assert long_step(pp, v, m)
     for rank in range(pp):
         chunks = dict.fromkeys(layout.chunks_of_rank(rank))
         per_chunk = {c: 1000.0 + 7 * c for c in chunks}

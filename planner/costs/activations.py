@@ -16,7 +16,7 @@ from planner.costs.blocks import OFFLOAD, OFFLOAD_TAG, BlockCost, Shard
 from planner.costs.state import shards
 from planner.frameworks import framework, names_with
 from planner.layout import Layout
-from planner.schedules import memory_order, op_order
+from planner.schedules import memory_order, op_order, steady_lengths
 from planner.specs import DTYPE_BYTES, ModelSpec, TrainingJob
 
 
@@ -40,20 +40,12 @@ def activation_peak(
     ``level_points`` lists the counts at the points that can be highest, once per schedule
     shape, so each call costs the points, not the order's length."""
     after_forward, after_backward = kept or ({}, {})
-    m = num_microbatches
-    shorter, longer = long_step_lengths(layout.pp, layout.virtual_stages)
-    if (
-        m > LONG_STEP
-        and shorter
-        and not any(after_forward.values())
-        and not any(after_backward.values())
-    ):
+    lengths = long_step(layout.pp, layout.virtual_stages, num_microbatches)
+    if lengths and not any(after_forward.values()) and not any(after_backward.values()):
         # A long step's level at its highest points is that of a shorter step's, or grows by
-        # the same bytes per micro-batch (every micro-batch in flight, as GPipe holds them):
-        # run at two lengths past the fill and extended (estimate.extended_run's rule).
-        a = activation_peak(layout, rank, shorter, per_chunk, rebuild)
-        b = activation_peak(layout, rank, longer, per_chunk, rebuild)
-        return b + (b - a) * (m - longer) / (longer - shorter)
+        # the same bytes per micro-batch (every micro-batch in flight, as GPipe holds them).
+        a, b = (activation_peak(layout, rank, n, per_chunk, rebuild) for n in lengths)
+        return extended(a, b, lengths, num_microbatches)
     peak = 0.0
     points = level_points(layout.schedule, layout.pp, num_microbatches, layout.virtual_stages, rank)
     for flight, rebuilt, forwards, backwards in points:
@@ -67,23 +59,27 @@ def activation_peak(
 
 
 # Beyond this many micro-batches, a step's timeline (``estimate.extended_run``) and its
-# activation peaks are worked out at two shorter lengths and extended: with every
-# micro-batch alike a schedule's steady state repeats, so past the fill and the drain both
-# grow by the same amount per micro-batch (exact to rounding: tests/test_timeline.py). A
-# step of 100,000 micro-batches then costs as one of a few hundred.
+# activation peaks are worked out at two shorter lengths (``schedules.steady_lengths``) and
+# extended: exact to rounding (tests/test_timeline.py). A step of 100,000 micro-batches then
+# costs as one of a few hundred.
 LONG_STEP = 4096
 
 
-def long_step_lengths(pp: int, virtual_stages: int) -> tuple[int, int]:
-    """The two lengths a step longer than ``LONG_STEP`` is worked out at: the shorter 8 * pp
-    * v micro-batches (four fills past the fill and the drain), the longer twice that, both
-    multiples of 2 * pp (which every schedule's rule accepts); (0, ``LONG_STEP``) where the
-    pipeline is too deep for both to be under ``LONG_STEP`` (then none is extended)."""
-    quantum = 2 * pp
-    shorter = quantum * -(-8 * pp * virtual_stages // quantum)
-    if 2 * shorter > LONG_STEP:
-        return 0, LONG_STEP
-    return shorter, 2 * shorter
+def long_step(pp: int, virtual_stages: int, num_microbatches: int) -> tuple[int, int] | None:
+    """The two lengths a step of ``num_microbatches`` is worked out at, or None where it is
+    run whole: up to ``LONG_STEP`` micro-batches, or on a pipeline too deep for both lengths
+    to be shorter."""
+    lengths = steady_lengths(pp, virtual_stages)
+    if num_microbatches <= LONG_STEP or lengths[1] > LONG_STEP:
+        return None
+    return lengths
+
+
+def extended(a: float, b: float, lengths: tuple[int, int], num_microbatches: int) -> float:
+    """What a step of ``num_microbatches`` costs, from ``a`` and ``b`` at ``lengths``: the
+    same amount more per micro-batch past the longer."""
+    shorter, longer = lengths
+    return b + (b - a) * (num_microbatches - longer) / (longer - shorter)
 
 
 Counts = tuple[tuple[int, int], ...]  # (chunk, count) pairs, by chunk

@@ -36,7 +36,9 @@ micro-batch. Tensors shared by
 several blocks on one rank (a tied embedding and head) count once; on different ranks each
 rank holds its own copy, as Megatron-LM does.
 
-Ignored: the optimizer's temporary buffers during the step, NCCL's own memory beyond the
+Ignored: the optimizer's temporary buffers during the step (none of that size in the fused
+optimizers the frameworks run; a foreach AdamW holds one parameter-sized copy, measured on an
+H200: benchmarks/RESULTS.md, 2026-11-26), NCCL's own memory beyond the
 stated buffer, activation-gradient tensors in flight during backward (bounded by one block's
 activations; counted in buffers for an eager PyTorch runtime, ``runtime="torch"``), and the
 host side of an EMA kept on the host and of an offloaded optimizer (reported as

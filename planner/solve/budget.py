@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from planner.costs.activations import LONG_STEP, long_step_lengths
+from planner.costs.activations import long_step
 from planner.solve.tables import Config
 from planner.specs import ModelSpec
 
@@ -124,12 +124,9 @@ def costing_charge(model: ModelSpec, config: Config, *, extended: bool = False) 
 
 def costed_microbatches(config: Config) -> int:
     """The micro-batches ``evaluate`` walks to cost one of ``config``'s layouts
-    (``estimate.extended_run``): all of them up to ``LONG_STEP``, else its two shorter
-    lengths."""
-    shorter, longer = long_step_lengths(config.pp, config.virtual_stages)
-    if config.num_microbatches <= LONG_STEP or not shorter:
-        return config.num_microbatches
-    return shorter + longer
+    (``estimate.extended_run``): all of them, or a long step's two shorter lengths."""
+    lengths = long_step(config.pp, config.virtual_stages, config.num_microbatches)
+    return sum(lengths) if lengths else config.num_microbatches
 
 
 def shape_key(config: Config) -> tuple[str, int, int, int]:

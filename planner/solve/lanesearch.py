@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from planner.costs.activations import LONG_STEP
+from planner.costs.activations import long_step
 from planner.costs.cap import memory_cap
 from planner.costs.comm import Network
 from planner.layout import Layout
@@ -47,9 +47,10 @@ from planner.solve.tables import Config, tie_break
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 
 log = logging.getLogger("planner.solve.search")
-# Seconds per op of solving a step of more than LONG_STEP micro-batches, times (1 + pp / 2.5)
-# (``long_solve_seconds``): Llama 3 70B on 64 H100 with 50,000 micro-batches took 7.2 s at
-# pp 2 (300,000 ops) and 20.8 s at pp 4 (600,000 ops) on a 2-core VM, its first time.
+# Seconds per op of solving a long step (``costs.activations.long_step``), times
+# 1 + pp / 2.5 (``long_solve_seconds``): Llama 3 70B on 64 H100 with 50,000 micro-batches
+# took 7.2 s at pp 2 (300,000 ops) and 20.8 s at pp 4 (600,000 ops) on a 2-core VM, its
+# first time.
 SECONDS_PER_LONG_OP = 1.4e-5
 
 
@@ -339,7 +340,8 @@ class _Lane:
         wall = self.deadline - time.perf_counter()
         if order_size(config) * SECONDS_PER_OP > wall:
             return (bound, config)  # no time left to build its model
-        if config.num_microbatches > LONG_STEP and 2 * long_solve_seconds(config) > wall:
+        long = long_step(config.pp, config.virtual_stages, config.num_microbatches)
+        if long and 2 * long_solve_seconds(config) > wall:
             # A long step's model walks every task of it (the chains, the rank orders, its
             # layouts' timelines), which costing its layouts need not (estimate.extended_run):
             # where the wall clock left is short of twice that walk's estimate (measured
