@@ -12,7 +12,13 @@ memory-bound fractions, the per-kernel GPU and host overheads, and NVLink's bus 
 latency; the rest keep the catalog's values. Every figure printed is ``planner.evaluate``'s at
 the final constants.
 
-Run: ``.venv/bin/python benchmarks/vtrain_fidelity.py [--data PATH]``.
+``--per-layer`` fits nothing: it splits each pipeline-free layout's time per micro-batch into
+a part per layer and a part per micro-batch (a straight line through its 12-, 16-, 20- and
+24-layer rows), measured and predicted: where the per-layer part is off, a layer's kernels or
+the host's time per kernel are; where the rest is, the embedding, the output layer and the loss
+are (or whatever else a micro-batch costs outside its layers).
+
+Run: ``.venv/bin/python benchmarks/vtrain_fidelity.py [--data PATH] [--per-layer]``.
 """
 
 from __future__ import annotations
@@ -115,6 +121,31 @@ def report(name: str, rows: list[dict[str, int | float]], predicted_s: np.ndarra
     )
 
 
+def per_layer(rows: list[dict[str, int | float]], predicted_s: np.ndarray) -> None:
+    """Per (hidden, tp, micro-batch) of the pipeline-free rows: ms per layer and ms per
+    micro-batch outside the layers, measured and predicted (least squares over the layer
+    counts of that shape; each row's time divided by its micro-batches)."""
+    shapes: dict[tuple[int, int, int], list[tuple[float, float, float]]] = {}
+    for row, p in zip(rows, predicted_s, strict=True):
+        if row["pp"] != 1:
+            continue
+        m = int(row["global_batch"]) // (int(row["dp"]) * int(row["micro_batch"]))
+        key = (int(row["hidden"]), int(row["tp"]), int(row["micro_batch"]))
+        shapes.setdefault(key, []).append((row["layers"], row["ms"] / m, 1e3 * p / m))
+    print("pipeline-free rows, ms per micro-batch = per layer x layers + rest:")
+    print(f"  {'hidden tp mb':>14}  {'measured':>17}  {'predicted':>17}  per layer  rest")
+    for (h, tp, mb), points in sorted(shapes.items()):
+        layers = np.array([x[0] for x in points], dtype=float)
+        if len(set(layers)) < 2:
+            continue
+        sm, im = np.polyfit(layers, [x[1] for x in points], 1)
+        sp, ip = np.polyfit(layers, [x[2] for x in points], 1)
+        print(
+            f"  {h:6} {tp:3} {mb:3}  {sm:6.2f} + {im:6.1f}   {sp:6.2f} + {ip:6.1f}   "
+            f"{sp / sm - 1:+7.0%} {ip - im:+6.1f} ms"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DATA)
@@ -124,9 +155,18 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=None, help="write the fitted A100 profile (cluster YAML) here"
     )
+    parser.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="fit nothing: split each layout's time into a part per layer and the rest",
+    )
     args = parser.parse_args()
     started = time.perf_counter()
     rows = read_rows(args.data)
+    if args.per_layer:
+        per_layer(rows, predict(planner.load_cluster("a100", gpus=8), runs(rows)))
+        print(f"wall time {time.perf_counter() - started:.1f} s")
+        return
     fit_rows, held_out = rows[0::2], rows[1::2]
     base = planner.load_cluster("a100", gpus=8)
     print(f"vTrain single-node A100 set: {len(rows)} rows; fit on even rows, test on odd rows")
