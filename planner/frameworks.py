@@ -78,6 +78,7 @@ class Launcher:
     zero: tuple[int, ...] | None = None
     recompute: tuple[str, ...] | None = None  # one choice for every layer
     cp: tuple[int, ...] | None = None
+    cp_comm: tuple[str, ...] | None = None  # Layout.cp_comm values where cp > 1
     sequence_parallel: tuple[bool, ...] | None = None
     even_stages: bool = False
     pipeline_zero: tuple[int, ...] | None = None  # ZeRO stages allowed with pp > 1
@@ -316,6 +317,9 @@ FRAMEWORKS: dict[str, Framework] = {
             zero=(0, 2, 3),
             nearest=(("interleaved-ep-overlap", "interleaved"),),
             recompute=("none", "full"),
+            # its context parallelism is the ring (context_parallel_rotate_method passes keys
+            # and values; it has no head split by all-to-all)
+            cp_comm=("p2p",),
             sequence_parallel=(True,),  # its tensor parallelism shards the norms by sequence
         ),
         # comm_backend "standard" (all-to-all) or "deepep" (torchtitan b5bcd76c

@@ -137,8 +137,15 @@ class Layout(Spec):
         default=1,
         gt=0,
         description="Context-parallel degree: each sequence's tokens split over cp ranks, "
-        "which pass keys and values around a ring in every attention (Megatron-LM "
-        "--context-parallel-size; torchtitan context_parallel_degree).",
+        "which share every attention as cp_comm says (Megatron-LM --context-parallel-size; "
+        "torchtitan context_parallel_degree).",
+    )
+    cp_comm: Literal["p2p", "a2a"] = Field(
+        default="p2p",
+        description="How the context-parallel ranks share a sequence's attention: p2p, keys "
+        "and values passed around a ring behind each attention's work; a2a, all-to-alls that "
+        "trade the sequence split for a head split before each attention and back after it, "
+        "exposed (DeepSpeed-Ulysses; Megatron-LM --cp-comm-type). No effect with cp = 1.",
     )
     pp: int = Field(default=1, gt=0, description="Pipeline-parallel degree (ranks).")
     dp: int = Field(default=1, gt=0, description="Data-parallel degree.")
@@ -239,11 +246,14 @@ class Layout(Spec):
 
     def degrees(self, sep: str = "=") -> str:
         """The parallel degrees as text: ``tp=8 pp=16 dp=64 ep=1`` (``sep=""``:
-        ``tp8 pp16 dp64 ep1``), context and expert tensor parallelism only where above 1."""
+        ``tp8 pp16 dp64 ep1``), context and expert tensor parallelism only where above 1,
+        context parallelism by all-to-all marked ``cp=4(a2a)``."""
         parts = [("tp", self.tp), ("cp", self.cp), ("pp", self.pp), ("dp", self.dp)]
         parts += [("ep", self.ep), ("etp", self.etp)]
         return " ".join(
-            f"{name}{sep}{value}" for name, value in parts if value > 1 or name not in ("cp", "etp")
+            f"{name}{sep}{value}" + ("(a2a)" if name == "cp" and self.cp_comm == "a2a" else "")
+            for name, value in parts
+            if value > 1 or name not in ("cp", "etp")
         )
 
     def shape(self, sep: str = "=") -> str:

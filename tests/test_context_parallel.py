@@ -16,8 +16,9 @@ from __future__ import annotations
 import pytest
 
 import planner
+from planner.cli import main
 from planner.costs.blocks import block_cost
-from planner.costs.comm import group
+from planner.costs.comm import Network, group
 from planner.costs.memory import shard_of, stage_memory
 from planner.errors import PlannerError
 from planner.solve.space import context_parallel_degrees
@@ -143,3 +144,94 @@ def test_a_long_context_job_gets_a_context_parallel_plan_that_fits() -> None:
     plan = planner.plan(model, cluster, job, space, time_limit_s=5)
     assert plan.layout is not None and plan.estimate is not None
     assert plan.layout.cp == 16 and plan.estimate.fits
+
+
+# -- all-to-all context parallelism (Layout.cp_comm "a2a") ------------------------------------
+# Transformer Engine's AttnFuncWithCPAndQKVOA2A (Megatron-LM --cp-comm-type a2a; DeepSpeed's
+# Ulysses does the same): before each attention three all-to-alls over the cp group turn the
+# rank's q, k and v of s / cp tokens and all its heads into s tokens and a cp-th of the heads,
+# and one turns the output back; backward runs the four on their gradients. Each moves a
+# tensor the size of the rank's own, none runs beside compute, and what attention saves is the
+# same size as without context parallelism. It asserts that the rank's query and key/value
+# heads divide by cp.
+
+
+def test_all_to_all_context_parallelism_moves_the_heads_and_keeps_no_ring() -> None:
+    cp, tp = 4, 2
+    ring = layout(tp=tp, cp=cp, dp=2)
+    a2a = layout(tp=tp, cp=cp, dp=2, cp_comm="a2a")
+    one = block_cost(LLAMA, "layer.3", shard_of(JOB, ring))
+    other = block_cost(LLAMA, "layer.3", shard_of(JOB, a2a))
+    b, s, d = 1, JOB.seq_len, LLAMA.head_dim
+    q, kv = LLAMA.num_attention_heads, LLAMA.num_kv_heads
+    moved = b * (s // cp) * (q + 2 * kv + q) * d * 2 / tp  # q, k, v in and the output back
+    assert other.cp_a2a_bytes == pytest.approx(moved)
+    assert other.cp_kv_bytes == 0.0 and one.cp_a2a_bytes == 0.0
+    assert other.saved_bytes(frozenset()) == one.saved_bytes(frozenset())
+    assert other.attention_fwd.attention == pytest.approx(one.attention_fwd.attention)
+    # no ring: the receive buffers are gone, nothing else changes
+    mine = stage_memory(LLAMA, JOB, a2a, num_microbatches=8)[0]
+    theirs = stage_memory(LLAMA, JOB, ring, num_microbatches=8)[0]
+    assert theirs.buckets["buffers"] - mine.buckets["buffers"] == pytest.approx(4 * one.cp_kv_bytes)
+    assert mine.buckets["activations"] == theirs.buckets["activations"]
+
+
+def test_all_to_all_context_parallelism_costs_its_collectives_exposed() -> None:
+    """Four all-to-alls a pass each way, nothing hidden: on one node each takes the NVLink
+    latency and its bytes' (cp - 1) / cp share at the NVLink bus bandwidth."""
+    cp, tp = 4, 2
+    lay = layout(tp=tp, cp=cp, dp=2, cp_comm="a2a")
+    est = planner.evaluate(LLAMA, H100, JOB, lay)
+    net = Network.of(H100)
+    moved = block_cost(LLAMA, "layer.3", shard_of(JOB, lay)).cp_a2a_bytes
+    one_pass = 4 * net.nvlink_latency_s + moved * (cp - 1) / cp / net.nvlink_bus_Bps
+    passes = 2 * LLAMA.num_layers * est.num_microbatches  # forward and backward, no recompute
+    assert est.breakdown["cp_comm"] == pytest.approx(passes * one_pass, rel=1e-9)
+    assert est.step_time_s == pytest.approx(
+        planner.simulate(LLAMA, H100, JOB, lay).step_time_s, rel=1e-9
+    )
+
+
+def test_all_to_all_context_parallelism_needs_the_heads_to_divide(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Llama 3 8B has 8 key/value heads: over tp 2 x cp 8 a rank would hold half of one
+    with pytest.raises(PlannerError, match=r"Layout.cp_comm='a2a': .*tp\*cp=16 .*num_kv_heads=8"):
+        planner.evaluate(LLAMA, H100, JOB, layout(tp=2, cp=8, cp_comm="a2a"))
+    args = ["evaluate", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "16"]
+    args += ["--seq-len", "32768", "--global-batch", "16", "--tp", "2", "--cp", "8"]
+    assert main([*args, "--cp-comm", "a2a"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "num_kv_heads=8" in err and "Traceback" not in err
+    assert main([*args, "--cp-comm", "p2p"]) == 0
+
+
+def test_the_search_takes_the_better_of_the_ring_and_the_all_to_all() -> None:
+    cluster = planner.load_cluster("h100", gpus=8)
+    model = LLAMA.model_copy(update={"num_layers": 4})
+    job = planner.TrainingJob(seq_len=65536, global_batch=2)
+    space = planner.SearchSpace(tp=[1, 2], pp=[1], cp=[4, 8], micro_batch=[1], zero=[1])
+    plans = {
+        str(comm): planner.plan(
+            model, cluster, job, space.model_copy(update={"cp_comm": comm}), time_limit_s=5
+        )
+        for comm in (["p2p"], ["a2a"], None)
+    }
+    for p in plans.values():
+        assert p.layout is not None and p.estimate is not None and p.status == "optimal"
+    best = min(plans["['p2p']"].estimate.step_time_s, plans["['a2a']"].estimate.step_time_s)
+    both = plans["None"]
+    assert both.estimate.step_time_s == pytest.approx(best, rel=1e-9)
+    pinned = plans["['a2a']"]
+    assert pinned.layout.cp_comm == "a2a"
+    assert "--cp-comm-type a2a" in planner.export.megatron(pinned).files["megatron.sh"]
+    titan = planner.export.torchtitan(pinned)
+    assert any("all-to-all" in d or "a2a" in d for d in titan.differences)
+    torchtitan = planner.plan(
+        model,
+        cluster,
+        job,
+        space.model_copy(update={"framework": "torchtitan", "zero": [2]}),
+        time_limit_s=5,
+    )
+    assert torchtitan.layout is not None and torchtitan.layout.cp_comm == "p2p"

@@ -27,6 +27,7 @@ JOB_FLAGS = ("model", "cluster", "gpus", "seq_len", "global_batch")
 SPACE_FLAGS = {
     "tp": "--tp",
     "cp": "--cp",
+    "cp_comm": "--cp-comm",
     "pp": "--pp",
     "ep": "--ep",
     "etp": "--etp",
@@ -118,7 +119,7 @@ LAYOUT_DEFAULTS: dict[str, object] = {
     "tp": 1, "cp": 1, "pp": 1, "ep": 1, "etp": 1, "zero": 1, "micro_batch": 1,
     "schedule": DEFAULT_SCHEDULE, "virtual_stages": None, "recompute": "none",
     "fp8_cache": False, "ema_on_host": False, "optimizer_offload": 0.0, "offload_layers": 0,
-    "no_sequence_parallel": False,
+    "no_sequence_parallel": False, "cp_comm": "p2p",
 }  # fmt: skip
 
 
@@ -127,6 +128,13 @@ def _layout_args(cmd: argparse.ArgumentParser) -> None:
     _job_args(cmd)
     for degree in ("tp", "cp", "pp", "ep", "etp"):
         cmd.add_argument(f"--{degree}", type=int, default=1, help=f"{degree} degree")
+    cmd.add_argument(
+        "--cp-comm",
+        default="p2p",
+        choices=["p2p", "a2a"],
+        help="with cp > 1: p2p, keys and values around a ring behind the attention (default), "
+        "or a2a, heads split by all-to-all (DeepSpeed-Ulysses; Megatron-LM --cp-comm-type)",
+    )
     cmd.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage")
     cmd.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     cmd.add_argument(
@@ -177,6 +185,14 @@ def _plan_args(cmd: argparse.ArgumentParser) -> None:
     for degree in ("tp", "cp", "pp", "ep", "etp", "micro-batch", "zero"):
         cmd.add_argument(f"--{degree}", type=int, nargs="+", default=None, help=f"allowed {degree}")
     cmd.add_argument("--schedule", nargs="+", choices=SCHEDULES, default=None, help="allowed")
+    cmd.add_argument(
+        "--cp-comm",
+        nargs="+",
+        choices=["p2p", "a2a"],
+        default=None,
+        help="allowed context-parallel communication where cp > 1 (default both: the ring, "
+        "and the heads split by all-to-all where they divide)",
+    )
     cmd.add_argument("--recompute", nargs="+", default=None, help="allowed recompute choices")
     cmd.add_argument(
         "--fp8-cache",

@@ -84,6 +84,14 @@ from planner.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, TrainingJob
 # Either way no more is hidden than the block's own compute in that phase.
 TP_RS_SPLITS = 4
 TP_RS_SMS = 24
+# All-to-alls of one attention pass under Layout.cp_comm "a2a": three for q, k and v before
+# it and one for its output after (backward: the output's gradient, then dq, dk and dv), each
+# as large as the rank's own tensor, on the compute stream's critical path (Transformer
+# Engine's AttnFuncWithCPAndQKVOA2A, context_parallel.py at d0067d0: each call is async only
+# so that one tensor's reorder overlaps the next one's transfer; DeepSpeed's
+# DistributedAttention and UlyssesSPAttentionHF issue the same four).
+CP_A2A_CALLS = 4
+GB = 1e9
 
 
 @dataclass(frozen=True)
@@ -320,6 +328,10 @@ class TpComm:
     cp: int = 1
     ring_latency: float = 0.0  # one ring step's latency (its slowest hop) ...
     ring_Bps: float = math.inf  # ... and bandwidth
+    # One all-to-all over the cp group (Layout.cp_comm "a2a"): its latency and its seconds
+    # per byte a rank holds (``Network.all_to_all``, affine in the bytes)
+    a2a_latency: float = 0.0
+    a2a_s_per_byte: float = 0.0
     rs_sm_share: float = TP_RS_SMS / UNSTATED_SM_COUNT  # of the GPU's, the reduce-scatter's
     hidden: float = 1.0  # of what the overlap could hide, the share it does (Framework)
 
@@ -351,8 +363,18 @@ class TpComm:
             latency, Bps = network.ib_latency_s, network.ib_bus_Bps
         else:
             latency, Bps = network.nvlink_latency_s, network.nvlink_bus_Bps
+        one, two = (network.all_to_all_time(n * GB, ring) for n in (1, 2))
         return cls(
-            seconds, mode, layout.tp, layout.cp, latency, Bps, rs_sm_share=share, hidden=hidden
+            seconds,
+            mode,
+            layout.tp,
+            layout.cp,
+            latency,
+            Bps,
+            a2a_latency=2 * one - two,
+            a2a_s_per_byte=(two - one) / GB,
+            rs_sm_share=share,
+            hidden=hidden,
         )
 
     def ring_step(self, nbytes: float) -> float:
@@ -361,15 +383,28 @@ class TpComm:
 
 
 def cp_exposed(cost: BlockCost, rates: Rates, tp: TpComm) -> tuple[float, float]:
-    """(forward, backward) seconds of a block's context-parallel ring that its attention
-    does not hide, per micro-batch (Megatron-LM's default ring, Transformer Engine's "p2p"
+    """(forward, backward) seconds of a block's context-parallel communication that its
+    attention does not hide, per micro-batch.
+
+    The ring (``Layout.cp_comm`` "p2p": Megatron-LM's default, Transformer Engine's "p2p"
     context-parallel communication): attention runs in cp steps, the first on the rank's own
     keys and values, each later one on the block the previous step's send brought, so each
     of the cp - 1 sends hides behind a cp-th of the attention kernel's work. Backward sends
     the keys and values on and their gradients along (twice the bytes per step), and after
     its last step the gradients still go one hop home, with nothing to hide behind. The
-    sends' SM use is left out."""
-    if tp.cp <= 1 or cost.cp_kv_bytes <= 0:
+    sends' SM use is left out.
+
+    The all-to-alls ("a2a": DeepSpeed-Ulysses, Transformer Engine's "a2a"): before each
+    attention the queries, keys and values trade the sequence split for a head split, and
+    after it the output trades back; backward moves their gradients the same way. Nothing
+    runs beside them, so all of it is exposed: ``CP_A2A_CALLS`` collectives a pass, moving
+    the block's ``cp_a2a_bytes``."""
+    if tp.cp <= 1:
+        return 0.0, 0.0
+    if cost.cp_a2a_bytes > 0:
+        moved = CP_A2A_CALLS * tp.a2a_latency + cost.cp_a2a_bytes * tp.a2a_s_per_byte
+        return moved, moved
+    if cost.cp_kv_bytes <= 0:
         return 0.0, 0.0
     steps = tp.cp - 1
     fwd = work_time(cost.attention_fwd, rates) / tp.cp

@@ -13,7 +13,7 @@ import itertools
 import math
 from collections.abc import Iterator
 
-from planner.costs.blocks import Shard, block_cost
+from planner.costs.blocks import Shard, a2a_rule, block_cost
 from planner.costs.state import optimizer_offload_rule
 from planner.errors import PlannerError
 from planner.estimate import MAX_MICROBATCHES, ep_overlap_unmet
@@ -56,6 +56,7 @@ def for_target(space: SearchSpace, job: TrainingJob) -> SearchSpace:
         ("zero", rules.zero),
         ("recompute", rules.recompute),
         ("cp", rules.cp),
+        ("cp_comm", rules.cp_comm),
         ("sequence_parallel", rules.sequence_parallel),
     )
     for field, values in pairs:
@@ -173,6 +174,7 @@ def _per_degrees(
     sps = list(dict.fromkeys(space.sequence_parallel or [True]))
     if tp == 1:  # no effect: one value
         sps = sps[:1]
+    comms = cp_comm_choices(model, space, tp, cp)
     for zero, mb, schedule, ema in itertools.product(zeros, mbs, schedules, emas):
         entry = SCHEDULES.get(schedule)
         if entry is None:
@@ -190,12 +192,23 @@ def _per_degrees(
                 continue
             if not entry.runs(pp, m, v):
                 continue
-            for cache, sp, off in itertools.product(caches, sps, offloads):
+            for cache, sp, off, comm in itertools.product(caches, sps, offloads, comms):
                 if optimizer_offload_rule(job, off, zero):
                     continue
                 yield Config(
-                    tp, pp, dp, ep, zero, mb, schedule, v, ema, m, cache, cp, sp, etp, off, listed
-                )
+                    tp, pp, dp, ep, zero, mb, schedule, v, ema, m, cache, cp, sp, etp, off, listed,
+                    cp_comm=comm,
+                )  # fmt: skip
+
+
+def cp_comm_choices(model: ModelSpec, space: SearchSpace, tp: int, cp: int) -> list[str]:
+    """The ``Layout.cp_comm`` values searched at degrees tp and cp: p2p alone without
+    context parallelism; else those the space allows (both by default) where the model's
+    heads split over cp (``costs.blocks.a2a_rule``)."""
+    if cp == 1:
+        return ["p2p"]
+    asked = list(dict.fromkeys(space.cp_comm or ["p2p", "a2a"]))
+    return [c for c in asked if c == "p2p" or not a2a_rule(model, tp, cp)]
 
 
 def fp8_cache_choices(job: TrainingJob, space: SearchSpace) -> list[bool]:
