@@ -78,7 +78,12 @@ class Launcher:
     zero: tuple[int, ...] | None = None
     recompute: tuple[str, ...] | None = None  # one choice for every layer
     cp: tuple[int, ...] | None = None
-    cp_comm: tuple[str, ...] | None = None  # Layout.cp_comm values where cp > 1
+    cp_comm_type: tuple[str, ...] | None = None  # Layout.cp_comm_type values where cp > 1
+    # Context parallelism only with tp = pp = 1 (DeepSpeed's Ulysses for Hugging Face models,
+    # registered beside ZeRO alone), and not for multi-latent attention (its keys and values
+    # differ in head size, which Ulysses's all-to-all of equal k and v refuses).
+    cp_alone: bool = False
+    cp_mla: bool = True
     sequence_parallel: tuple[bool, ...] | None = None
     even_stages: bool = False
     pipeline_zero: tuple[int, ...] | None = None  # ZeRO stages allowed with pp > 1
@@ -319,7 +324,7 @@ FRAMEWORKS: dict[str, Framework] = {
             recompute=("none", "full"),
             # its context parallelism is the ring (context_parallel_rotate_method passes keys
             # and values; it has no head split by all-to-all)
-            cp_comm=("p2p",),
+            cp_comm_type=("p2p",),
             sequence_parallel=(True,),  # its tensor parallelism shards the norms by sequence
         ),
         # comm_backend "standard" (all-to-all) or "deepep" (torchtitan b5bcd76c
@@ -359,7 +364,14 @@ FRAMEWORKS: dict[str, Framework] = {
             # _configure_tensor_parallel_states at 38327e07: "the compatibility between
             # 'autotp' and 'zero_stage = 3' has not been validated")
             tensor_zero=(0, 1, 2),
-            cp=(1,),  # DeepSpeed's sequence parallelism is Ulysses (heads by all-to-all)
+            # Its sequence parallelism is Ulysses (the heads split by all-to-all), as
+            # deepspeed/runtime/sequence_parallel/ulysses_sp.py (edaa7221) adds it to a Hugging
+            # Face model under ZeRO: UlyssesSPAttentionHF.register_with_transformers and
+            # ds_config's sequence_parallel_size (docs/_tutorials/ulysses-alst-sequence-
+            # parallelism.md); its k and v must share one shape (ulysses_sp.py:160).
+            cp_comm_type=("a2a",),
+            cp_alone=True,
+            cp_mla=False,
             sequence_parallel=(False,),  # AutoTP all-reduces whole activations
         ),
     ),

@@ -137,10 +137,10 @@ class Layout(Spec):
         default=1,
         gt=0,
         description="Context-parallel degree: each sequence's tokens split over cp ranks, "
-        "which share every attention as cp_comm says (Megatron-LM --context-parallel-size; "
+        "which share every attention as cp_comm_type says (Megatron-LM --context-parallel-size; "
         "torchtitan context_parallel_degree).",
     )
-    cp_comm: Literal["p2p", "a2a"] = Field(
+    cp_comm_type: Literal["p2p", "a2a"] = Field(
         default="p2p",
         description="How the context-parallel ranks share a sequence's attention: p2p, keys "
         "and values passed around a ring behind each attention's work; a2a, all-to-alls that "
@@ -251,7 +251,7 @@ class Layout(Spec):
         parts = [("tp", self.tp), ("cp", self.cp), ("pp", self.pp), ("dp", self.dp)]
         parts += [("ep", self.ep), ("etp", self.etp)]
         return " ".join(
-            f"{name}{sep}{value}" + ("(a2a)" if name == "cp" and self.cp_comm == "a2a" else "")
+            f"{name}{sep}{value}" + ("(a2a)" if name == "cp" and self.cp_comm_type == "a2a" else "")
             for name, value in parts
             if value > 1 or name not in ("cp", "etp")
         )

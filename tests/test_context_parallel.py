@@ -126,10 +126,21 @@ def test_the_search_chooses_context_parallelism_and_exports_it() -> None:
     assert "context_parallel_degree = 2" in titan.files["torchtitan.toml"]
     with pytest.raises(PlannerError, match=r"Layout\.cp=2: DeepSpeed"):
         planner.export.deepspeed(pinned)
+    # DeepSpeed's sequence parallelism is Ulysses, beside ZeRO alone
     lean = planner.plan(
         model, cluster, job, planner.SearchSpace(target="deepspeed"), time_limit_s=5
     )
-    assert lean.layout is None or lean.layout.cp == 1
+    assert lean.layout is not None
+    if lean.layout.cp > 1:
+        assert (lean.layout.cp_comm_type, lean.layout.tp, lean.layout.pp) == ("a2a", 1, 1)
+    ulysses = planner.plan(
+        model, cluster, job, planner.SearchSpace(target="deepspeed", cp=[4]), time_limit_s=5
+    )
+    assert ulysses.layout is not None and ulysses.layout.cp_comm_type == "a2a"
+    export = planner.export.deepspeed(ulysses)
+    assert '"sequence_parallel_size": 4' in export.files["ds_config.json"]
+    assert "UlyssesSPAttentionHF.register_with_transformers" in export.files["pipeline.py"]
+    assert "sequence_parallel_size=4" in export.files["pipeline.py"]
 
 
 @pytest.mark.slow
@@ -146,7 +157,7 @@ def test_a_long_context_job_gets_a_context_parallel_plan_that_fits() -> None:
     assert plan.layout.cp == 16 and plan.estimate.fits
 
 
-# -- all-to-all context parallelism (Layout.cp_comm "a2a") ------------------------------------
+# -- all-to-all context parallelism (Layout.cp_comm_type "a2a") ------------------------------------
 # Transformer Engine's AttnFuncWithCPAndQKVOA2A (Megatron-LM --cp-comm-type a2a; DeepSpeed's
 # Ulysses does the same): before each attention three all-to-alls over the cp group turn the
 # rank's q, k and v of s / cp tokens and all its heads into s tokens and a cp-th of the heads,
@@ -159,7 +170,7 @@ def test_a_long_context_job_gets_a_context_parallel_plan_that_fits() -> None:
 def test_all_to_all_context_parallelism_moves_the_heads_and_keeps_no_ring() -> None:
     cp, tp = 4, 2
     ring = layout(tp=tp, cp=cp, dp=2)
-    a2a = layout(tp=tp, cp=cp, dp=2, cp_comm="a2a")
+    a2a = layout(tp=tp, cp=cp, dp=2, cp_comm_type="a2a")
     one = block_cost(LLAMA, "layer.3", shard_of(JOB, ring))
     other = block_cost(LLAMA, "layer.3", shard_of(JOB, a2a))
     b, s, d = 1, JOB.seq_len, LLAMA.head_dim
@@ -180,7 +191,7 @@ def test_all_to_all_context_parallelism_costs_its_collectives_exposed() -> None:
     """Four all-to-alls a pass each way, nothing hidden: on one node each takes the NVLink
     latency and its bytes' (cp - 1) / cp share at the NVLink bus bandwidth."""
     cp, tp = 4, 2
-    lay = layout(tp=tp, cp=cp, dp=2, cp_comm="a2a")
+    lay = layout(tp=tp, cp=cp, dp=2, cp_comm_type="a2a")
     est = planner.evaluate(LLAMA, H100, JOB, lay)
     net = Network.of(H100)
     moved = block_cost(LLAMA, "layer.3", shard_of(JOB, lay)).cp_a2a_bytes
@@ -196,14 +207,16 @@ def test_all_to_all_context_parallelism_needs_the_heads_to_divide(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     # Llama 3 8B has 8 key/value heads: over tp 2 x cp 8 a rank would hold half of one
-    with pytest.raises(PlannerError, match=r"Layout.cp_comm='a2a': .*tp\*cp=16 .*num_kv_heads=8"):
-        planner.evaluate(LLAMA, H100, JOB, layout(tp=2, cp=8, cp_comm="a2a"))
+    with pytest.raises(
+        PlannerError, match=r"Layout.cp_comm_type='a2a': .*tp\*cp=16 .*num_kv_heads=8"
+    ):
+        planner.evaluate(LLAMA, H100, JOB, layout(tp=2, cp=8, cp_comm_type="a2a"))
     args = ["evaluate", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "16"]
     args += ["--seq-len", "32768", "--global-batch", "16", "--tp", "2", "--cp", "8"]
-    assert main([*args, "--cp-comm", "a2a"]) == 2
+    assert main([*args, "--cp-comm-type", "a2a"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "num_kv_heads=8" in err and "Traceback" not in err
-    assert main([*args, "--cp-comm", "p2p"]) == 0
+    assert main([*args, "--cp-comm-type", "p2p"]) == 0
 
 
 def test_the_search_takes_the_better_of_the_ring_and_the_all_to_all() -> None:
@@ -213,7 +226,7 @@ def test_the_search_takes_the_better_of_the_ring_and_the_all_to_all() -> None:
     space = planner.SearchSpace(tp=[1, 2], pp=[1], cp=[4, 8], micro_batch=[1], zero=[1])
     plans = {
         str(comm): planner.plan(
-            model, cluster, job, space.model_copy(update={"cp_comm": comm}), time_limit_s=5
+            model, cluster, job, space.model_copy(update={"cp_comm_type": comm}), time_limit_s=5
         )
         for comm in (["p2p"], ["a2a"], None)
     }
@@ -223,7 +236,7 @@ def test_the_search_takes_the_better_of_the_ring_and_the_all_to_all() -> None:
     both = plans["None"]
     assert both.estimate.step_time_s == pytest.approx(best, rel=1e-9)
     pinned = plans["['a2a']"]
-    assert pinned.layout.cp_comm == "a2a"
+    assert pinned.layout.cp_comm_type == "a2a"
     assert "--cp-comm-type a2a" in planner.export.megatron(pinned).files["megatron.sh"]
     titan = planner.export.torchtitan(pinned)
     assert any("all-to-all" in d or "a2a" in d for d in titan.differences)
@@ -234,4 +247,4 @@ def test_the_search_takes_the_better_of_the_ring_and_the_all_to_all() -> None:
         space.model_copy(update={"framework": "torchtitan", "zero": [2]}),
         time_limit_s=5,
     )
-    assert torchtitan.layout is not None and torchtitan.layout.cp_comm == "p2p"
+    assert torchtitan.layout is not None and torchtitan.layout.cp_comm_type == "p2p"

@@ -27,7 +27,7 @@ JOB_FLAGS = ("model", "cluster", "gpus", "seq_len", "global_batch")
 SPACE_FLAGS = {
     "tp": "--tp",
     "cp": "--cp",
-    "cp_comm": "--cp-comm",
+    "cp_comm_type": "--cp-comm-type",
     "pp": "--pp",
     "ep": "--ep",
     "etp": "--etp",
@@ -119,7 +119,7 @@ LAYOUT_DEFAULTS: dict[str, object] = {
     "tp": 1, "cp": 1, "pp": 1, "ep": 1, "etp": 1, "zero": 1, "micro_batch": 1,
     "schedule": DEFAULT_SCHEDULE, "virtual_stages": None, "recompute": "none",
     "fp8_cache": False, "ema_on_host": False, "optimizer_offload": 0.0, "offload_layers": 0,
-    "no_sequence_parallel": False, "cp_comm": "p2p",
+    "no_sequence_parallel": False, "cp_comm_type": "p2p",
 }  # fmt: skip
 
 
@@ -129,7 +129,7 @@ def _layout_args(cmd: argparse.ArgumentParser) -> None:
     for degree in ("tp", "cp", "pp", "ep", "etp"):
         cmd.add_argument(f"--{degree}", type=int, default=1, help=f"{degree} degree")
     cmd.add_argument(
-        "--cp-comm",
+        "--cp-comm-type",
         default="p2p",
         choices=["p2p", "a2a"],
         help="with cp > 1: p2p, keys and values around a ring behind the attention (default), "
@@ -186,7 +186,7 @@ def _plan_args(cmd: argparse.ArgumentParser) -> None:
         cmd.add_argument(f"--{degree}", type=int, nargs="+", default=None, help=f"allowed {degree}")
     cmd.add_argument("--schedule", nargs="+", choices=SCHEDULES, default=None, help="allowed")
     cmd.add_argument(
-        "--cp-comm",
+        "--cp-comm-type",
         nargs="+",
         choices=["p2p", "a2a"],
         default=None,

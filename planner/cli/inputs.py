@@ -141,7 +141,7 @@ def _flag_layout(args: argparse.Namespace, model: ModelSpec) -> Layout:
         pp=args.pp,
         tp=args.tp,
         cp=args.cp,
-        cp_comm=args.cp_comm,
+        cp_comm_type=args.cp_comm_type,
         dp=args.gpus // world,
         ep=args.ep,
         etp=args.etp,

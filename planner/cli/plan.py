@@ -50,7 +50,7 @@ def _search_space(args: argparse.Namespace) -> SearchSpace:
     return SearchSpace(
         tp=args.tp,
         cp=args.cp,
-        cp_comm=args.cp_comm,
+        cp_comm_type=args.cp_comm_type,
         pp=args.pp,
         ep=args.ep,
         etp=args.etp,
@@ -111,7 +111,11 @@ def _print_plan(result: Plan, model: ModelSpec, job: TrainingJob) -> None:
         f"{est.num_microbatches} {lay.schedule}"
         + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
         + (", SwiGLU inputs kept in FP8" if lay.fp8_cache else "")
-        + (", context parallelism by all-to-all" if lay.cp > 1 and lay.cp_comm == "a2a" else "")
+        + (
+            ", context parallelism by all-to-all"
+            if lay.cp > 1 and lay.cp_comm_type == "a2a"
+            else ""
+        )
         + (", sequence parallelism off" if lay.tp > 1 and not lay.sequence_parallel else "")
         + (
             f", {lay.optimizer_offload:.0%} of the optimizer state on the host"

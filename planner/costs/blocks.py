@@ -124,7 +124,7 @@ class Shard:
     micro_batch: int = 1
     tp: int = 1
     cp: int = 1  # context parallel: the rank holds seq_len / cp tokens of each sequence
-    cp_comm: str = "p2p"  # how the cp ranks share attention (Layout.cp_comm): p2p or a2a
+    cp_comm_type: str = "p2p"  # how the cp ranks share attention (Layout.cp_comm_type): p2p or a2a
     ep: int = 1
     etp: int = 1  # expert tensor parallel: each expert's matrices split over etp ranks
     sequence_parallel: bool = True
@@ -207,7 +207,7 @@ class BlockCost:
     # block): what one step of the context-parallel ring sends on
     cp_kv_bytes: float = 0.0
     # Bytes of queries, keys, values and attention outputs this rank holds for one
-    # micro-batch (every attention of the block): what the all-to-alls of Layout.cp_comm
+    # micro-batch (every attention of the block): what the all-to-alls of Layout.cp_comm_type
     # "a2a" move, queries, keys and values before each attention and its output after
     cp_a2a_bytes: float = 0.0
     attention_fwd: Work = ZERO  # the fused attention kernels' forward work (the ring hides
@@ -574,14 +574,14 @@ def _check_shard(model: ModelSpec, shard: Shard) -> None:
             f"Layout.cp={shard.cp}: context parallelism runs on fused (flash) attention; the "
             f"job has flash_attention=False"
         )
-    if shard.cp > 1 and shard.cp_comm == "a2a":
+    if shard.cp > 1 and shard.cp_comm_type == "a2a":
         reason = a2a_rule(model, shard.tp, shard.cp)
         if reason:
-            raise PlannerError(f"Layout.cp_comm='a2a': {reason}")
+            raise PlannerError(f"Layout.cp_comm_type='a2a': {reason}")
 
 
 def a2a_rule(model: ModelSpec, tp: int, cp: int) -> str:
-    """Why a model cannot split its heads over cp ranks by all-to-all (``Layout.cp_comm``
+    """Why a model cannot split its heads over cp ranks by all-to-all (``Layout.cp_comm_type``
     "a2a"), or "" where it can: each tensor-parallel rank's query heads and key/value heads
     must divide by cp (Transformer Engine's AttnFuncWithCPAndQKVOA2A asserts both; it does
     not replicate key/value heads)."""
@@ -809,7 +809,7 @@ def _core_attention(
     With context parallelism the rank holds tokens / cp queries of each sequence and sees
     every key as the ring passes them (``cp_kv_bytes`` per step); the load-balanced split
     (see ``_check_shard``) gives each rank a cp-th of the causal work, in blocks of
-    seq_len / cp tokens. Under all-to-alls (``Shard.cp_comm`` "a2a") the rank runs a cp-th
+    seq_len / cp tokens. Under all-to-alls (``Shard.cp_comm_type`` "a2a") the rank runs a cp-th
     of the heads over whole sequences instead: the same FLOPs, in one block of seq_len."""
     b, s = shard.micro_batch, shard.seq_len
     queries = shard.tokens  # b * s / cp
@@ -824,7 +824,7 @@ def _core_attention(
     # Backward: dQ, dK (from QK^T) and dV, dP (from PV) are 2x forward; flash attention also
     # recomputes the scores QK^T in backward instead of saving them.
     if shard.flash_attention:
-        block = s if shard.cp_comm == "a2a" else s // shard.cp
+        block = s if shard.cp_comm_type == "a2a" else s // shard.cp
         extra = flash_overhead(block, (d_qk + d_v) / 2, causal=True, window=window)
         fwd_flops, bwd_flops = qk + av, 2 * (qk + av) + qk
         fwd = Work(attention=fwd_flops, kernels=1, attention_overhead=fwd_flops * extra)
@@ -877,7 +877,7 @@ def _gqa(
         _qk_norm(cost, model, shard, prefix)
     if not model.learned_positions:  # rotary embedding of q and k: read + write
         cost.elementwise(2 * tokens * (nq + nkv) * d * a / t, *_op(shard))
-    if shard.cp_comm == "a2a":  # q, k and v to the head split, the output back
+    if shard.cp_comm_type == "a2a":  # q, k and v to the head split, the output back
         cost.cp_a2a_bytes += 2 * tokens * (nq + nkv) * d * a / t
     else:  # the K and V the context ring passes
         cost.cp_kv_bytes += 2 * tokens * nkv * d * a / t
@@ -951,7 +951,7 @@ def _mla(
     cost.elementwise(2 * tokens * (latent + dc) * a, up)  # the latent norms
     cost.elementwise(2 * tokens * (n / t + 1) * dr * a)  # rotary part of q and of the shared k
     cost.save(prefix + "qkv", tokens * n * (2 * dq + dv) * a / t, up, OFFLOAD_TAG + "core_attn")
-    if shard.cp_comm == "a2a":  # q, k and v to the head split, the output back
+    if shard.cp_comm_type == "a2a":  # q, k and v to the head split, the output back
         cost.cp_a2a_bytes += 2 * tokens * n * (dq + dv) * a / t
     else:  # per-head K and V, as the ring passes
         cost.cp_kv_bytes += tokens * n * (dq + dv) * a / t

@@ -84,7 +84,7 @@ from planner.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, TrainingJob
 # Either way no more is hidden than the block's own compute in that phase.
 TP_RS_SPLITS = 4
 TP_RS_SMS = 24
-# All-to-alls of one attention pass under Layout.cp_comm "a2a": three for q, k and v before
+# All-to-alls of one attention pass under Layout.cp_comm_type "a2a": three for q, k and v before
 # it and one for its output after (backward: the output's gradient, then dq, dk and dv), each
 # as large as the rank's own tensor, on the compute stream's critical path (Transformer
 # Engine's AttnFuncWithCPAndQKVOA2A, context_parallel.py at d0067d0: each call is async only
@@ -328,7 +328,7 @@ class TpComm:
     cp: int = 1
     ring_latency: float = 0.0  # one ring step's latency (its slowest hop) ...
     ring_Bps: float = math.inf  # ... and bandwidth
-    # One all-to-all over the cp group (Layout.cp_comm "a2a"): its latency and its seconds
+    # One all-to-all over the cp group (Layout.cp_comm_type "a2a"): its latency and its seconds
     # per byte a rank holds (``Network.all_to_all``, affine in the bytes)
     a2a_latency: float = 0.0
     a2a_s_per_byte: float = 0.0
@@ -386,7 +386,7 @@ def cp_exposed(cost: BlockCost, rates: Rates, tp: TpComm) -> tuple[float, float]
     """(forward, backward) seconds of a block's context-parallel communication that its
     attention does not hide, per micro-batch.
 
-    The ring (``Layout.cp_comm`` "p2p": Megatron-LM's default, Transformer Engine's "p2p"
+    The ring (``Layout.cp_comm_type`` "p2p": Megatron-LM's default, Transformer Engine's "p2p"
     context-parallel communication): attention runs in cp steps, the first on the rank's own
     keys and values, each later one on the block the previous step's send brought, so each
     of the cp - 1 sends hides behind a cp-th of the attention kernel's work. Backward sends

@@ -196,7 +196,7 @@ def uniform_1f1b(model: ModelSpec, layout: Layout) -> Layout:
         pp=layout.pp,
         tp=layout.tp,
         cp=layout.cp,
-        cp_comm=layout.cp_comm,
+        cp_comm_type=layout.cp_comm_type,
         dp=layout.dp,
         ep=layout.ep,
         etp=layout.etp,

@@ -10,9 +10,13 @@ What maps exactly: ZeRO 0-3 without pipeline or tensor parallelism, ZeRO 0-1 wit
 parallelism, ZeRO 0-2 with tensor parallelism (``tensor_parallel.autotp_size``), micro-batch
 and batch sizes, the 1F1B schedule with equal stages
 (``PipelineModule(partition_method="uniform")``), no or full recompute of every layer
-(``deepspeed.checkpointing``).
+(``deepspeed.checkpointing``), context parallelism by all-to-all without tensor or pipeline
+parallelism (Ulysses: ``sequence_parallel_size``, and ``train.py`` registers
+``UlyssesSPAttentionHF`` with the Hugging Face model, as ``pipeline.py`` shows).
 
-What does not: ZeRO-2/3 with pipeline parallelism (DeepSpeed's pipeline engine refuses them;
+What does not: the context ring (runs as Ulysses where the heads divide), context
+parallelism beside tensor or pipeline parallelism or on multi-latent attention (refused),
+ZeRO-2/3 with pipeline parallelism (DeepSpeed's pipeline engine refuses them;
 runs ZeRO-1), ZeRO-3 with tensor parallelism (AutoTP asserts stage <= 2; runs ZeRO-2), every
 schedule but 1F1B and stages of unequal size (DeepSpeed runs its own 1F1B on ``uniform``
 stages), selective recompute (DeepSpeed checkpoints whole layers), an EMA.
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import json
 
+from planner.costs.blocks import a2a_rule
 from planner.costs.memory import DEEPSPEED_REDUCE_BUCKET_ELEMENTS
 from planner.errors import PlannerError
 from planner.export import (
@@ -43,6 +48,7 @@ from planner.export import (
 from planner.frameworks import framework, target
 from planner.layout import Layout
 from planner.solve.result import Plan
+from planner.specs import ModelSpec
 
 COMMIT = "edaa7221267243c7be7fb49c5d5f5c4fb97b4641"
 
@@ -53,11 +59,7 @@ def deepspeed(plan: Plan) -> Export:
     differences: list[str] = []
     runs = planned
     if runs.cp > 1:
-        raise PlannerError(
-            f"Layout.cp={runs.cp}: DeepSpeed has no ring context parallelism (its Ulysses "
-            f"sequence parallelism splits attention heads by all-to-all); plan with "
-            f"SearchSpace(framework='deepspeed') for a layout it can state"
-        )
+        runs = _ulysses(model, runs, differences)
     if runs.tp > 1 and runs.sequence_parallel:
         differences.append(
             "sequence parallelism: DeepSpeed's AutoTP all-reduces whole activations; runs without"
@@ -126,6 +128,8 @@ def deepspeed(plan: Plan) -> Export:
     }
     if runs.tp > 1:
         config["tensor_parallel"] = {"autotp_size": runs.tp}
+    if runs.cp > 1:
+        config["sequence_parallel_size"] = runs.cp
     if choice == "full":
         config["activation_checkpointing"] = {
             "partition_activations": runs.tp > 1,
@@ -143,12 +147,13 @@ def deepspeed(plan: Plan) -> Export:
         f"model = deepspeed.pipe.PipelineModule(layers=layers, num_stages={runs.pp}, "
         'partition_method="uniform", activation_checkpoint_interval='
         f"{1 if choice == 'full' else 0})\n"
-        + (
-            f"# MoE layers: deepspeed.moe.layer.MoE(..., num_experts={model.num_experts}, "
-            f"ep_size={runs.ep}, k={model.experts_per_token})\n"
-            if model.num_experts
-            else ""
-        )
+        if runs.cp == 1
+        else _ULYSSES.format(cp=runs.cp, mb=runs.micro_batch, seq=job.seq_len)
+    ) + (
+        f"# MoE layers: deepspeed.moe.layer.MoE(..., num_experts={model.num_experts}, "
+        f"ep_size={runs.ep}, k={model.experts_per_token})\n"
+        if model.num_experts
+        else ""
     )
     files = {
         "ds_config.json": json.dumps(config, indent=2) + "\n",
@@ -161,6 +166,45 @@ def deepspeed(plan: Plan) -> Export:
         "'exact' here is the layout's"
     ]
     return finish("deepspeed", plan, runs, files, differences, notes=notes)
+
+
+# DeepSpeed's Ulysses for a Hugging Face model (deepspeed/runtime/sequence_parallel/
+# ulysses_sp.py and docs/_tutorials/ulysses-alst-sequence-parallelism.md at edaa7221).
+_ULYSSES = (
+    "# In train.py, before from_pretrained: Ulysses sequence parallelism over {cp} ranks\n"
+    "from deepspeed.runtime.sequence_parallel.ulysses_sp import (\n"
+    "    UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter)\n"
+    "mpu = UlyssesSPAttentionHF.register_with_transformers(\n"
+    '    model_name_or_path=MODEL, core_attn_implementation="flash_attention_2",\n'
+    "    sequence_parallel_size={cp}, micro_batch_size={mb}, seq_length={seq},\n"
+    "    seq_length_is_variable=False)\n"
+    "# then deepspeed.initialize(..., mpu=mpu), and the dataloader wrapped in\n"
+    "# UlyssesSPDataLoaderAdapter(dl, sp_rank=..., sp_group=..., sp_world_size={cp}, ...)\n"
+)
+
+
+def _ulysses(model: ModelSpec, runs: Layout, differences: list[str]) -> Layout:
+    """``runs`` as DeepSpeed's Ulysses runs its context parallelism: the heads split by
+    all-to-all, beside ZeRO alone (no AutoTP, no pipeline), not on multi-latent attention."""
+    why = ""
+    if runs.tp > 1 or runs.pp > 1:
+        why = f"with tp={runs.tp} and pp={runs.pp} (it runs beside ZeRO alone: tp = pp = 1)"
+    elif model.attention == "mla":
+        why = "on multi-latent attention (its all-to-all needs k and v of one shape)"
+    elif a2a_rule(model, runs.tp, runs.cp):
+        why = f"here: {a2a_rule(model, runs.tp, runs.cp)}"
+    if why:
+        raise PlannerError(
+            f"Layout.cp={runs.cp}: DeepSpeed's sequence parallelism (Ulysses) does not run "
+            f"{why}; plan with SearchSpace(framework='deepspeed') for a layout it can state"
+        )
+    if runs.cp_comm_type != "a2a":
+        differences.append(
+            f"context parallelism by {runs.cp_comm_type}: DeepSpeed's is Ulysses, the heads split "
+            "by all-to-all; runs that"
+        )
+        runs = runs.model_copy(update={"cp_comm_type": "a2a"})
+    return runs
 
 
 def _layer_counts(layout: Layout) -> list[int]:

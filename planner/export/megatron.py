@@ -8,7 +8,7 @@ against it.
 What maps exactly:
 - degrees: ``--tensor-model-parallel-size``, ``--context-parallel-size`` (with
   ``--cp-comm-type``: p2p, the ring, or a2a, the heads split by all-to-all, as
-  ``Layout.cp_comm`` prices it), ``--pipeline-model-parallel-size``,
+  ``Layout.cp_comm_type`` prices it), ``--pipeline-model-parallel-size``,
   ``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``; data parallelism is
   what the world size leaves;
 - stages, uneven ones included: ``--pipeline-model-parallel-layout``, one stage per ``|``
@@ -87,7 +87,7 @@ def megatron(plan: Plan) -> Export:
     args += ["--global-batch-size", str(job.global_batch)]
     args += ["--tensor-model-parallel-size", str(runs.tp)]
     if runs.cp > 1:
-        args += ["--context-parallel-size", str(runs.cp), "--cp-comm-type", runs.cp_comm]
+        args += ["--context-parallel-size", str(runs.cp), "--cp-comm-type", runs.cp_comm_type]
     args += ["--pipeline-model-parallel-size", str(runs.pp)]
     if model.num_experts:
         args += ["--expert-model-parallel-size", str(runs.ep)]

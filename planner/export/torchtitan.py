@@ -82,12 +82,12 @@ def torchtitan(plan: Plan) -> Export:
             "moves weights and gradients to the host too); runs without"
         )
         runs = runs.model_copy(update={"optimizer_offload": 0.0})
-    if runs.cp > 1 and runs.cp_comm != "p2p":
+    if runs.cp > 1 and runs.cp_comm_type != "p2p":
         differences.append(
-            f"context parallelism by {runs.cp_comm}: torchtitan's passes keys and values "
+            f"context parallelism by {runs.cp_comm_type}: torchtitan's passes keys and values "
             "around a ring; runs the ring"
         )
-        runs = runs.model_copy(update={"cp_comm": "p2p"})
+        runs = runs.model_copy(update={"cp_comm_type": "p2p"})
     if runs.fp8_cache:
         differences.append("FP8 caching of activation inputs: torchtitan has none; costed without")
         runs = runs.model_copy(update={"fp8_cache": False})

@@ -56,7 +56,7 @@ def for_target(space: SearchSpace, job: TrainingJob) -> SearchSpace:
         ("zero", rules.zero),
         ("recompute", rules.recompute),
         ("cp", rules.cp),
-        ("cp_comm", rules.cp_comm),
+        ("cp_comm_type", rules.cp_comm_type),
         ("sequence_parallel", rules.sequence_parallel),
     )
     for field, values in pairs:
@@ -92,9 +92,13 @@ def enumerate_configs(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, 
             continue
         if cp > 1 and (job.seq_len % (2 * cp) or not job.flash_attention):
             continue  # the load-balanced split needs 2 * cp chunks, and fused attention
+        if cp > 1 and rules is not None and not rules.cp_mla and model.attention == "mla":
+            continue
         pps = space.pp or _divisors(n // (tp * cp))
         for pp in pps:
             if (n // (tp * cp)) % pp:
+                continue
+            if cp > 1 and rules is not None and rules.cp_alone and (tp > 1 or pp > 1):
                 continue
             dp = n // (tp * cp * pp)
             if space.dp and dp not in space.dp:
@@ -197,17 +201,17 @@ def _per_degrees(
                     continue
                 yield Config(
                     tp, pp, dp, ep, zero, mb, schedule, v, ema, m, cache, cp, sp, etp, off, listed,
-                    cp_comm=comm,
+                    cp_comm_type=comm,
                 )  # fmt: skip
 
 
 def cp_comm_choices(model: ModelSpec, space: SearchSpace, tp: int, cp: int) -> list[str]:
-    """The ``Layout.cp_comm`` values searched at degrees tp and cp: p2p alone without
+    """The ``Layout.cp_comm_type`` values searched at degrees tp and cp: p2p alone without
     context parallelism; else those the space allows (both by default) where the model's
     heads split over cp (``costs.blocks.a2a_rule``)."""
     if cp == 1:
         return ["p2p"]
-    asked = list(dict.fromkeys(space.cp_comm or ["p2p", "a2a"]))
+    asked = list(dict.fromkeys(space.cp_comm_type or ["p2p", "a2a"]))
     return [c for c in asked if c == "p2p" or not a2a_rule(model, tp, cp)]
 
 

@@ -82,7 +82,7 @@ class Config:
     # Recompute choices the search space lists: the bound tables (which price each block's
     # whole menu) price these too, so a bound covers every choice a layout may take.
     recompute_extra: frozenset[str] = frozenset()
-    cp_comm: str = "p2p"  # Layout.cp_comm (p2p wherever cp is 1)
+    cp_comm_type: str = "p2p"  # Layout.cp_comm_type (p2p wherever cp is 1)
 
     @property
     def stages(self) -> int:
@@ -122,7 +122,7 @@ class Config:
             layout.sequence_parallel,
             layout.etp,
             layout.optimizer_offload,
-            cp_comm=layout.cp_comm if layout.cp > 1 else "p2p",
+            cp_comm_type=layout.cp_comm_type if layout.cp > 1 else "p2p",
         )
 
     def layout(self, model: ModelSpec, counts: list[int], recompute: dict[str, str]) -> Layout:
@@ -132,7 +132,7 @@ class Config:
             pp=self.pp,
             tp=self.tp,
             cp=self.cp,
-            cp_comm=self.cp_comm,
+            cp_comm_type=self.cp_comm_type,
             dp=self.dp,
             ep=self.ep,
             etp=self.etp,
@@ -163,7 +163,7 @@ def tie_break(c: Config) -> tuple[object, ...]:
         c.pp,
         c.tp,
         c.cp,
-        c.cp_comm,
+        c.cp_comm_type,
         c.ep,
         c.etp,
         c.zero,
