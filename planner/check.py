@@ -93,8 +93,8 @@ def check_degrees(
         problems.append(f"ep*etp={layout.ep * layout.etp} does not divide dp*cp*tp={plane}")
     if layout.cp > 1 and job.seq_len % (2 * layout.cp):
         problems.append(f"cp={layout.cp}: seq_len={job.seq_len} not divisible by 2*cp")
-    if layout.cp > 1 and layout.cp_comm_type == "a2a" and a2a_rule(model, layout.tp, layout.cp):
-        problems.append(f"cp_comm_type=a2a: {a2a_rule(model, layout.tp, layout.cp)}")
+    if layout.cp > 1 and layout.cp_a2a > 1 and a2a_rule(model, layout.tp, layout.cp_a2a):
+        problems.append(f"cp_comm_type: {a2a_rule(model, layout.tp, layout.cp_a2a)}")
     if job.global_batch % (layout.dp * layout.micro_batch):
         problems.append(
             f"global_batch={job.global_batch} not divisible by dp*micro_batch="

@@ -140,12 +140,21 @@ class Layout(Spec):
         "which share every attention as cp_comm_type says (Megatron-LM --context-parallel-size; "
         "torchtitan context_parallel_degree).",
     )
-    cp_comm_type: Literal["p2p", "a2a"] = Field(
+    cp_comm_type: Literal["p2p", "a2a", "a2a+p2p"] = Field(
         default="p2p",
         description="How the context-parallel ranks share a sequence's attention: p2p, keys "
         "and values passed around a ring behind each attention's work; a2a, all-to-alls that "
         "trade the sequence split for a head split before each attention and back after it, "
-        "exposed (DeepSpeed-Ulysses; Megatron-LM --cp-comm-type). No effect with cp = 1.",
+        "exposed (DeepSpeed-Ulysses); a2a+p2p, all-to-alls within groups of cp_a2a_size "
+        "consecutive cp ranks and a ring across the groups (Megatron-LM --cp-comm-type). No "
+        "effect with cp = 1.",
+    )
+    cp_a2a_size: int | None = Field(
+        default=None,
+        gt=1,
+        description="With cp_comm_type a2a+p2p: the all-to-all level's size, consecutive cp "
+        "ranks (1 < size < cp, dividing cp; Megatron-LM --hierarchical-context-parallel-sizes "
+        "size cp/size). None otherwise.",
     )
     pp: int = Field(default=1, gt=0, description="Pipeline-parallel degree (ranks).")
     dp: int = Field(default=1, gt=0, description="Data-parallel degree.")
@@ -218,6 +227,19 @@ class Layout(Spec):
                 f"Layout.etp={self.etp}: ep*etp={self.ep * self.etp} must divide "
                 f"dp*cp*tp={self.plane}"
             )
+        hierarchical = self.cp_comm_type == "a2a+p2p" and self.cp > 1
+        if hierarchical and not (
+            self.cp_a2a_size and self.cp_a2a_size < self.cp and self.cp % self.cp_a2a_size == 0
+        ):
+            raise PlannerError(
+                f"Layout.cp_a2a_size={self.cp_a2a_size}: cp_comm_type a2a+p2p needs the "
+                f"all-to-all level's size, above 1, below cp={self.cp} and dividing it"
+            )
+        if self.cp_a2a_size is not None and not hierarchical:
+            raise PlannerError(
+                f"Layout.cp_a2a_size={self.cp_a2a_size}: only with cp_comm_type a2a+p2p and "
+                f"cp > 1 (it has cp_comm_type={self.cp_comm_type!r}, cp={self.cp})"
+            )
         entry = schedule_of(self.schedule)
         expected_v = entry.virtual_stages
         if expected_v is None:
@@ -247,14 +269,30 @@ class Layout(Spec):
     def degrees(self, sep: str = "=") -> str:
         """The parallel degrees as text: ``tp=8 pp=16 dp=64 ep=1`` (``sep=""``:
         ``tp8 pp16 dp64 ep1``), context and expert tensor parallelism only where above 1,
-        context parallelism by all-to-all marked ``cp=4(a2a)``."""
+        context parallelism by all-to-all marked ``cp=4(a2a)`` (``cp=16(a2a8+p2p)``)."""
         parts = [("tp", self.tp), ("cp", self.cp), ("pp", self.pp), ("dp", self.dp)]
         parts += [("ep", self.ep), ("etp", self.etp)]
         return " ".join(
-            f"{name}{sep}{value}" + ("(a2a)" if name == "cp" and self.cp_comm_type == "a2a" else "")
+            f"{name}{sep}{value}" + (self._cp_mark if name == "cp" else "")
             for name, value in parts
             if value > 1 or name not in ("cp", "etp")
         )
+
+    @property
+    def _cp_mark(self) -> str:
+        if self.cp_comm_type == "a2a":
+            return "(a2a)"
+        if self.cp_comm_type == "a2a+p2p":
+            return f"(a2a{self.cp_a2a_size}+p2p)"
+        return ""
+
+    @property
+    def cp_a2a(self) -> int:
+        """Consecutive cp ranks that split the heads by all-to-all: cp under a2a,
+        cp_a2a_size under a2a+p2p, 1 under the ring (p2p)."""
+        if self.cp_comm_type == "a2a":
+            return self.cp
+        return self.cp_a2a_size or 1
 
     def shape(self, sep: str = "=") -> str:
         """The degrees, ZeRO stage, micro-batch and schedule as text:

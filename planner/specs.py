@@ -662,10 +662,11 @@ class SearchSpace(Spec):
         description="Allowed context-parallel degrees (None: those that leave each rank at "
         "least 4,096 tokens of a sequence, solve.space.CP_MIN_TOKENS).",
     )
-    cp_comm_type: list[Literal["p2p", "a2a"]] | None = Field(
+    cp_comm_type: list[Literal["p2p", "a2a", "a2a+p2p"]] | None = Field(
         default=None,
-        description="Allowed Layout.cp_comm_type values where cp > 1 (None: both, where the "
-        "model's heads split over cp and the framework runs them).",
+        description="Allowed Layout.cp_comm_type values where cp > 1 (None: all three, where "
+        "the model's heads split over the all-to-all's ranks and the framework runs them; "
+        "a2a+p2p with its all-to-all over the cp ranks one node holds).",
     )
     pp: list[int] | None = Field(default=None, description="Allowed pipeline degrees.")
     dp: list[int] | None = Field(default=None, description="Allowed data-parallel degrees.")

@@ -20,8 +20,9 @@ from planner.cli import main
 from planner.costs.blocks import block_cost
 from planner.costs.comm import Network, group
 from planner.costs.memory import shard_of, stage_memory
+from planner.costs.timing import TpComm
 from planner.errors import PlannerError
-from planner.solve.space import context_parallel_degrees
+from planner.solve.space import context_parallel_degrees, cp_comm_choices
 
 LLAMA = planner.load_model("llama3-8b")
 H100 = planner.load_cluster("h100", gpus=16)
@@ -208,7 +209,7 @@ def test_all_to_all_context_parallelism_needs_the_heads_to_divide(
 ) -> None:
     # Llama 3 8B has 8 key/value heads: over tp 2 x cp 8 a rank would hold half of one
     with pytest.raises(
-        PlannerError, match=r"Layout.cp_comm_type='a2a': .*tp\*cp=16 .*num_kv_heads=8"
+        PlannerError, match=r"Layout.cp_comm_type='a2a': .*tp\*8=16 must divide num_kv_heads=8"
     ):
         planner.evaluate(LLAMA, H100, JOB, layout(tp=2, cp=8, cp_comm_type="a2a"))
     args = ["evaluate", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "16"]
@@ -248,3 +249,66 @@ def test_the_search_takes_the_better_of_the_ring_and_the_all_to_all() -> None:
         time_limit_s=5,
     )
     assert torchtitan.layout is not None and torchtitan.layout.cp_comm_type == "p2p"
+
+
+# -- both: all-to-all within a node, the ring across (Layout.cp_comm_type "a2a+p2p") ----------
+# Transformer Engine's hierarchical context parallelism (cp_comm_type "a2a+p2p" with
+# Megatron-LM's --hierarchical-context-parallel-sizes a r, a * r = cp): the heads split by
+# all-to-all over a consecutive cp ranks (create_hierarchical_groups: level 0 consecutive,
+# level 1 strided by a), then the keys and values of a-times-longer, a-times-narrower blocks
+# go around a ring of r ranks: as many bytes a step as the plain ring's.
+
+
+def test_hierarchical_context_parallelism_splits_the_heads_in_a_node_and_rings_across() -> None:
+    cluster = planner.load_cluster("h100", gpus=32)
+    job = planner.TrainingJob(seq_len=131072, global_batch=16)
+    cp, tp, a2a = 16, 2, 4
+    both = layout(tp=tp, cp=cp, cp_comm_type="a2a+p2p", cp_a2a_size=a2a)
+    assert both.degrees() == "tp=2 cp=16(a2a4+p2p) pp=1 dp=1 ep=1"
+    cost = block_cost(LLAMA, "layer.3", shard_of(job, both))
+    ring = block_cost(LLAMA, "layer.3", shard_of(job, layout(tp=tp, cp=cp)))
+    b, s, d = 1, job.seq_len, LLAMA.head_dim
+    q, kv = LLAMA.num_attention_heads, LLAMA.num_kv_heads
+    assert cost.cp_a2a_bytes == pytest.approx(b * (s // cp) * (2 * q + 2 * kv) * d * 2 / tp)
+    assert cost.cp_kv_bytes == pytest.approx(ring.cp_kv_bytes)
+    assert cost.saved_bytes(frozenset()) == ring.saved_bytes(frozenset())
+    # the all-to-all stays on a node (NVLink), the ring of 4 crosses the nodes (InfiniBand)
+    net = Network.of(cluster)
+    comm = TpComm.of(LLAMA, job, both, net, shard_of(job, both), sm_count=cluster.sm_count)
+    assert comm.cp == cp // a2a and comm.ring_latency == net.ib_latency_s
+    assert comm.a2a_s_per_byte == pytest.approx((a2a - 1) / a2a / net.nvlink_bus_Bps)
+    assert comm.a2a_latency == pytest.approx(net.nvlink_latency_s)
+    args = planner.export.megatron(
+        planner.plan(
+            LLAMA,
+            cluster,
+            job,
+            planner.SearchSpace(
+                tp=[tp], cp=[cp], pp=[1], zero=[1], micro_batch=[1], cp_comm_type=["a2a+p2p"]
+            ),
+            time_limit_s=5,
+        )
+    ).files["megatron.sh"]
+    assert "--cp-comm-type a2a+p2p" in args
+    assert "--hierarchical-context-parallel-sizes 4 4" in args
+
+
+def test_hierarchical_context_parallelism_is_searched_where_cp_leaves_the_node() -> None:
+    cluster = planner.load_cluster("h100", gpus=32)
+    space = planner.SearchSpace()
+    # tp 2 leaves 4 cp ranks on a node of 8: a2a over those 4, a ring of cp / 4
+    assert cp_comm_choices(LLAMA, cluster, space, 2, 16) == [
+        ("p2p", None),
+        ("a2a+p2p", 4),
+    ]  # plain a2a over 16: 8 kv heads over tp 2 x 16 do not split
+    assert cp_comm_choices(LLAMA, cluster, space, 1, 4) == [("p2p", None), ("a2a", None)]
+    assert cp_comm_choices(LLAMA, cluster, space, 2, 1) == [("p2p", None)]
+
+
+def test_bad_hierarchical_context_parallel_layouts_are_one_line_errors() -> None:
+    with pytest.raises(PlannerError, match=r"Layout.cp_a2a_size=None: .*a2a\+p2p"):
+        layout(tp=2, cp=8, cp_comm_type="a2a+p2p")
+    with pytest.raises(PlannerError, match=r"Layout.cp_a2a_size=3: .*dividing"):
+        layout(tp=2, cp=8, cp_comm_type="a2a+p2p", cp_a2a_size=3)
+    with pytest.raises(PlannerError, match=r"Layout.cp_a2a_size=2: only with"):
+        layout(tp=2, cp=8, cp_a2a_size=2)

@@ -119,7 +119,7 @@ LAYOUT_DEFAULTS: dict[str, object] = {
     "tp": 1, "cp": 1, "pp": 1, "ep": 1, "etp": 1, "zero": 1, "micro_batch": 1,
     "schedule": DEFAULT_SCHEDULE, "virtual_stages": None, "recompute": "none",
     "fp8_cache": False, "ema_on_host": False, "optimizer_offload": 0.0, "offload_layers": 0,
-    "no_sequence_parallel": False, "cp_comm_type": "p2p",
+    "no_sequence_parallel": False, "cp_comm_type": "p2p", "cp_a2a_size": None,
 }  # fmt: skip
 
 
@@ -131,9 +131,17 @@ def _layout_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument(
         "--cp-comm-type",
         default="p2p",
-        choices=["p2p", "a2a"],
-        help="with cp > 1: p2p, keys and values around a ring behind the attention (default), "
-        "or a2a, heads split by all-to-all (DeepSpeed-Ulysses; Megatron-LM --cp-comm-type)",
+        choices=["p2p", "a2a", "a2a+p2p"],
+        help="with cp > 1: p2p, keys and values around a ring behind the attention (default); "
+        "a2a, heads split by all-to-all (DeepSpeed-Ulysses); a2a+p2p, all-to-all within "
+        "groups of --cp-a2a-size ranks and a ring across them (Megatron-LM's names)",
+    )
+    cmd.add_argument(
+        "--cp-a2a-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --cp-comm-type a2a+p2p: the all-to-all groups' size (dividing cp)",
     )
     cmd.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage")
     cmd.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
@@ -188,10 +196,11 @@ def _plan_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument(
         "--cp-comm-type",
         nargs="+",
-        choices=["p2p", "a2a"],
+        choices=["p2p", "a2a", "a2a+p2p"],
         default=None,
-        help="allowed context-parallel communication where cp > 1 (default both: the ring, "
-        "and the heads split by all-to-all where they divide)",
+        help="allowed context-parallel communication where cp > 1 (default all: the ring, the "
+        "heads split by all-to-all where they divide, and both, all-to-all within a node and "
+        "a ring across nodes)",
     )
     cmd.add_argument("--recompute", nargs="+", default=None, help="allowed recompute choices")
     cmd.add_argument(

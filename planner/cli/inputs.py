@@ -142,6 +142,7 @@ def _flag_layout(args: argparse.Namespace, model: ModelSpec) -> Layout:
         tp=args.tp,
         cp=args.cp,
         cp_comm_type=args.cp_comm_type,
+        cp_a2a_size=args.cp_a2a_size,
         dp=args.gpus // world,
         ep=args.ep,
         etp=args.etp,

@@ -111,11 +111,6 @@ def _print_plan(result: Plan, model: ModelSpec, job: TrainingJob) -> None:
         f"{est.num_microbatches} {lay.schedule}"
         + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
         + (", SwiGLU inputs kept in FP8" if lay.fp8_cache else "")
-        + (
-            ", context parallelism by all-to-all"
-            if lay.cp > 1 and lay.cp_comm_type == "a2a"
-            else ""
-        )
         + (", sequence parallelism off" if lay.tp > 1 and not lay.sequence_parallel else "")
         + (
             f", {lay.optimizer_offload:.0%} of the optimizer state on the host"

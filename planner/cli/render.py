@@ -129,7 +129,7 @@ def print_time(est: Estimate, job: TrainingJob) -> None:
         f"the dense BF16 peak). Includes compute at the machine catalog's efficiencies{kernel}, "
         f"the host's time per kernel where it binds, recompute, "
         f"the tensor-parallel and expert all-to-all communication {framework} leaves exposed, "
-        f"the context-parallel ring's sends attention does not hide, "
+        f"the context-parallel ring's sends attention does not hide and its all-to-alls, "
         f"pipeline sends and bubble, links and SMs shared by overlapped collectives, exposed "
         f"gradient reduction, ZeRO-1/2's weight all-gather and the optimizer step; ignores "
         f"stragglers, failures, data loading and checkpointing. Expected error: "

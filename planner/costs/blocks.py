@@ -124,7 +124,9 @@ class Shard:
     micro_batch: int = 1
     tp: int = 1
     cp: int = 1  # context parallel: the rank holds seq_len / cp tokens of each sequence
-    cp_comm_type: str = "p2p"  # how the cp ranks share attention (Layout.cp_comm_type): p2p or a2a
+    # Consecutive cp ranks that split the heads by all-to-all (Layout.cp_a2a): cp under a2a,
+    # the all-to-all level under a2a+p2p, 1 under the ring; the ring runs over cp / cp_a2a
+    cp_a2a: int = 1
     ep: int = 1
     etp: int = 1  # expert tensor parallel: each expert's matrices split over etp ranks
     sequence_parallel: bool = True
@@ -574,23 +576,26 @@ def _check_shard(model: ModelSpec, shard: Shard) -> None:
             f"Layout.cp={shard.cp}: context parallelism runs on fused (flash) attention; the "
             f"job has flash_attention=False"
         )
-    if shard.cp > 1 and shard.cp_comm_type == "a2a":
-        reason = a2a_rule(model, shard.tp, shard.cp)
+    if shard.cp_a2a > 1:
+        reason = a2a_rule(model, shard.tp, shard.cp_a2a)
         if reason:
-            raise PlannerError(f"Layout.cp_comm_type='a2a': {reason}")
+            raise PlannerError(f"Layout.cp_comm_type: {reason}")
 
 
-def a2a_rule(model: ModelSpec, tp: int, cp: int) -> str:
-    """Why a model cannot split its heads over cp ranks by all-to-all (``Layout.cp_comm_type``
-    "a2a"), or "" where it can: each tensor-parallel rank's query heads and key/value heads
-    must divide by cp (Transformer Engine's AttnFuncWithCPAndQKVOA2A asserts both; it does
-    not replicate key/value heads)."""
+def a2a_rule(model: ModelSpec, tp: int, a2a: int) -> str:
+    """Why a model cannot split its heads over ``a2a`` context-parallel ranks by all-to-all
+    (``Layout.cp_comm_type`` a2a, or a2a+p2p's all-to-all level), or "" where it can: each
+    tensor-parallel rank's query heads and key/value heads must divide by a2a (Transformer
+    Engine's AttnFuncWithCPAndQKVOA2A asserts both; it does not replicate key/value heads)."""
     heads = [("num_attention_heads", model.num_attention_heads)]
     if model.attention != "mla":  # MLA keeps a key per head
         heads.append(("num_kv_heads", model.num_kv_heads))
     for key, value in heads:
-        if value % (tp * cp):
-            return f"each rank's heads split over cp: tp*cp={tp * cp} must divide {key}={value}"
+        if value % (tp * a2a):
+            return (
+                f"each rank's heads split over {a2a} ranks by all-to-all: tp*{a2a}={tp * a2a} "
+                f"must divide {key}={value}"
+            )
     return ""
 
 
@@ -809,8 +814,9 @@ def _core_attention(
     With context parallelism the rank holds tokens / cp queries of each sequence and sees
     every key as the ring passes them (``cp_kv_bytes`` per step); the load-balanced split
     (see ``_check_shard``) gives each rank a cp-th of the causal work, in blocks of
-    seq_len / cp tokens. Under all-to-alls (``Shard.cp_comm_type`` "a2a") the rank runs a cp-th
-    of the heads over whole sequences instead: the same FLOPs, in one block of seq_len."""
+    seq_len / cp tokens. Under all-to-alls over a2a ranks (``Shard.cp_a2a``) the rank runs an
+    a2a-th of the heads over a2a times the tokens instead: the same FLOPs, in blocks a2a
+    times longer (one block of seq_len where the all-to-alls span cp)."""
     b, s = shard.micro_batch, shard.seq_len
     queries = shard.tokens  # b * s / cp
     heads = model.num_attention_heads / shard.tp
@@ -824,7 +830,7 @@ def _core_attention(
     # Backward: dQ, dK (from QK^T) and dV, dP (from PV) are 2x forward; flash attention also
     # recomputes the scores QK^T in backward instead of saving them.
     if shard.flash_attention:
-        block = s if shard.cp_comm_type == "a2a" else s // shard.cp
+        block = s * shard.cp_a2a // shard.cp
         extra = flash_overhead(block, (d_qk + d_v) / 2, causal=True, window=window)
         fwd_flops, bwd_flops = qk + av, 2 * (qk + av) + qk
         fwd = Work(attention=fwd_flops, kernels=1, attention_overhead=fwd_flops * extra)
@@ -877,10 +883,10 @@ def _gqa(
         _qk_norm(cost, model, shard, prefix)
     if not model.learned_positions:  # rotary embedding of q and k: read + write
         cost.elementwise(2 * tokens * (nq + nkv) * d * a / t, *_op(shard))
-    if shard.cp_comm_type == "a2a":  # q, k and v to the head split, the output back
+    if shard.cp_a2a > 1:  # q, k and v to the head split, the output back
         cost.cp_a2a_bytes += 2 * tokens * (nq + nkv) * d * a / t
-    else:  # the K and V the context ring passes
-        cost.cp_kv_bytes += 2 * tokens * nkv * d * a / t
+    if shard.cp_a2a < shard.cp:  # the K and V the context ring passes (as many bytes a step
+        cost.cp_kv_bytes += 2 * tokens * nkv * d * a / t  # after the all-to-all as before)
     if model.attention_sinks:
         # One learned logit per query head joins each softmax (gpt-oss): parameters, and
         # work too small to count (one exponential per query and head).
@@ -951,9 +957,9 @@ def _mla(
     cost.elementwise(2 * tokens * (latent + dc) * a, up)  # the latent norms
     cost.elementwise(2 * tokens * (n / t + 1) * dr * a)  # rotary part of q and of the shared k
     cost.save(prefix + "qkv", tokens * n * (2 * dq + dv) * a / t, up, OFFLOAD_TAG + "core_attn")
-    if shard.cp_comm_type == "a2a":  # q, k and v to the head split, the output back
+    if shard.cp_a2a > 1:  # q, k and v to the head split, the output back
         cost.cp_a2a_bytes += 2 * tokens * n * (dq + dv) * a / t
-    else:  # per-head K and V, as the ring passes
+    if shard.cp_a2a < shard.cp:  # per-head K and V, as the ring passes
         cost.cp_kv_bytes += tokens * n * (dq + dv) * a / t
     _core_attention(cost, model, shard, d_qk=dq, d_v=dv, window=window)
     cost.save(

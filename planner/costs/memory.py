@@ -173,7 +173,7 @@ def shard_of(job: TrainingJob, layout: Layout) -> Shard:
         micro_batch=layout.micro_batch,
         tp=layout.tp,
         cp=layout.cp,
-        cp_comm_type=layout.cp_comm_type if layout.cp > 1 else "p2p",
+        cp_a2a=layout.cp_a2a if layout.cp > 1 else 1,
         ep=layout.ep,
         etp=layout.etp,
         sequence_parallel=layout.sequence_parallel and layout.tp > 1,

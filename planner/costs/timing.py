@@ -325,11 +325,11 @@ class TpComm:
     seconds: float  # one all-reduce (an all-gather and a reduce-scatter) of a region
     mode: str  # "none" | "userbuffers" | "async"
     tp: int
-    cp: int = 1
+    cp: int = 1  # ranks of the context ring (cp / Layout.cp_a2a)
     ring_latency: float = 0.0  # one ring step's latency (its slowest hop) ...
     ring_Bps: float = math.inf  # ... and bandwidth
-    # One all-to-all over the cp group (Layout.cp_comm_type "a2a"): its latency and its seconds
-    # per byte a rank holds (``Network.all_to_all``, affine in the bytes)
+    # One all-to-all over the Layout.cp_a2a consecutive cp ranks that split the heads: its
+    # latency and its seconds per byte a rank holds (``Network.all_to_all``, affine in bytes)
     a2a_latency: float = 0.0
     a2a_s_per_byte: float = 0.0
     rs_sm_share: float = TP_RS_SMS / UNSTATED_SM_COUNT  # of the GPU's, the reduce-scatter's
@@ -353,22 +353,27 @@ class TpComm:
         share = TP_RS_SMS / (sm_count or UNSTATED_SM_COUNT)
         hidden = framework(job.framework).tp_overlap_hidden
         mode = tp_overlap_mode(job, layout)
-        ring = group(layout, "cp", 0)
-        hops = list(zip(ring, ring[1:] + ring[:1], strict=True))
-        if len(ring) < 2:
+        ranks = group(layout, "cp", 0)
+        if len(ranks) < 2:
             return cls(seconds, mode, layout.tp, rs_sm_share=share, hidden=hidden)
+        # The heads split over the first cp_a2a consecutive cp ranks, and the ring joins one
+        # rank of each such group (Megatron-LM's hierarchical groups, create_hierarchical_
+        # groups: level 0 consecutive, level 1 strided by its size).
+        a2a = layout.cp_a2a if layout.cp > 1 else 1
+        ring = ranks[::a2a]
+        hops = list(zip(ring, ring[1:] + ring[:1], strict=True))
         # Every rank sends to the next at once: a step lasts as long as its slowest hop, and
         # a ring that leaves its node crosses InfiniBand at each GPU's share of the NICs.
         if any(network.node_of(a) != network.node_of(b) for a, b in hops):
             latency, Bps = network.ib_latency_s, network.ib_bus_Bps
         else:
             latency, Bps = network.nvlink_latency_s, network.nvlink_bus_Bps
-        one, two = (network.all_to_all_time(n * GB, ring) for n in (1, 2))
+        one, two = (network.all_to_all_time(n * GB, ranks[:a2a]) for n in (1, 2))
         return cls(
             seconds,
             mode,
             layout.tp,
-            layout.cp,
+            len(ring),
             latency,
             Bps,
             a2a_latency=2 * one - two,
@@ -398,20 +403,22 @@ def cp_exposed(cost: BlockCost, rates: Rates, tp: TpComm) -> tuple[float, float]
     attention the queries, keys and values trade the sequence split for a head split, and
     after it the output trades back; backward moves their gradients the same way. Nothing
     runs beside them, so all of it is exposed: ``CP_A2A_CALLS`` collectives a pass, moving
-    the block's ``cp_a2a_bytes``."""
-    if tp.cp <= 1:
-        return 0.0, 0.0
+    the block's ``cp_a2a_bytes``.
+
+    Both ("a2a+p2p", Transformer Engine's hierarchical context parallelism): the all-to-alls
+    within each group of ``Layout.cp_a2a_size`` ranks, then the ring over the groups
+    (``tp.cp`` of them) with as many key and value bytes a step."""
+    moved = 0.0
     if cost.cp_a2a_bytes > 0:
         moved = CP_A2A_CALLS * tp.a2a_latency + cost.cp_a2a_bytes * tp.a2a_s_per_byte
+    if tp.cp <= 1 or cost.cp_kv_bytes <= 0:
         return moved, moved
-    if cost.cp_kv_bytes <= 0:
-        return 0.0, 0.0
     steps = tp.cp - 1
     fwd = work_time(cost.attention_fwd, rates) / tp.cp
     bwd = work_time(cost.attention_bwd, rates) / tp.cp
     exposed_fwd = steps * max(0.0, tp.ring_step(cost.cp_kv_bytes) - fwd)
     exposed_bwd = steps * max(0.0, tp.ring_step(2 * cost.cp_kv_bytes) - bwd)
-    return exposed_fwd, exposed_bwd + tp.ring_step(cost.cp_kv_bytes)
+    return moved + exposed_fwd, moved + exposed_bwd + tp.ring_step(cost.cp_kv_bytes)
 
 
 def tp_overlap_mode(job: TrainingJob, layout: Layout) -> str:

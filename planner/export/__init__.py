@@ -197,6 +197,7 @@ def uniform_1f1b(model: ModelSpec, layout: Layout) -> Layout:
         tp=layout.tp,
         cp=layout.cp,
         cp_comm_type=layout.cp_comm_type,
+        cp_a2a_size=layout.cp_a2a_size,
         dp=layout.dp,
         ep=layout.ep,
         etp=layout.etp,

@@ -203,7 +203,7 @@ def _ulysses(model: ModelSpec, runs: Layout, differences: list[str]) -> Layout:
             f"context parallelism by {runs.cp_comm_type}: DeepSpeed's is Ulysses, the heads split "
             "by all-to-all; runs that"
         )
-        runs = runs.model_copy(update={"cp_comm_type": "a2a"})
+        runs = runs.model_copy(update={"cp_comm_type": "a2a", "cp_a2a_size": None})
     return runs
 
 

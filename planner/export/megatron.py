@@ -7,8 +7,9 @@ against it.
 
 What maps exactly:
 - degrees: ``--tensor-model-parallel-size``, ``--context-parallel-size`` (with
-  ``--cp-comm-type``: p2p, the ring, or a2a, the heads split by all-to-all, as
-  ``Layout.cp_comm_type`` prices it), ``--pipeline-model-parallel-size``,
+  ``--cp-comm-type``: p2p, the ring, a2a, the heads split by all-to-all, or a2a+p2p with
+  ``--hierarchical-context-parallel-sizes``, as ``Layout.cp_comm_type`` prices it),
+  ``--pipeline-model-parallel-size``,
   ``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``; data parallelism is
   what the world size leaves;
 - stages, uneven ones included: ``--pipeline-model-parallel-layout``, one stage per ``|``
@@ -88,6 +89,9 @@ def megatron(plan: Plan) -> Export:
     args += ["--tensor-model-parallel-size", str(runs.tp)]
     if runs.cp > 1:
         args += ["--context-parallel-size", str(runs.cp), "--cp-comm-type", runs.cp_comm_type]
+        if runs.cp_a2a_size:
+            ring = runs.cp // runs.cp_a2a_size
+            args += ["--hierarchical-context-parallel-sizes", str(runs.cp_a2a_size), str(ring)]
     args += ["--pipeline-model-parallel-size", str(runs.pp)]
     if model.num_experts:
         args += ["--expert-model-parallel-size", str(runs.ep)]

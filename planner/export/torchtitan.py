@@ -87,7 +87,7 @@ def torchtitan(plan: Plan) -> Export:
             f"context parallelism by {runs.cp_comm_type}: torchtitan's passes keys and values "
             "around a ring; runs the ring"
         )
-        runs = runs.model_copy(update={"cp_comm_type": "p2p"})
+        runs = runs.model_copy(update={"cp_comm_type": "p2p", "cp_a2a_size": None})
     if runs.fp8_cache:
         differences.append("FP8 caching of activation inputs: torchtitan has none; costed without")
         runs = runs.model_copy(update={"fp8_cache": False})

@@ -178,7 +178,7 @@ def _per_degrees(
     sps = list(dict.fromkeys(space.sequence_parallel or [True]))
     if tp == 1:  # no effect: one value
         sps = sps[:1]
-    comms = cp_comm_choices(model, space, tp, cp)
+    comms = cp_comm_choices(model, cluster, space, tp, cp)
     for zero, mb, schedule, ema in itertools.product(zeros, mbs, schedules, emas):
         entry = SCHEDULES.get(schedule)
         if entry is None:
@@ -196,23 +196,37 @@ def _per_degrees(
                 continue
             if not entry.runs(pp, m, v):
                 continue
-            for cache, sp, off, comm in itertools.product(caches, sps, offloads, comms):
+            for cache, sp, off, (comm, a2a) in itertools.product(caches, sps, offloads, comms):
                 if optimizer_offload_rule(job, off, zero):
                     continue
                 yield Config(
                     tp, pp, dp, ep, zero, mb, schedule, v, ema, m, cache, cp, sp, etp, off, listed,
-                    cp_comm_type=comm,
+                    cp_comm_type=comm, cp_a2a_size=a2a,
                 )  # fmt: skip
 
 
-def cp_comm_choices(model: ModelSpec, space: SearchSpace, tp: int, cp: int) -> list[str]:
-    """The ``Layout.cp_comm_type`` values searched at degrees tp and cp: p2p alone without
-    context parallelism; else those the space allows (both by default) where the model's
-    heads split over cp (``costs.blocks.a2a_rule``)."""
+def cp_comm_choices(
+    model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, tp: int, cp: int
+) -> list[tuple[str, int | None]]:
+    """The ``Layout.cp_comm_type`` values (with ``cp_a2a_size``) searched at degrees tp and
+    cp: the ring alone without context parallelism; else those the space allows (all three
+    by default) where the model's heads split over the all-to-all's ranks
+    (``costs.blocks.a2a_rule``). a2a+p2p takes its all-to-all over the cp ranks one node
+    holds (NVLink) and its ring across the nodes: it is searched where cp spans nodes."""
     if cp == 1:
-        return ["p2p"]
-    asked = list(dict.fromkeys(space.cp_comm_type or ["p2p", "a2a"]))
-    return [c for c in asked if c == "p2p" or not a2a_rule(model, tp, cp)]
+        return [("p2p", None)]
+    node = min(cp, max(1, cluster.gpus_per_node // tp))
+    out: list[tuple[str, int | None]] = []
+    for comm in dict.fromkeys(space.cp_comm_type or ["p2p", "a2a", "a2a+p2p"]):
+        if comm == "p2p":
+            out.append(("p2p", None))
+        elif comm == "a2a" and not a2a_rule(model, tp, cp):
+            out.append(("a2a", None))
+        elif (
+            comm == "a2a+p2p" and 1 < node < cp and not cp % node and not a2a_rule(model, tp, node)
+        ):
+            out.append(("a2a+p2p", node))
+    return out
 
 
 def fp8_cache_choices(job: TrainingJob, space: SearchSpace) -> list[bool]:

@@ -83,6 +83,7 @@ class Config:
     # whole menu) price these too, so a bound covers every choice a layout may take.
     recompute_extra: frozenset[str] = frozenset()
     cp_comm_type: str = "p2p"  # Layout.cp_comm_type (p2p wherever cp is 1)
+    cp_a2a_size: int | None = None  # Layout.cp_a2a_size (a2a+p2p only)
 
     @property
     def stages(self) -> int:
@@ -123,6 +124,7 @@ class Config:
             layout.etp,
             layout.optimizer_offload,
             cp_comm_type=layout.cp_comm_type if layout.cp > 1 else "p2p",
+            cp_a2a_size=layout.cp_a2a_size if layout.cp > 1 else None,
         )
 
     def layout(self, model: ModelSpec, counts: list[int], recompute: dict[str, str]) -> Layout:
@@ -133,6 +135,7 @@ class Config:
             tp=self.tp,
             cp=self.cp,
             cp_comm_type=self.cp_comm_type,
+            cp_a2a_size=self.cp_a2a_size,
             dp=self.dp,
             ep=self.ep,
             etp=self.etp,
@@ -164,6 +167,7 @@ def tie_break(c: Config) -> tuple[object, ...]:
         c.tp,
         c.cp,
         c.cp_comm_type,
+        c.cp_a2a_size or 0,
         c.ep,
         c.etp,
         c.zero,
