@@ -30,6 +30,7 @@ from planner.costs.memory import StageMemory, stage_memory
 from planner.costs.timing import StageTime, optimizer_time, stage_times
 from planner.data import package_file
 from planner.errors import PlannerError
+from planner.frameworks import framework, names_with
 from planner.layout import Layout, model_lacks, parse_recompute
 from planner.schedules import ep_overlap_forbids, schedule_of
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
@@ -351,6 +352,14 @@ def check_layout(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layou
         raise PlannerError(
             f"Layout.num_microbatches={layout.num_microbatches}: global_batch/(dp*micro_batch)"
             f" is {m}"
+        )
+    runs = framework(job.framework).launcher
+    if layout.zero_hpz > 1 and (runs is None or not runs.zero_hpz):
+        able = names_with(lambda f: bool(f.launcher and f.launcher.zero_hpz), quote=True)
+        raise PlannerError(
+            f"Layout.zero_hpz={layout.zero_hpz}: ZeRO++'s hierarchical partitioning needs "
+            f"framework={able} (zero_hpz_partition_size); the job has "
+            f"framework={job.framework!r}"
         )
     if layout.cp > 1 and layout.cp_a2a > 1:
         reason = a2a_rule(model, layout.tp, layout.cp_a2a)

@@ -84,6 +84,8 @@ class Launcher:
     # differ in head size, which Ulysses's all-to-all of equal k and v refuses).
     cp_alone: bool = False
     cp_mla: bool = True
+    # ZeRO++'s hierarchical partitioning (Layout.zero_hpz; DeepSpeed zero_hpz_partition_size)
+    zero_hpz: bool = False
     sequence_parallel: tuple[bool, ...] | None = None
     even_stages: bool = False
     pipeline_zero: tuple[int, ...] | None = None  # ZeRO stages allowed with pp > 1
@@ -372,6 +374,9 @@ FRAMEWORKS: dict[str, Framework] = {
             cp_comm_type=("a2a",),
             cp_alone=True,
             cp_mla=False,
+            # zero_optimization.zero_hpz_partition_size (deepspeed/runtime/zero/config.py:309
+            # at edaa7221): groups of consecutive global ranks (utils/groups.py:878-886)
+            zero_hpz=True,
             sequence_parallel=(False,),  # AutoTP all-reduces whole activations
         ),
     ),

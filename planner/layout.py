@@ -170,6 +170,14 @@ class Layout(Spec):
     zero: Literal[0, 1, 2, 3] = Field(
         default=1, description="0: replicated; 1: shard optimizer; 2: +grads; 3: +weights."
     )
+    zero_hpz: int = Field(
+        default=1,
+        gt=0,
+        description="ZeRO++ hierarchical partitioning (DeepSpeed zero_hpz_partition_size; "
+        "ZeRO-3 only): above 1, each rank also keeps a secondary shard of its weights over "
+        "groups of this many consecutive data-parallel ranks, from which every parameter "
+        "gather but a step's first forward one runs. 1: off.",
+    )
     micro_batch: int = Field(default=1, gt=0, description="Sequences per micro-batch.")
     num_microbatches: int | None = Field(
         default=None, gt=0, description="Micro-batches per step per pipeline (None: from the job)."
@@ -226,6 +234,12 @@ class Layout(Spec):
             raise PlannerError(
                 f"Layout.etp={self.etp}: ep*etp={self.ep * self.etp} must divide "
                 f"dp*cp*tp={self.plane}"
+            )
+        if self.zero_hpz > 1 and (self.zero != 3 or self.grad_group % self.zero_hpz):
+            raise PlannerError(
+                f"Layout.zero_hpz={self.zero_hpz}: a secondary ZeRO-3 shard over groups of "
+                f"data-parallel ranks needs zero=3 (has {self.zero}) and a size dividing "
+                f"dp*cp={self.grad_group}"
             )
         hierarchical = self.cp_comm_type == "a2a+p2p" and self.cp > 1
         if hierarchical and not (
@@ -298,7 +312,8 @@ class Layout(Spec):
         """The degrees, ZeRO stage, micro-batch and schedule as text:
         ``tp=8 pp=16 dp=64 ep=1 ZeRO-1 mb1 interleaved v2`` (``sep`` as ``degrees``)."""
         v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return f"{self.degrees(sep)} ZeRO-{self.zero} mb{self.micro_batch} {self.schedule}{v}"
+        hpz = f" hpZ{self.zero_hpz}" if self.zero_hpz > 1 else ""
+        return f"{self.degrees(sep)} ZeRO-{self.zero}{hpz} mb{self.micro_batch} {self.schedule}{v}"
 
     @property
     def plane(self) -> int:

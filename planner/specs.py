@@ -677,6 +677,12 @@ class SearchSpace(Spec):
         "tp, Megatron-LM's default).",
     )
     zero: list[Literal[0, 1, 2, 3]] | None = Field(default=None, description="Allowed ZeRO stages.")
+    zero_hpz: list[int] | None = Field(
+        default=None,
+        description="Allowed Layout.zero_hpz values under ZeRO-3 (None: 1, and the GPUs a node "
+        "has where the framework has ZeRO++'s hierarchical partitioning and pure data "
+        "parallelism spans nodes).",
+    )
     micro_batch: list[int] | None = Field(default=None, description="Allowed micro-batch sizes.")
     schedules: list[str] | None = Field(default=None, description="Allowed pipeline schedules.")
     virtual_stages: list[int] | None = Field(default=None, description="Allowed chunks per rank.")
@@ -756,7 +762,17 @@ class SearchSpace(Spec):
 
     @model_validator(mode="after")
     def _positive(self) -> SearchSpace:
-        for key in ("tp", "cp", "pp", "dp", "ep", "etp", "micro_batch", "virtual_stages"):
+        for key in (
+            "tp",
+            "cp",
+            "pp",
+            "dp",
+            "ep",
+            "etp",
+            "micro_batch",
+            "virtual_stages",
+            "zero_hpz",
+        ):
             values = getattr(self, key)
             if values is not None and (not values or min(values) <= 0):
                 raise PlannerError(f"SearchSpace.{key}={values}: needs positive values")

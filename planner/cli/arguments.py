@@ -34,6 +34,7 @@ SPACE_FLAGS = {
     "micro_batch": "--micro-batch",
     "schedules": "--schedule",
     "zero": "--zero",
+    "zero_hpz": "--zero-hpz",
     "recompute": "--recompute",
     "sequence_parallel": "--sequence-parallel",
 }
@@ -119,7 +120,7 @@ LAYOUT_DEFAULTS: dict[str, object] = {
     "tp": 1, "cp": 1, "pp": 1, "ep": 1, "etp": 1, "zero": 1, "micro_batch": 1,
     "schedule": DEFAULT_SCHEDULE, "virtual_stages": None, "recompute": "none",
     "fp8_cache": False, "ema_on_host": False, "optimizer_offload": 0.0, "offload_layers": 0,
-    "no_sequence_parallel": False, "cp_comm_type": "p2p", "cp_a2a_size": None,
+    "no_sequence_parallel": False, "cp_comm_type": "p2p", "cp_a2a_size": None, "zero_hpz": 1,
 }  # fmt: skip
 
 
@@ -144,6 +145,14 @@ def _layout_args(cmd: argparse.ArgumentParser) -> None:
         help="with --cp-comm-type a2a+p2p: the all-to-all groups' size (dividing cp)",
     )
     cmd.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage")
+    cmd.add_argument(
+        "--zero-hpz",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ZeRO-3 with ZeRO++'s secondary weight shard over N consecutive data-parallel "
+        "ranks (DeepSpeed zero_hpz_partition_size; default 1, off)",
+    )
     cmd.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     cmd.add_argument(
         "--schedule", default=DEFAULT_SCHEDULE, choices=SCHEDULES, help="pipeline schedule"
@@ -193,6 +202,15 @@ def _plan_args(cmd: argparse.ArgumentParser) -> None:
     for degree in ("tp", "cp", "pp", "ep", "etp", "micro-batch", "zero"):
         cmd.add_argument(f"--{degree}", type=int, nargs="+", default=None, help=f"allowed {degree}")
     cmd.add_argument("--schedule", nargs="+", choices=SCHEDULES, default=None, help="allowed")
+    cmd.add_argument(
+        "--zero-hpz",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="allowed ZeRO++ secondary shard sizes under ZeRO-3 (default 1, and a node's GPUs "
+        "where the framework has it and data parallelism spans nodes)",
+    )
     cmd.add_argument(
         "--cp-comm-type",
         nargs="+",

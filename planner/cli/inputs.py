@@ -143,6 +143,7 @@ def _flag_layout(args: argparse.Namespace, model: ModelSpec) -> Layout:
         cp=args.cp,
         cp_comm_type=args.cp_comm_type,
         cp_a2a_size=args.cp_a2a_size,
+        zero_hpz=args.zero_hpz,
         dp=args.gpus // world,
         ep=args.ep,
         etp=args.etp,

@@ -51,6 +51,7 @@ def _search_space(args: argparse.Namespace) -> SearchSpace:
         tp=args.tp,
         cp=args.cp,
         cp_comm_type=args.cp_comm_type,
+        zero_hpz=args.zero_hpz,
         pp=args.pp,
         ep=args.ep,
         etp=args.etp,
@@ -107,7 +108,8 @@ def _print_plan(result: Plan, model: ModelSpec, job: TrainingJob) -> None:
     out.print(
         f"[bold]{result.status}[/] ({gap}) after {result.solve_time_s:.1f} s over "
         f"{result.configurations} degree/schedule combinations. Layout: {lay.degrees()} "
-        f"ZeRO-{lay.zero} micro-batch {lay.micro_batch} x"
+        f"ZeRO-{lay.zero}{f' (ZeRO++ hpZ {lay.zero_hpz})' if lay.zero_hpz > 1 else ''} "
+        f"micro-batch {lay.micro_batch} x"
         f"{est.num_microbatches} {lay.schedule}"
         + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
         + (", SwiGLU inputs kept in FP8" if lay.fp8_cache else "")

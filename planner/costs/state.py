@@ -132,6 +132,12 @@ def state_bytes(
     # reads and writes an HBM EMA.
     gpu = 2 * out["optimizer"] + out["grads"] + out["weights"] + 2 * out["ema"]
     out["step_hbm"] = gpu - min(moved_rw, out["grads"] + out["weights"])
+    if z >= 3 and layout.zero_hpz > 1:
+        # ZeRO++'s secondary shard of every parameter, in its own dtype, from a step's first
+        # forward gather through its optimizer step, which clears it (DeepSpeed's
+        # partition_parameters.py _partition_param_sec at edaa7221: aligned numel / hpz
+        # elements; stage3.py _post_step -> invalidate_secondary_tensor)
+        out["weights"] += sum(p.numel / shards(p, layout) for p in params) * wb / layout.zero_hpz
     return out
 
 

@@ -232,10 +232,36 @@ def position_comm(
         zero_gather=_rates(network, "all_gather", dense, expert) if z >= 3 else (OFF, OFF),
         zero_reduce=_rates(network, "reduce_scatter", dense, expert) if z >= 2 else (OFF, OFF),
     )
+    if z >= 3 and layout.zero_hpz > 1:
+        comm = dataclasses.replace(
+            comm, zero_gather=_hpz_gather(network, job, layout, dense, expert)
+        )
     slice_s = framework(job.framework).zero3_slice_s
     if z >= 3 and slice_s is not None and len(set(dense)) > 1:
         comm = per_tensor_collectives(comm, slice_s, len(set(dense)))
     return comm
+
+
+def _hpz_gather(
+    network: Network, job: TrainingJob, layout: Layout, dense: list[int], expert: list[int]
+) -> tuple[Rate, Rate]:
+    """ZeRO-3's parameter gather under ZeRO++'s hierarchical partitioning
+    (``Layout.zero_hpz``), per gather: a step's first forward gathers each parameter from
+    the primary shards over the whole data-parallel group; every later gather, forward and
+    backward, from the secondary shards over ``zero_hpz`` consecutive ranks of it
+    (DeepSpeed's partition_parameters.py all_gather_coalesced: the secondary group wherever
+    ds_secondary_tensor is set; stage3.py _post_step clears it). Of a step's 2m gathers (a
+    forward and a backward for each of m micro-batches) one takes the whole group, so each
+    is priced at (whole + (2m - 1) x secondary) / 2m: exact over the step, the first
+    forward's extra spread over every micro-batch."""
+    m = job.global_batch // (layout.dp * layout.micro_batch)
+    whole = _rates(network, "all_gather", dense, expert)
+    inner = _rates(network, "all_gather", dense[: layout.zero_hpz], expert[: layout.zero_hpz])
+    w = 1 / (2 * m)
+    return tuple(  # type: ignore[return-value]
+        Rate(a.per_byte * w + b.per_byte * (1 - w), a.latency * w + b.latency * (1 - w))
+        for a, b in zip(whole, inner, strict=True)
+    )
 
 
 def per_tensor_collectives(comm: StageComm, slice_s: float, ranks: int) -> StageComm:

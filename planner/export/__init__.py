@@ -198,6 +198,7 @@ def uniform_1f1b(model: ModelSpec, layout: Layout) -> Layout:
         cp=layout.cp,
         cp_comm_type=layout.cp_comm_type,
         cp_a2a_size=layout.cp_a2a_size,
+        zero_hpz=layout.zero_hpz,
         dp=layout.dp,
         ep=layout.ep,
         etp=layout.etp,
@@ -264,6 +265,18 @@ def without_host_offload(layout: Layout, target: str, differences: list[str]) ->
         f"activation offload: {target} has none for a layer's saved tensors; runs them in HBM"
     )
     return layout.model_copy(update={"stages": stages})
+
+
+def without_hpz(layout: Layout, target: str, differences: list[str]) -> Layout:
+    """The layout without ZeRO++'s secondary shard (``Layout.zero_hpz``), for a target that
+    has none."""
+    if layout.zero_hpz == 1:
+        return layout
+    differences.append(
+        f"ZeRO++ hierarchical partitioning over {layout.zero_hpz} ranks: {target} has none; "
+        "every parameter gather runs over the whole data-parallel group"
+    )
+    return layout.model_copy(update={"zero_hpz": 1})
 
 
 def heaviest_choice(layout: Layout) -> str:

@@ -55,6 +55,7 @@ from planner.export import (
     settle,
     uniform_recompute,
     with_recompute,
+    without_hpz,
 )
 from planner.export.megatron_model import model_args
 from planner.frameworks import target
@@ -79,7 +80,7 @@ def megatron(plan: Plan) -> Export:
     """Megatron-LM arguments for ``plan`` (see the module docstring)."""
     model, _, job, planned = inputs(plan)
     differences: list[str] = []
-    runs = _schedule(planned, differences)
+    runs = without_hpz(_schedule(planned, differences), "Megatron-LM", differences)
     runs = settle(plan, _recompute_runs(runs, differences), differences)
     args, unstated = model_args(model, tp=runs.tp, seq_len=job.seq_len)
     differences += unstated

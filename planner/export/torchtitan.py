@@ -39,6 +39,7 @@ from planner.export import (
     settle,
     uniform_recompute,
     without_host_offload,
+    without_hpz,
 )
 from planner.export import with_recompute as _with_recompute
 from planner.export.flavors import flavors, mismatches
@@ -101,6 +102,7 @@ def torchtitan(plan: Plan) -> Export:
         differences.append("ZeRO-1: torchtitan's FSDP2 shards gradients too; runs ZeRO-2")
         runs = runs.model_copy(update={"zero": 2})
     runs = without_host_offload(runs, "torchtitan", differences)
+    runs = without_hpz(runs, "torchtitan", differences)
     choice = uniform_recompute(runs)
     if choice is None or choice not in ("none", "full"):
         nearest = heaviest_choice(runs) if choice is None else choice

@@ -72,10 +72,13 @@ _LANE_STATE: dict[tuple[str, int], _Lane] = {}  # per plan call and lane, in its
 def _variants(members: list[Config]) -> list[list[Config]]:
     """A set of degrees' members by what ``degrees_bound`` cannot take the leanest of: FP8
     caching (less memory, more compute), sequence parallelism and optimizer offload (less
-    memory, a slower optimizer step); in order of first appearance."""
+    memory, a slower optimizer step), the context parallelism's communication (the ring's
+    buffers against exposed all-to-alls and shorter attention blocks) and ZeRO++'s secondary
+    shard (more memory, faster gathers); in order of first appearance."""
     out: dict[tuple[object, ...], list[Config]] = {}
     for c in members:
-        out.setdefault((c.fp8_cache, c.sequence_parallel, c.optimizer_offload), []).append(c)
+        key = (c.fp8_cache, c.sequence_parallel, c.optimizer_offload, c.cp_comm_type)
+        out.setdefault((*key, c.cp_a2a_size, c.zero_hpz), []).append(c)
     return list(out.values())
 
 

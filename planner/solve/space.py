@@ -179,6 +179,7 @@ def _per_degrees(
     if tp == 1:  # no effect: one value
         sps = sps[:1]
     comms = cp_comm_choices(model, cluster, space, tp, cp)
+    hpzs = zero_hpz_choices(cluster, space, tp * cp * pp, dp)
     for zero, mb, schedule, ema in itertools.product(zeros, mbs, schedules, emas):
         entry = SCHEDULES.get(schedule)
         if entry is None:
@@ -196,13 +197,30 @@ def _per_degrees(
                 continue
             if not entry.runs(pp, m, v):
                 continue
-            for cache, sp, off, (comm, a2a) in itertools.product(caches, sps, offloads, comms):
+            for cache, sp, off, (comm, a2a), hpz in itertools.product(
+                caches, sps, offloads, comms, hpzs if zero == 3 else [1]
+            ):
                 if optimizer_offload_rule(job, off, zero):
                     continue
                 yield Config(
                     tp, pp, dp, ep, zero, mb, schedule, v, ema, m, cache, cp, sp, etp, off, listed,
-                    cp_comm_type=comm, cp_a2a_size=a2a,
+                    cp_comm_type=comm, cp_a2a_size=a2a, zero_hpz=hpz,
                 )  # fmt: skip
+
+
+def zero_hpz_choices(cluster: ClusterSpec, space: SearchSpace, others: int, dp: int) -> list[int]:
+    """The ``Layout.zero_hpz`` values searched under ZeRO-3: off, and where the framework
+    has ZeRO++'s hierarchical partitioning, the data parallelism is all there is (``others``
+    = tp * cp * pp = 1: DeepSpeed's groups are consecutive global ranks) and it spans
+    nodes, a secondary shard over each node's GPUs (DeepSpeed's ZeRO++ tutorial sets it to
+    the GPUs a node has); ``SearchSpace.zero_hpz`` pins them."""
+    rules = target_rules(space)
+    node = cluster.gpus_per_node
+    if space.zero_hpz is not None:
+        return [h for h in dict.fromkeys(space.zero_hpz) if h == 1 or not dp % h]
+    if rules is None or not rules.zero_hpz or others > 1 or dp <= node or dp % node:
+        return [1]
+    return [1, node]
 
 
 def cp_comm_choices(

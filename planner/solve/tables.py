@@ -84,6 +84,7 @@ class Config:
     recompute_extra: frozenset[str] = frozenset()
     cp_comm_type: str = "p2p"  # Layout.cp_comm_type (p2p wherever cp is 1)
     cp_a2a_size: int | None = None  # Layout.cp_a2a_size (a2a+p2p only)
+    zero_hpz: int = 1  # Layout.zero_hpz (ZeRO-3 only)
 
     @property
     def stages(self) -> int:
@@ -125,6 +126,7 @@ class Config:
             layout.optimizer_offload,
             cp_comm_type=layout.cp_comm_type if layout.cp > 1 else "p2p",
             cp_a2a_size=layout.cp_a2a_size if layout.cp > 1 else None,
+            zero_hpz=layout.zero_hpz,
         )
 
     def layout(self, model: ModelSpec, counts: list[int], recompute: dict[str, str]) -> Layout:
@@ -136,6 +138,7 @@ class Config:
             cp=self.cp,
             cp_comm_type=self.cp_comm_type,
             cp_a2a_size=self.cp_a2a_size,
+            zero_hpz=self.zero_hpz,
             dp=self.dp,
             ep=self.ep,
             etp=self.etp,
@@ -168,6 +171,7 @@ def tie_break(c: Config) -> tuple[object, ...]:
         c.cp,
         c.cp_comm_type,
         c.cp_a2a_size or 0,
+        c.zero_hpz,
         c.ep,
         c.etp,
         c.zero,
@@ -290,6 +294,8 @@ def build(
     same = cluster.gpus_per_node % plane == 0 or plane % cluster.gpus_per_node == 0
     comm = []
     comm_key = config.key(ignoring=_COMM_IGNORE)
+    if config.zero_hpz > 1:  # its gathers' mix depends on the micro-batches (_hpz_gather)
+        comm_key += (config.num_microbatches,)
     for s in range(stages):
         rank = 0 if same else first_rank(proto, s)
         position = _STAGE_COMM.get(
@@ -387,6 +393,7 @@ def prototype(model: ModelSpec, config: Config) -> Layout:
     base = dataclasses.replace(
         config,
         zero=1,
+        zero_hpz=1,
         micro_batch=1,
         ema="hbm",
         num_microbatches=1,
@@ -401,6 +408,7 @@ def prototype(model: ModelSpec, config: Config) -> Layout:
     return shape.model_copy(
         update={
             "zero": config.zero,
+            "zero_hpz": config.zero_hpz,
             "micro_batch": config.micro_batch,
             "ema": config.ema,
             "fp8_cache": config.fp8_cache,
