@@ -124,6 +124,7 @@ def check_space(job: TrainingJob, layout: Layout, space: SearchSpace) -> list[st
         ("etp", layout.etp, space.etp),
         ("zero", layout.zero, space.zero),
         ("zero_hpz", layout.zero_hpz, space.zero_hpz if layout.zero == 3 else None),
+        ("param_offload", layout.param_offload, space.param_offload if layout.zero == 3 else None),
         ("micro_batch", layout.micro_batch, space.micro_batch),
         ("schedule", layout.schedule, space.schedules),
         ("virtual_stages", layout.virtual_stages, space.virtual_stages),

@@ -354,6 +354,12 @@ def check_layout(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layou
             f" is {m}"
         )
     runs = framework(job.framework).launcher
+    if layout.param_offload and (runs is None or not runs.param_offload):
+        able = names_with(lambda f: bool(f.launcher and f.launcher.param_offload), quote=True)
+        raise PlannerError(
+            f"Layout.param_offload=True: ZeRO-3's weights on the host need framework={able} "
+            f"(offload_param); the job has framework={job.framework!r}"
+        )
     if layout.zero_hpz > 1 and (runs is None or not runs.zero_hpz):
         able = names_with(lambda f: bool(f.launcher and f.launcher.zero_hpz), quote=True)
         raise PlannerError(

@@ -86,6 +86,8 @@ class Launcher:
     cp_mla: bool = True
     # ZeRO++'s hierarchical partitioning (Layout.zero_hpz; DeepSpeed zero_hpz_partition_size)
     zero_hpz: bool = False
+    # ZeRO-3's weight shards on the host (Layout.param_offload; DeepSpeed offload_param)
+    param_offload: bool = False
     sequence_parallel: tuple[bool, ...] | None = None
     even_stages: bool = False
     pipeline_zero: tuple[int, ...] | None = None  # ZeRO stages allowed with pp > 1
@@ -377,6 +379,9 @@ FRAMEWORKS: dict[str, Framework] = {
             # zero_optimization.zero_hpz_partition_size (deepspeed/runtime/zero/config.py:309
             # at edaa7221): groups of consecutive global ranks (utils/groups.py:878-886)
             zero_hpz=True,
+            # zero_optimization.offload_param (runtime/zero/offload_config.py at edaa7221:
+            # "Valid only with stage 3")
+            param_offload=True,
             sequence_parallel=(False,),  # AutoTP all-reduces whole activations
         ),
     ),

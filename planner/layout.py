@@ -178,6 +178,12 @@ class Layout(Spec):
         "groups of this many consecutive data-parallel ranks, from which every parameter "
         "gather but a step's first forward one runs. 1: off.",
     )
+    param_offload: bool = Field(
+        default=False,
+        description="ZeRO-3's weight shards (and ZeRO++'s secondary ones) kept in pinned host "
+        "memory, each gather copying the rank's shard to the GPU over PCIe first (DeepSpeed "
+        "zero_optimization.offload_param; ZeRO-3 only).",
+    )
     micro_batch: int = Field(default=1, gt=0, description="Sequences per micro-batch.")
     num_microbatches: int | None = Field(
         default=None, gt=0, description="Micro-batches per step per pipeline (None: from the job)."
@@ -234,6 +240,11 @@ class Layout(Spec):
             raise PlannerError(
                 f"Layout.etp={self.etp}: ep*etp={self.ep * self.etp} must divide "
                 f"dp*cp*tp={self.plane}"
+            )
+        if self.param_offload and self.zero != 3:
+            raise PlannerError(
+                f"Layout.param_offload=True: the weights offloaded are ZeRO-3's shards; needs "
+                f"zero=3 (has {self.zero})"
             )
         if self.zero_hpz > 1 and (self.zero != 3 or self.grad_group % self.zero_hpz):
             raise PlannerError(
@@ -313,6 +324,7 @@ class Layout(Spec):
         ``tp=8 pp=16 dp=64 ep=1 ZeRO-1 mb1 interleaved v2`` (``sep`` as ``degrees``)."""
         v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
         hpz = f" hpZ{self.zero_hpz}" if self.zero_hpz > 1 else ""
+        hpz += " params-on-host" if self.param_offload else ""
         return f"{self.degrees(sep)} ZeRO-{self.zero}{hpz} mb{self.micro_batch} {self.schedule}{v}"
 
     @property

@@ -677,6 +677,11 @@ class SearchSpace(Spec):
         "tp, Megatron-LM's default).",
     )
     zero: list[Literal[0, 1, 2, 3]] | None = Field(default=None, description="Allowed ZeRO stages.")
+    param_offload: list[bool] | None = Field(
+        default=None,
+        description="Allowed Layout.param_offload values under ZeRO-3 (None: off; [False, "
+        "True] searches both where the framework has it, DeepSpeed's offload_param).",
+    )
     zero_hpz: list[int] | None = Field(
         default=None,
         description="Allowed Layout.zero_hpz values under ZeRO-3 (None: 1, and the GPUs a node "

@@ -104,3 +104,52 @@ def test_a_secondary_shard_that_does_not_fit_leaves_the_layout_without_it() -> N
     space = planner.SearchSpace(zero=[3], tp=[1], pp=[1], cp=[1], micro_batch=[1])
     plan = planner.plan(model, cluster, job, space, time_limit_s=5)
     assert plan.layout is not None and plan.layout.zero_hpz == 1
+
+
+# -- ZeRO-3's weight shards on the host (Layout.param_offload; DeepSpeed offload_param) --------
+# DeepSpeed keeps each parameter's ZeRO-3 shard (ds_tensor) in pinned host memory and copies
+# it to the GPU before the all-gather (runtime/zero/partition_parameters.py); the secondary
+# ZeRO++ shards sit on the same remote device (partition_parameters.py:1887-1891). The
+# optimizer's updated weights go back to the host.
+
+
+def test_offloaded_weights_leave_hbm_and_each_gather_copies_its_shard_in() -> None:
+    model = planner.load_model("llama3-70b")
+    cluster = planner.load_cluster("h100", gpus=16)
+    job = planner.TrainingJob(seq_len=4096, global_batch=16, framework="deepspeed")
+    base = planner.Layout.uniform(model, dp=16, zero=3, micro_batch=1, recompute="full")
+    off = base.model_copy(update={"param_offload": True})
+    a, b = (stage_memory(model, job, lay, num_microbatches=1)[0] for lay in (base, off))
+    shard = model_param_count(model) * 2 / 16  # BF16 weights over 16 ranks
+    assert a.buckets["weights"] == pytest.approx(shard)
+    assert b.buckets["weights"] == 0.0
+    assert b.host_bytes - a.host_bytes == pytest.approx(shard)
+    net = Network.of(cluster)
+    pcie = planner.costs.compute.Rates.of(cluster, job).pcie_Bps
+    ta, tb = (
+        planner.costs.timing.stage_times(model, cluster, job, lay, net)[0] for lay in (base, off)
+    )
+    gathered = ta.zero_gather.seconds  # the same gather, plus the shard's copy over PCIe
+    per_byte = (tb.zero_gather.seconds - gathered) / (shard / pcie)
+    assert per_byte == pytest.approx(1.0, rel=1e-6)
+    with pytest.raises(PlannerError, match=r"Layout.param_offload=True: .*zero=3 \(has 2\)"):
+        planner.Layout.uniform(model, dp=16, zero=2, param_offload=True)
+    config = json.loads(
+        planner.export.deepspeed(
+            planner.plan(
+                model,
+                cluster,
+                job,
+                planner.SearchSpace(
+                    zero=[3],
+                    tp=[1],
+                    pp=[1],
+                    micro_batch=[1],
+                    param_offload=[True],
+                    optimizer_offload=[1.0],
+                ),
+                time_limit_s=5,
+            )
+        ).files["ds_config.json"]
+    )
+    assert config["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True}

@@ -121,6 +121,7 @@ LAYOUT_DEFAULTS: dict[str, object] = {
     "schedule": DEFAULT_SCHEDULE, "virtual_stages": None, "recompute": "none",
     "fp8_cache": False, "ema_on_host": False, "optimizer_offload": 0.0, "offload_layers": 0,
     "no_sequence_parallel": False, "cp_comm_type": "p2p", "cp_a2a_size": None, "zero_hpz": 1,
+    "param_offload": False,
 }  # fmt: skip
 
 
@@ -175,6 +176,12 @@ def _layout_args(cmd: argparse.ArgumentParser) -> None:
         default=0.0,
         metavar="FRACTION",
         help="fraction of the optimizer state kept and stepped on the host (0 to 1; default 0)",
+    )
+    cmd.add_argument(
+        "--param-offload",
+        action="store_true",
+        help="ZeRO-3's weight shards in host memory, copied in over PCIe for each gather "
+        "(DeepSpeed offload_param)",
     )
     cmd.add_argument(
         "--offload-layers",
@@ -234,6 +241,11 @@ def _plan_args(cmd: argparse.ArgumentParser) -> None:
         metavar="FRACTION",
         help="allowed fractions of the optimizer state kept and stepped on the host, e.g. 0 1 "
         "(default 0: not searched; megatron with ZeRO-1, or deepspeed with 1)",
+    )
+    cmd.add_argument(
+        "--param-offload",
+        action="store_true",
+        help="also try ZeRO-3 with its weight shards in host memory (DeepSpeed offload_param)",
     )
     cmd.add_argument(
         "--sequence-parallel",

@@ -52,6 +52,7 @@ def _search_space(args: argparse.Namespace) -> SearchSpace:
         cp=args.cp,
         cp_comm_type=args.cp_comm_type,
         zero_hpz=args.zero_hpz,
+        param_offload=[False, True] if args.param_offload else None,
         pp=args.pp,
         ep=args.ep,
         etp=args.etp,
@@ -113,6 +114,7 @@ def _print_plan(result: Plan, model: ModelSpec, job: TrainingJob) -> None:
         f"{est.num_microbatches} {lay.schedule}"
         + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
         + (", SwiGLU inputs kept in FP8" if lay.fp8_cache else "")
+        + (", ZeRO-3 weights on the host" if lay.param_offload else "")
         + (", sequence parallelism off" if lay.tp > 1 and not lay.sequence_parallel else "")
         + (
             f", {lay.optimizer_offload:.0%} of the optimizer state on the host"

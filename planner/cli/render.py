@@ -61,6 +61,8 @@ def print_memory(name: str, layout: Layout, est: Estimate, margin: float) -> Non
         held = []
         if layout.optimizer_offload:
             held.append(f"{layout.optimizer_offload:.0%} of the optimizer state")
+        if layout.param_offload:
+            held.append("the ZeRO-3 weight shards")
         if layout.ema == "host":
             held.append("the EMA")
         offloaded = sum("offload" in b.recompute for s in layout.stages for b in s.blocks)

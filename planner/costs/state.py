@@ -138,6 +138,15 @@ def state_bytes(
         # partition_parameters.py _partition_param_sec at edaa7221: aligned numel / hpz
         # elements; stage3.py _post_step -> invalidate_secondary_tensor)
         out["weights"] += sum(p.numel / shards(p, layout) for p in params) * wb / layout.zero_hpz
+    if layout.param_offload:
+        # DeepSpeed's offload_param: the shards (and secondary shards: on the parameters'
+        # remote device, partition_parameters.py:1887-1891) live in pinned host memory. The
+        # GPU's part of the step sends its updated weights there over PCIe; an offloaded
+        # part's host step writes them in place, with no copy back to the GPU.
+        out["host"] += out["weights"]
+        out["step_d2h"] += out["weights"] * (1 - off)
+        out["step_h2d"] = 0.0
+        out["weights"] = 0.0
     return out
 
 

@@ -158,7 +158,8 @@ def stage_times(
     out = []
     for index, stage in enumerate(layout.stages):
         rank = first_rank(layout, index)
-        comm = stage_comm(position_comm(model, job, layout, network, shard, rank), *sends[index])
+        position = position_comm(model, job, layout, network, shard, rank, rates.pcie_Bps)
+        comm = stage_comm(position, *sends[index])
         rows: list[BlockRow] = []
         params: dict[str, Param] = {}
         for placed in stage.blocks:
@@ -211,7 +212,13 @@ def stage_bytes(
 
 
 def position_comm(
-    model: ModelSpec, job: TrainingJob, layout: Layout, network: Network, shard: Shard, rank: int
+    model: ModelSpec,
+    job: TrainingJob,
+    layout: Layout,
+    network: Network,
+    shard: Shard,
+    rank: int,
+    pcie_Bps: float = math.inf,
 ) -> StageComm:
     """The transfers of a stage held at ``rank``'s pipeline position, its sends aside (none:
     ``stage_comm`` adds them): its all-to-alls, and
@@ -236,10 +243,36 @@ def position_comm(
         comm = dataclasses.replace(
             comm, zero_gather=_hpz_gather(network, job, layout, dense, expert)
         )
+    if z >= 3 and layout.param_offload:
+        comm = dataclasses.replace(
+            comm, zero_gather=_from_host(comm.zero_gather, job, layout, dense, expert, pcie_Bps)
+        )
     slice_s = framework(job.framework).zero3_slice_s
     if z >= 3 and slice_s is not None and len(set(dense)) > 1:
         comm = per_tensor_collectives(comm, slice_s, len(set(dense)))
     return comm
+
+
+def _from_host(
+    gather: tuple[Rate, Rate],
+    job: TrainingJob,
+    layout: Layout,
+    dense: list[int],
+    expert: list[int],
+    pcie_Bps: float,
+) -> tuple[Rate, Rate]:
+    """ZeRO-3's gather with the shards on the host (``Layout.param_offload``): each first
+    copies the rank's shard to the GPU over PCIe (DeepSpeed's gather moves ds_tensor to the
+    device before the all-gather), a group-size-th of the gathered bytes (of the secondary
+    group's under ZeRO++, for all but a step's first forward gather), in series with it."""
+    m = job.global_batch // (layout.dp * layout.micro_batch)
+    w = 1 / (2 * m) if layout.zero_hpz > 1 else 1.0
+    out = []
+    for rate, ranks in zip(gather, (dense, expert), strict=True):
+        n = max(1, len(set(ranks)))
+        share = w / n + (1 - w) / min(n, layout.zero_hpz)
+        out.append(Rate(rate.per_byte + Transfer(share / pcie_Bps, 0.0, 0.0), rate.latency))
+    return out[0], out[1]
 
 
 def _hpz_gather(

@@ -199,6 +199,7 @@ def uniform_1f1b(model: ModelSpec, layout: Layout) -> Layout:
         cp_comm_type=layout.cp_comm_type,
         cp_a2a_size=layout.cp_a2a_size,
         zero_hpz=layout.zero_hpz,
+        param_offload=layout.param_offload,
         dp=layout.dp,
         ep=layout.ep,
         etp=layout.etp,
@@ -277,6 +278,15 @@ def without_hpz(layout: Layout, target: str, differences: list[str]) -> Layout:
         "every parameter gather runs over the whole data-parallel group"
     )
     return layout.model_copy(update={"zero_hpz": 1})
+
+
+def without_param_offload(layout: Layout, target: str, differences: list[str]) -> Layout:
+    """The layout with ZeRO-3's weight shards in HBM, for a target that cannot keep them
+    on the host."""
+    if not layout.param_offload:
+        return layout
+    differences.append(f"ZeRO-3 weights on the host: {target} keeps none there; runs them in HBM")
+    return layout.model_copy(update={"param_offload": False})
 
 
 def heaviest_choice(layout: Layout) -> str:

@@ -120,6 +120,12 @@ def deepspeed(plan: Plan) -> Export:
             # ZeRO++'s secondary shard over consecutive ranks (deepspeed/runtime/zero/
             # config.py:309, utils/groups.py:878-886 at edaa7221)
             **({"zero_hpz_partition_size": runs.zero_hpz} if runs.zero_hpz > 1 else {}),
+            # ZeRO-3's weight shards in pinned host memory (runtime/zero/offload_config.py)
+            **(
+                {"offload_param": {"device": "cpu", "pin_memory": True}}
+                if runs.param_offload
+                else {}
+            ),
             # ZeRO-Offload: the optimizer state and its step on the host, all of it
             # (deepspeed/runtime/zero/offload_config.py: valid with stages 1, 2 and 3)
             **(

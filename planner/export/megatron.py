@@ -56,6 +56,7 @@ from planner.export import (
     uniform_recompute,
     with_recompute,
     without_hpz,
+    without_param_offload,
 )
 from planner.export.megatron_model import model_args
 from planner.frameworks import target
@@ -81,6 +82,7 @@ def megatron(plan: Plan) -> Export:
     model, _, job, planned = inputs(plan)
     differences: list[str] = []
     runs = without_hpz(_schedule(planned, differences), "Megatron-LM", differences)
+    runs = without_param_offload(runs, "Megatron-LM", differences)
     runs = settle(plan, _recompute_runs(runs, differences), differences)
     args, unstated = model_args(model, tp=runs.tp, seq_len=job.seq_len)
     differences += unstated

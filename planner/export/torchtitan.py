@@ -40,6 +40,7 @@ from planner.export import (
     uniform_recompute,
     without_host_offload,
     without_hpz,
+    without_param_offload,
 )
 from planner.export import with_recompute as _with_recompute
 from planner.export.flavors import flavors, mismatches
@@ -103,6 +104,7 @@ def torchtitan(plan: Plan) -> Export:
         runs = runs.model_copy(update={"zero": 2})
     runs = without_host_offload(runs, "torchtitan", differences)
     runs = without_hpz(runs, "torchtitan", differences)
+    runs = without_param_offload(runs, "torchtitan", differences)
     choice = uniform_recompute(runs)
     if choice is None or choice not in ("none", "full"):
         nearest = heaviest_choice(runs) if choice is None else choice

@@ -78,7 +78,7 @@ def _variants(members: list[Config]) -> list[list[Config]]:
     out: dict[tuple[object, ...], list[Config]] = {}
     for c in members:
         key = (c.fp8_cache, c.sequence_parallel, c.optimizer_offload, c.cp_comm_type)
-        out.setdefault((*key, c.cp_a2a_size, c.zero_hpz), []).append(c)
+        out.setdefault((*key, c.cp_a2a_size, c.zero_hpz, c.param_offload), []).append(c)
     return list(out.values())
 
 

@@ -180,6 +180,7 @@ def _per_degrees(
         sps = sps[:1]
     comms = cp_comm_choices(model, cluster, space, tp, cp)
     hpzs = zero_hpz_choices(cluster, space, tp * cp * pp, dp)
+    params_off = param_offload_choices(space)
     for zero, mb, schedule, ema in itertools.product(zeros, mbs, schedules, emas):
         entry = SCHEDULES.get(schedule)
         if entry is None:
@@ -197,15 +198,31 @@ def _per_degrees(
                 continue
             if not entry.runs(pp, m, v):
                 continue
-            for cache, sp, off, (comm, a2a), hpz in itertools.product(
-                caches, sps, offloads, comms, hpzs if zero == 3 else [1]
-            ):
+            for cache, sp, off, (comm, a2a), hpz, params in itertools.product(
+                caches, sps, offloads, comms, hpzs if zero == 3 else [1],
+                params_off if zero == 3 else [False],
+            ):  # fmt: skip
                 if optimizer_offload_rule(job, off, zero):
                     continue
                 yield Config(
                     tp, pp, dp, ep, zero, mb, schedule, v, ema, m, cache, cp, sp, etp, off, listed,
-                    cp_comm_type=comm, cp_a2a_size=a2a, zero_hpz=hpz,
+                    cp_comm_type=comm, cp_a2a_size=a2a, zero_hpz=hpz, param_offload=params,
                 )  # fmt: skip
+
+
+def param_offload_choices(space: SearchSpace) -> list[bool]:
+    """The ``Layout.param_offload`` values to search under ZeRO-3: off unless the space asks
+    for more (like ``optimizer_offload``: it trades PCIe copies on every gather for the
+    weights' HBM, and doubles the configurations), and only where the framework has it."""
+    asked = list(dict.fromkeys(space.param_offload or [False]))
+    rules = target_rules(space)
+    if True in asked and (rules is None or not rules.param_offload):
+        able = names_with(lambda f: bool(f.launcher and f.launcher.param_offload), quote=True)
+        raise PlannerError(
+            f"SearchSpace.param_offload={space.param_offload}: ZeRO-3's weights on the host "
+            f"need framework={able}"
+        )
+    return asked
 
 
 def zero_hpz_choices(cluster: ClusterSpec, space: SearchSpace, others: int, dp: int) -> list[int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import operator
 from collections import Counter
 from collections.abc import Callable
@@ -85,6 +86,7 @@ class Config:
     cp_comm_type: str = "p2p"  # Layout.cp_comm_type (p2p wherever cp is 1)
     cp_a2a_size: int | None = None  # Layout.cp_a2a_size (a2a+p2p only)
     zero_hpz: int = 1  # Layout.zero_hpz (ZeRO-3 only)
+    param_offload: bool = False  # Layout.param_offload (ZeRO-3 only)
 
     @property
     def stages(self) -> int:
@@ -127,6 +129,7 @@ class Config:
             cp_comm_type=layout.cp_comm_type if layout.cp > 1 else "p2p",
             cp_a2a_size=layout.cp_a2a_size if layout.cp > 1 else None,
             zero_hpz=layout.zero_hpz,
+            param_offload=layout.param_offload,
         )
 
     def layout(self, model: ModelSpec, counts: list[int], recompute: dict[str, str]) -> Layout:
@@ -139,6 +142,7 @@ class Config:
             cp_comm_type=self.cp_comm_type,
             cp_a2a_size=self.cp_a2a_size,
             zero_hpz=self.zero_hpz,
+            param_offload=self.param_offload,
             dp=self.dp,
             ep=self.ep,
             etp=self.etp,
@@ -172,6 +176,7 @@ def tie_break(c: Config) -> tuple[object, ...]:
         c.cp_comm_type,
         c.cp_a2a_size or 0,
         c.zero_hpz,
+        c.param_offload,
         c.ep,
         c.etp,
         c.zero,
@@ -296,11 +301,13 @@ def build(
     comm_key = config.key(ignoring=_COMM_IGNORE)
     if config.zero_hpz > 1:  # its gathers' mix depends on the micro-batches (_hpz_gather)
         comm_key += (config.num_microbatches,)
+    pcie = Rates.of(cluster, job).pcie_Bps if config.param_offload else math.inf
+    comm_key += (pcie,)
     for s in range(stages):
         rank = 0 if same else first_rank(proto, s)
         position = _STAGE_COMM.get(
             (model, job, network, rank, config.copies, comm_key),
-            functools.partial(position_comm, model, job, proto, network, shard, rank),
+            functools.partial(position_comm, model, job, proto, network, shard, rank, pcie),
         )
         comm.append(stage_comm(position, *sends[s]))
     ranks = (
@@ -394,6 +401,7 @@ def prototype(model: ModelSpec, config: Config) -> Layout:
         config,
         zero=1,
         zero_hpz=1,
+        param_offload=False,
         micro_batch=1,
         ema="hbm",
         num_microbatches=1,
@@ -409,6 +417,7 @@ def prototype(model: ModelSpec, config: Config) -> Layout:
         update={
             "zero": config.zero,
             "zero_hpz": config.zero_hpz,
+            "param_offload": config.param_offload,
             "micro_batch": config.micro_batch,
             "ema": config.ema,
             "fp8_cache": config.fp8_cache,
