@@ -30,7 +30,7 @@ from planner.costs.memory import StageMemory, stage_memory
 from planner.costs.timing import StageTime, optimizer_time, stage_times
 from planner.data import package_file
 from planner.errors import PlannerError
-from planner.frameworks import framework, names_with
+from planner.frameworks import ZERO3_EXTRAS, framework, launchers_with
 from planner.layout import Layout, model_lacks, parse_recompute
 from planner.schedules import ep_overlap_forbids, schedule_of
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
@@ -354,19 +354,13 @@ def check_layout(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layou
             f" is {m}"
         )
     runs = framework(job.framework).launcher
-    if layout.param_offload and (runs is None or not runs.param_offload):
-        able = names_with(lambda f: bool(f.launcher and f.launcher.param_offload), quote=True)
-        raise PlannerError(
-            f"Layout.param_offload=True: ZeRO-3's weights on the host need framework={able} "
-            f"(offload_param); the job has framework={job.framework!r}"
-        )
-    if layout.zero_hpz > 1 and (runs is None or not runs.zero_hpz):
-        able = names_with(lambda f: bool(f.launcher and f.launcher.zero_hpz), quote=True)
-        raise PlannerError(
-            f"Layout.zero_hpz={layout.zero_hpz}: ZeRO++'s hierarchical partitioning needs "
-            f"framework={able} (zero_hpz_partition_size); the job has "
-            f"framework={job.framework!r}"
-        )
+    for field, what in ZERO3_EXTRAS.items():
+        value = getattr(layout, field)
+        if value not in (False, 1) and not (runs and getattr(runs, field)):
+            raise PlannerError(
+                f"Layout.{field}={value!r}: {what} needs framework={launchers_with(field)}; "
+                f"the job has framework={job.framework!r}"
+            )
     if layout.cp > 1 and layout.cp_a2a > 1:
         reason = a2a_rule(model, layout.tp, layout.cp_a2a)
         if reason:

@@ -504,6 +504,19 @@ def launcher(name: str) -> Launcher | None:
     return entry.launcher if entry is not None else None
 
 
+# The ZeRO-3 settings only some launchers state (Launcher fields of the same names), by what
+# each does in the framework's words.
+ZERO3_EXTRAS = {
+    "param_offload": "ZeRO-3's weights on the host (offload_param)",
+    "zero_hpz": "ZeRO++'s hierarchical partitioning (zero_hpz_partition_size)",
+}
+
+
+def launchers_with(field: str) -> str:
+    """The frameworks whose launcher states ``Launcher.<field>``, quoted, for an error."""
+    return names_with(lambda f: bool(f.launcher and getattr(f.launcher, field)), quote=True)
+
+
 def names_with(has: Callable[[Framework], object], *, quote: bool = False) -> str:
     """The frameworks that ``has`` a feature, for an error that names them
     (``megatron or deepspeed``; quoted: ``'megatron'``)."""

@@ -17,7 +17,14 @@ from planner.costs.blocks import Shard, a2a_rule, block_cost
 from planner.costs.state import optimizer_offload_rule
 from planner.errors import PlannerError
 from planner.estimate import MAX_MICROBATCHES, ep_overlap_unmet
-from planner.frameworks import Launcher, framework, launcher, names_with
+from planner.frameworks import (
+    ZERO3_EXTRAS,
+    Launcher,
+    framework,
+    launcher,
+    launchers_with,
+    names_with,
+)
 from planner.layout import parse_recompute
 from planner.schedules import SCHEDULES
 from planner.solve.tables import Config, choice_name
@@ -217,10 +224,9 @@ def param_offload_choices(space: SearchSpace) -> list[bool]:
     asked = list(dict.fromkeys(space.param_offload or [False]))
     rules = target_rules(space)
     if True in asked and (rules is None or not rules.param_offload):
-        able = names_with(lambda f: bool(f.launcher and f.launcher.param_offload), quote=True)
         raise PlannerError(
-            f"SearchSpace.param_offload={space.param_offload}: ZeRO-3's weights on the host "
-            f"need framework={able}"
+            f"SearchSpace.param_offload={space.param_offload}: {ZERO3_EXTRAS['param_offload']} "
+            f"needs framework={launchers_with('param_offload')}"
         )
     return asked
 
