@@ -130,6 +130,7 @@ class Framework:
     tp_overlap_hidden: float = 1.0
     # Memory: how its kernels and runtime hold tensors (``costs.memory``, ``costs.blocks``).
     compiles_loss: bool = False  # its loss may run under torch.compile (compiled_loss)
+    chunks_loss: bool = False  # its loss may run in chunks of tokens (loss_chunks)
     fp8_keeps_fp8_inputs: bool = False  # FP8 linears keep the FP8 copy of their input
     fp8_cache: bool = False  # a switch to keep the FP8 activation input (Layout.fp8_cache)
     probs_in_expert: bool = False  # routing probabilities applied inside the expert
@@ -311,6 +312,7 @@ FRAMEWORKS: dict[str, Framework] = {
         # to +10.2% and -5.5% on the ratio.
         tp_overlap_hidden=0.45,
         compiles_loss=True,
+        chunks_loss=True,
         loss_copies_logits=True,
         op_sac=True,
         zero_shards_weights_from=2,

@@ -422,6 +422,16 @@ class TrainingJob(Spec):
         return self
 
     @model_validator(mode="after")
+    def _loss_chunks_framework(self) -> TrainingJob:
+        if self.loss_chunks > 1 and not framework(self.framework).chunks_loss:
+            raise PlannerError(
+                f"TrainingJob.loss_chunks={self.loss_chunks}: framework={self.framework!r} runs "
+                f"the loss over the whole logits; chunking it is "
+                f"{names_with(lambda f: f.chunks_loss)}'s (ChunkedCELoss)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _loss_fusion_framework(self) -> TrainingJob:
         offered = framework(self.framework).loss_fusions
         if self.loss_fusion not in offered:
@@ -462,6 +472,8 @@ class TrainingJob(Spec):
         given = self.model_dump(include=self.model_fields_set - {"framework"})
         if not framework(name).compiles_loss:
             given.pop("compiled_loss", None)
+        if not framework(name).chunks_loss:
+            given.pop("loss_chunks", None)
         if given.get("loss_fusion") not in framework(name).loss_fusions:
             given.pop("loss_fusion", None)
         if not framework(name).expert_gemm_launch_s:
@@ -527,6 +539,19 @@ class TrainingJob(Spec):
         "compile.enable since April 2025, or an eager torch runtime that compiles it): the "
         "loss keeps the logits in the activation dtype and no FP32 copy. torchtitan and torch "
         "only.",
+    )
+    # torchtitan's ChunkedCELoss (torchtitan/components/loss.py; its recipes' loss since
+    # 786e26f8, 2026-04-27, num_chunks 8, after v0.2.2's TOML configs): the final norm's
+    # output is cut by token into chunks, and each chunk's output layer, loss and their
+    # backward run in forward, its input gradient gathered in an FP32 buffer.
+    loss_chunks: int = Field(
+        default=1,
+        ge=1,
+        description="The output layer and loss run over this many chunks of a micro-batch's "
+        "tokens, each chunk's backward at once (torchtitan's ChunkedCELoss num_chunks, 8 in "
+        "its recipes since April 2026): a chunk's logits live at a time, and an FP32 "
+        "gradient of the output layer's input is kept instead. 1: the whole logits at once. "
+        "torchtitan only.",
     )
     # Megatron-LM's fused cross-entropy (--cross-entropy-loss-fusion, with
     # --cross-entropy-fusion-impl; planner.costs.blocks prices what each holds). Megatron-LM's

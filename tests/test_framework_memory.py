@@ -362,6 +362,39 @@ def test_a_compiled_loss_keeps_bf16_logits_and_no_fp32_copy() -> None:
     assert not titan.with_framework("megatron").compiled_loss
 
 
+def test_a_chunked_loss_holds_one_chunk_of_logits_and_an_fp32_input_gradient() -> None:
+    """torchtitan's ChunkedCELoss (torchtitan/components/loss.py at b5bcd76c; its recipes'
+    loss since 2026-04-27, num_chunks 8): each chunk's output layer and loss run with their
+    backward at once, so an n-th of the logits' peak lives at a time (eager: the kept 4 and
+    the 8 above them a logit, measured on an H200), and an FP32 buffer of the output layer's
+    input gradient (GradAccumulator, dtype float32, every token) is kept to the layers'
+    backward instead of the log-softmax."""
+    small = LLAMA8.model_copy(update={"num_layers": 1})
+    layout = planner.Layout.uniform(small)
+    tokens, logits = 2048, 2048 * small.vocab_size
+    whole = planner.TrainingJob(seq_len=2048, global_batch=1, framework="torchtitan")
+    for n in (2, 8):
+        job = planner.TrainingJob(
+            seq_len=2048, global_batch=1, framework="torchtitan", loss_chunks=n
+        )
+        head = block_cost(small, "head", shard_of(job, layout))
+        assert head.transient == round(logits * (4 + 8) / n)
+        assert _group(head, "loss_input_grad") == tokens * small.hidden_size * 4
+        assert _group(head, "logits") == 0
+        before = stage_memory(small, whole, layout, num_microbatches=1)[0].buckets["activations"]
+        after = stage_memory(small, job, layout, num_microbatches=1)[0].buckets["activations"]
+        grad = tokens * small.hidden_size * 4
+        assert before - after == pytest.approx(logits * (4 + 8) - logits * 12 / n - grad, abs=1)
+    with pytest.raises(planner.PlannerError, match=r"TrainingJob.loss_chunks=8: .*megatron"):
+        planner.TrainingJob(seq_len=8, global_batch=1, loss_chunks=8)
+    titan = planner.TrainingJob(seq_len=8, global_batch=1, framework="torchtitan", loss_chunks=8)
+    assert titan.with_framework("megatron").loss_chunks == 1
+    # torchtitan's v0.2.2 TOML cannot state it: the export says so
+    one = planner.load_cluster("h100", gpus=1)
+    out = planner.export.torchtitan(plan_of(small, one, job, layout))
+    assert any("ChunkedCELoss.Config(num_chunks=8)" in d for d in out.differences)
+
+
 def test_deepseek_v3_recipe_fits_80_gb_as_it_did() -> None:
     """DeepSeek-V3 trained with this layout on 80 GB H800s (report section 3.2): FP8 linear
     inputs, SwiGLU inputs cached in FP8 with the output recomputed, RMSNorm and MLA

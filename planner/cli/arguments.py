@@ -105,6 +105,14 @@ def _job_args(cmd: argparse.ArgumentParser) -> None:
         "logits kept, no FP32 copy",
     )
     cmd.add_argument(
+        "--loss-chunks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torchtitan's ChunkedCELoss: the output layer and loss over N chunks of tokens, "
+        "each chunk's backward at once (its recipes use 8 since April 2026; default 1)",
+    )
+    cmd.add_argument(
         "--loss-fusion",
         default=None,
         choices=["none", "native", "te"],

@@ -155,6 +155,7 @@ class Shard:
     # The loss is compiled (TrainingJob.compiled_loss): it keeps the logits in the activation
     # dtype and writes their gradient in it, with no FP32 copy.
     loss_compiled: bool = False
+    loss_chunks: int = 1  # the output layer and loss over this many token chunks
     op_sac: bool = False  # per-op selective checkpointing is on the menu (torchtitan's; OP)
 
     @property
@@ -644,6 +645,9 @@ def _head(cost: BlockBuilder, model: ModelSpec, shard: Shard, *, prefix: str = "
     cost.gemm(Gemm(shard.tokens, v / shard.tp, h), quantized=False)
     elements = shard.tokens * v / shard.tp
     logits = elements * LOGIT_BYTES
+    if shard.loss_chunks > 1:
+        _chunked_loss(cost, shard, h, elements, prefix)
+        return
     if shard.loss_compiled:
         # One fused kernel forms the log-softmax from the logits as they are and, in backward,
         # their gradient in the same dtype: those logits are kept, and the gradient is what
@@ -695,6 +699,27 @@ def _head(cost: BlockBuilder, model: ModelSpec, shard: Shard, *, prefix: str = "
     elif shard.act_bytes < LOGIT_BYTES:
         cost.transient = max(cost.transient, round(elements * shard.act_bytes))
     cost.elementwise(2 * logits)  # fp32 softmax cross-entropy: read and write the logits
+
+
+def _chunked_loss(cost: BlockBuilder, shard: Shard, h: int, elements: float, prefix: str) -> None:
+    """torchtitan's ChunkedCELoss (``TrainingJob.loss_chunks``; torchtitan/components/loss.py
+    at b5bcd76c): the final norm's output, replicated over tp, is cut into n chunks of
+    tokens; each chunk's output layer and loss run and at once their backward (``chunk_loss.
+    backward()``), so one chunk's logits live at a time, at most what the whole loss holds
+    at its peak (the kept log-softmax and the most its forward or backward holds above it,
+    the copying loss's or the compiled one's), an n-th of it. Each chunk's input gradient
+    goes into an FP32 buffer of every token (GradAccumulator, dtype float32), kept to the
+    backward of the layers. The same FLOPs and traffic; the chunks' extra launches and the
+    head's backward moving into the forward are left out."""
+    a = shard.act_bytes
+    if shard.loss_compiled:
+        per_logit = 2 * a  # the kept logits and their gradient, in the activation dtype
+    else:
+        above = (3 if shard.tp > 1 else 2) * LOGIT_BYTES if shard.loss_copies_logits else a
+        per_logit = LOGIT_BYTES + above
+    cost.save(prefix + "loss_input_grad", shard.tokens * h * DTYPE_BYTES["fp32"])
+    cost.transient = max(cost.transient, round(elements * per_logit / shard.loss_chunks))
+    cost.elementwise(2 * elements * LOGIT_BYTES)
 
 
 def _saved_norm(

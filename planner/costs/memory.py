@@ -188,6 +188,7 @@ def shard_of(job: TrainingJob, layout: Layout) -> Shard:
         probs_in_expert=fw.probs_in_expert,
         loss_copies_logits=fw.loss_copies_logits,
         loss_compiled=job.compiled_loss,
+        loss_chunks=job.loss_chunks,
         loss_fusion=job.loss_fusion,
         unfused_norm=fw.unfused_norm,
         unfused_swiglu=fw.unfused_swiglu,

@@ -146,6 +146,13 @@ def torchtitan(plan: Plan) -> Export:
         sections["activation_checkpoint"]["selective_ac_option"] = "op"
     if job.compute_dtype == "fp8":
         sections["model"]["converters"] = ["quantize.linear.float8"]
+    if job.loss_chunks > 1:
+        differences.append(
+            f"the loss in {job.loss_chunks} chunks (ChunkedCELoss): v0.2.2's TOML has no "
+            "chunked loss; torchtitan's Python configs since 786e26f8 (2026-04-27) state "
+            f"loss=ChunkedCELoss.Config(num_chunks={job.loss_chunks}), else the whole logits "
+            "are held"
+        )
     if job.compiled_loss:  # the loss compiled as costed (and the model: one switch)
         sections["compile"] = {"enable": True, "components": ["model", "loss"]}
     if runs.tp > 1 and job.tp_comm_overlap:
