@@ -265,14 +265,22 @@ def _from_host(
     copies the rank's shard to the GPU over PCIe (DeepSpeed's gather moves ds_tensor to the
     device before the all-gather), a group-size-th of the gathered bytes (of the secondary
     group's under ZeRO++, for all but a step's first forward gather), in series with it."""
-    m = job.global_batch // (layout.dp * layout.micro_batch)
-    w = 1 / (2 * m) if layout.zero_hpz > 1 else 1.0
+    w = _whole_share(job, layout)
     out = []
     for rate, ranks in zip(gather, (dense, expert), strict=True):
         n = max(1, len(set(ranks)))
         share = w / n + (1 - w) / min(n, layout.zero_hpz)
         out.append(Rate(rate.per_byte + Transfer(share / pcie_Bps, 0.0, 0.0), rate.latency))
     return out[0], out[1]
+
+
+def _whole_share(job: TrainingJob, layout: Layout) -> float:
+    """Of a step's 2m ZeRO-3 gathers (a forward and a backward for each of m micro-batches),
+    the share over the whole data-parallel group: all, or under ZeRO++'s hierarchical
+    partitioning a step's first forward one alone (``_hpz_gather``)."""
+    if layout.zero_hpz == 1:
+        return 1.0
+    return 1 / (2 * (job.global_batch // (layout.dp * layout.micro_batch)))
 
 
 def _hpz_gather(
@@ -287,10 +295,9 @@ def _hpz_gather(
     forward and a backward for each of m micro-batches) one takes the whole group, so each
     is priced at (whole + (2m - 1) x secondary) / 2m: exact over the step, the first
     forward's extra spread over every micro-batch."""
-    m = job.global_batch // (layout.dp * layout.micro_batch)
     whole = _rates(network, "all_gather", dense, expert)
     inner = _rates(network, "all_gather", dense[: layout.zero_hpz], expert[: layout.zero_hpz])
-    w = 1 / (2 * m)
+    w = _whole_share(job, layout)
     return tuple(  # type: ignore[return-value]
         Rate(a.per_byte * w + b.per_byte * (1 - w), a.latency * w + b.latency * (1 - w))
         for a, b in zip(whole, inner, strict=True)

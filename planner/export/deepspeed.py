@@ -51,6 +51,8 @@ from planner.solve.result import Plan
 from planner.specs import ModelSpec
 
 COMMIT = "edaa7221267243c7be7fb49c5d5f5c4fb97b4641"
+# What a layout drops with ZeRO-3 (ZeRO++'s secondary shard, the weights on the host)
+ZERO3_ONLY = {"zero_hpz": 1, "param_offload": False}
 
 
 def deepspeed(plan: Plan) -> Export:
@@ -80,13 +82,13 @@ def deepspeed(plan: Plan) -> Export:
             f"ZeRO-{runs.zero} with pipeline parallelism: DeepSpeed allows ZeRO-0/1 only; runs "
             "ZeRO-1"
         )
-        runs = runs.model_copy(update={"zero": 1})
+        runs = runs.model_copy(update={"zero": 1, **ZERO3_ONLY})
     if runs.tp > 1 and runs.zero == 3:
         differences.append(
             "ZeRO-3 with tensor parallelism: DeepSpeed's AutoTP asserts ZeRO stage <= 2 "
             "(deepspeed/runtime/engine.py); runs ZeRO-2"
         )
-        runs = runs.model_copy(update={"zero": 2})
+        runs = runs.model_copy(update={"zero": 2, **ZERO3_ONLY})
     runs = without_host_offload(runs, "DeepSpeed", differences)
     choice = uniform_recompute(runs)
     if choice not in ("none", "full"):
