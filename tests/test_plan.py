@@ -5,6 +5,7 @@ the space it was searched in (the ``plan_checked`` fixture, tests/conftest.py)."
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -674,3 +675,35 @@ def test_a_step_of_too_many_micro_batches_is_refused_before_any_work() -> None:
     configs = list(enumerate_configs(model, cluster, edge, planner.SearchSpace()))
     assert configs and max(c.num_microbatches for c in configs) <= MAX_MICROBATCHES
     assert min(c.num_microbatches for c in configs) == MAX_MICROBATCHES // 8
+
+
+def test_an_earlier_plan_is_replanned_for_another_gpu_count(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``planner plan --from plan.json --gpus N``: the earlier plan's model, machine and job
+    on N GPUs, its layout a hint; the plan is the one a fresh search of that job finds (both
+    proven here), and the output says what changed."""
+    from planner.cli import main
+
+    job = ["--seq-len", "2048", "--global-batch", "32", "--time-limit", "5", "--pp", "1"]
+    args = ["plan", "--model", "llama3-8b", "--cluster", "h100", *job, "--tp", "1", "2"]
+    assert main([*args, "--gpus", "16", "--json"]) == 0
+    saved = tmp_path / "plan.json"
+    saved.write_text(capsys.readouterr().out)
+    assert main(["plan", "--from", str(saved), "--gpus", "8", "--json"]) == 0
+    again = planner.Plan.model_validate_json(capsys.readouterr().out)
+    assert main([*args, "--gpus", "8", "--json"]) == 0
+    fresh = planner.Plan.model_validate_json(capsys.readouterr().out)
+    assert again.status == fresh.status == "optimal"
+    assert again.estimate and fresh.estimate and again.cluster and again.cluster.num_gpus == 8
+    assert again.estimate.step_time_s == pytest.approx(fresh.estimate.step_time_s, rel=1e-9)
+    assert main(["plan", "--from", str(saved), "--gpus", "8"]) == 0
+    assert "Since the earlier plan on 16 GPUs" in capsys.readouterr().out.replace("\n", " ")
+    # refused in one line: another job's flags beside it, a file that is not a plan
+    assert main(["plan", "--from", str(saved), "--model", "llama3-70b"]) == 2
+    assert "--model: --from=" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"layout": 1}')
+    assert main(["plan", "--from", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a plan" in err

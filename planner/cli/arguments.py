@@ -218,6 +218,14 @@ def _plan_args(cmd: argparse.ArgumentParser) -> None:
         cmd.add_argument(f"--{degree}", type=int, nargs="+", default=None, help=f"allowed {degree}")
     cmd.add_argument("--schedule", nargs="+", choices=SCHEDULES, default=None, help="allowed")
     cmd.add_argument(
+        "--from",
+        dest="from_plan",
+        default=None,
+        metavar="PLAN_JSON",
+        help="re-plan an earlier plan (planner plan --json) for its model, machine and job, on "
+        "--gpus N if given, starting from its layout; says what changed",
+    )
+    cmd.add_argument(
         "--zero-hpz",
         type=int,
         nargs="+",

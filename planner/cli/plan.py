@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rich.console import Console
 
@@ -27,11 +28,21 @@ def plan_command(args: argparse.Namespace) -> bool:
     if args.plot:
         picture_paths(args.plot, option="--plot")  # a bad suffix fails before the search
     positive_seconds(args.time_limit)
-    model, cluster, job = model_cluster_job(args)
+    earlier = earlier_plan(args) if args.from_plan else None
+    if earlier is not None:
+        assert earlier.model and earlier.cluster and earlier.job  # earlier_plan checked them
+        model, job = earlier.model, earlier.job
+        gpus = args.gpus or earlier.cluster.num_gpus
+        cluster = earlier.cluster.model_copy(update={"num_gpus": gpus})
+    else:
+        model, cluster, job = model_cluster_job(args)
     space = _search_space(args)
+    if earlier is not None and space == SearchSpace() and earlier.space is not None:
+        space = earlier.space.model_copy(update={"dp": None})  # the degrees follow the GPUs
+    hints = [earlier.layout] if earlier is not None and earlier.layout is not None else []
     console = Console(width=max(Console().width, 132), stderr=True)
     with console.status(f"planning {model.name} on {cluster.num_gpus} x {cluster.name} ..."):
-        result = plan(model, cluster, job, space, time_limit_s=args.time_limit)
+        result = plan(model, cluster, job, space, time_limit_s=args.time_limit, hints=hints)
     if args.plot and result.estimate is not None:
         plot_estimate(args.plot, result.estimate, model.name)
     found = result.layout is not None and result.estimate is not None
@@ -42,7 +53,55 @@ def plan_command(args: argparse.Namespace) -> bool:
         _print_infeasible(result)
         return False
     _print_plan(result, model, job)
+    if earlier is not None:
+        _print_changes(earlier, result)
     return True
+
+
+def earlier_plan(args: argparse.Namespace) -> Plan:
+    """The plan ``--from`` names, with the model, machine and job it was made for; the flags
+    that would state another job refused beside it (``--gpus`` aside)."""
+    path = args.from_plan
+    given = [
+        f for f in ("model", "cluster", "seq_len", "global_batch", "recipe") if getattr(args, f)
+    ]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise PlannerError(
+            f"{flag}: --from={path!r} states the model, machine and job (only --gpus may "
+            "change); leave it out"
+        )
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise PlannerError(f"--from={path!r}: cannot read ({exc.strerror})") from None
+    try:
+        found = Plan.model_validate_json(text)
+    except (ValueError, PlannerError) as exc:
+        first = str(exc).splitlines()[0]
+        raise PlannerError(f"--from={path!r}: not a plan (planner plan --json): {first}") from None
+    if found.model is None or found.cluster is None or found.job is None:
+        raise PlannerError(f"--from={path!r}: the plan does not say its model, machine and job")
+    return found
+
+
+def _print_changes(earlier: Plan, result: Plan) -> None:
+    """What the re-plan changed: GPUs, layout, step time and throughput per GPU."""
+    out = Console(width=max(Console().width, 132))
+    assert earlier.cluster is not None and result.layout and result.estimate
+    new = f"{result.layout.shape()} on {result.layout.world_size} GPUs"
+    if earlier.layout is None or earlier.estimate is None:
+        out.print(f"Since the earlier plan (infeasible on {earlier.cluster.num_gpus} GPUs): {new}.")
+        return
+    old, est = earlier.estimate, result.estimate
+    same = earlier.layout.shape() == result.layout.shape()
+    out.print(
+        f"Since the earlier plan on {earlier.cluster.num_gpus} GPUs: "
+        + ("the same degrees and schedule" if same else f"{earlier.layout.shape()} -> {new}")
+        + f"; step {old.step_time_s:.3f} s -> {est.step_time_s:.3f} s; "
+        f"{old.tokens_per_s / earlier.layout.world_size:,.0f} -> "
+        f"{est.tokens_per_s / result.layout.world_size:,.0f} tokens/s per GPU."
+    )
 
 
 def _search_space(args: argparse.Namespace) -> SearchSpace:
