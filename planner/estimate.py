@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.costs.activations import extended, long_step
-from planner.costs.blocks import a2a_rule, block_names
+from planner.costs.blocks import block_names
 from planner.costs.cap import usable_hbm, usable_peak_bytes
 from planner.costs.comm import Network
 from planner.costs.memory import StageMemory, stage_memory
@@ -361,10 +361,6 @@ def check_layout(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layou
                 f"Layout.{field}={value!r}: {what} needs framework={launchers_with(field)}; "
                 f"the job has framework={job.framework!r}"
             )
-    if layout.cp > 1 and layout.cp_a2a > 1:
-        reason = a2a_rule(model, layout.tp, layout.cp_a2a)
-        if reason:
-            raise PlannerError(f"Layout.cp_comm_type={layout.cp_comm_type!r}: {reason}")
     overlap_rule = ep_overlap_rule(model, job, layout)
     if overlap_rule:
         raise PlannerError(f"Layout.schedule={layout.schedule!r}: {overlap_rule}")

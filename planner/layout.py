@@ -323,9 +323,9 @@ class Layout(Spec):
         """The degrees, ZeRO stage, micro-batch and schedule as text:
         ``tp=8 pp=16 dp=64 ep=1 ZeRO-1 mb1 interleaved v2`` (``sep`` as ``degrees``)."""
         v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
-        hpz = f" hpZ{self.zero_hpz}" if self.zero_hpz > 1 else ""
-        hpz += " params-on-host" if self.param_offload else ""
-        return f"{self.degrees(sep)} ZeRO-{self.zero}{hpz} mb{self.micro_batch} {self.schedule}{v}"
+        zero = f"ZeRO-{self.zero}" + (f" hpZ{self.zero_hpz}" if self.zero_hpz > 1 else "")
+        zero += " params-on-host" if self.param_offload else ""
+        return f"{self.degrees(sep)} {zero} mb{self.micro_batch} {self.schedule}{v}"
 
     @property
     def plane(self) -> int:

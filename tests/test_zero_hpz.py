@@ -88,12 +88,14 @@ def test_the_search_weighs_it_and_deepspeed_exports_it() -> None:
     assert config["zero_optimization"]["zero_hpz_partition_size"] == 8
     titan = planner.TrainingJob(seq_len=4096, global_batch=256, framework="torchtitan")
     assert planner.plan(LLAMA, H100, titan, space, time_limit_s=5).layout.zero_hpz == 1  # type: ignore[union-attr]
+    pinned = space.model_copy(update={"zero_hpz": [8]})
+    with pytest.raises(PlannerError, match=r"SearchSpace.zero_hpz=\[8\]: .*framework='deepspeed'"):
+        planner.plan(LLAMA, H100, titan, pinned, time_limit_s=5)
 
 
 def test_a_secondary_shard_that_does_not_fit_leaves_the_layout_without_it() -> None:
     """Llama 3 70B under ZeRO-3 on 24 H100: its 17.6 GB secondary shard (70.6B x 2 B / 8)
-    puts a rank over the cap, the plain layout fits: the search must not let the one that
-    does not fit stand for the one that does."""
+    puts a rank over the cap, the plain layout fits: the search returns the plain one."""
     model = planner.load_model("llama3-70b")
     cluster = planner.load_cluster("h100", gpus=24)
     job = planner.TrainingJob(seq_len=4096, global_batch=24, framework="deepspeed")

@@ -580,7 +580,8 @@ def _check_shard(model: ModelSpec, shard: Shard) -> None:
     if shard.cp_a2a > 1:
         reason = a2a_rule(model, shard.tp, shard.cp_a2a)
         if reason:
-            raise PlannerError(f"Layout.cp_comm_type: {reason}")
+            kind = "a2a" if shard.cp_a2a == shard.cp else "a2a+p2p"
+            raise PlannerError(f"Layout.cp_comm_type={kind!r}: {reason}")
 
 
 def a2a_rule(model: ModelSpec, tp: int, a2a: int) -> str:

@@ -222,13 +222,19 @@ def param_offload_choices(space: SearchSpace) -> list[bool]:
     for more (like ``optimizer_offload``: it trades PCIe copies on every gather for the
     weights' HBM, and doubles the configurations), and only where the framework has it."""
     asked = list(dict.fromkeys(space.param_offload or [False]))
-    rules = target_rules(space)
-    if True in asked and (rules is None or not rules.param_offload):
-        raise PlannerError(
-            f"SearchSpace.param_offload={space.param_offload}: {ZERO3_EXTRAS['param_offload']} "
-            f"needs framework={launchers_with('param_offload')}"
-        )
+    _launched(space, "param_offload", True in asked)
     return asked
+
+
+def _launched(space: SearchSpace, field: str, asked: bool) -> None:
+    """Refuse in one line a ZeRO-3 setting (``frameworks.ZERO3_EXTRAS``) the space asks for
+    where its framework's launcher cannot state it."""
+    rules = target_rules(space)
+    if asked and not (rules is not None and getattr(rules, field)):
+        raise PlannerError(
+            f"SearchSpace.{field}={getattr(space, field)}: {ZERO3_EXTRAS[field]} needs "
+            f"framework={launchers_with(field)}"
+        )
 
 
 def zero_hpz_choices(cluster: ClusterSpec, space: SearchSpace, others: int, dp: int) -> list[int]:
@@ -240,6 +246,7 @@ def zero_hpz_choices(cluster: ClusterSpec, space: SearchSpace, others: int, dp: 
     rules = target_rules(space)
     node = cluster.gpus_per_node
     if space.zero_hpz is not None:
+        _launched(space, "zero_hpz", max(space.zero_hpz) > 1)
         return [h for h in dict.fromkeys(space.zero_hpz) if h == 1 or not dp % h]
     if rules is None or not rules.zero_hpz or others > 1 or dp <= node or dp % node:
         return [1]
