@@ -42,6 +42,8 @@ from typing import Any
 
 import yaml
 
+from planner.logs.megatron import Args, Unstated, as_list, row_of
+
 HERE = Path(__file__).resolve().parent
 CASES = "tests/functional_tests/test_cases"
 RECIPES = "tests/test_utils/recipes"
@@ -224,32 +226,7 @@ ENV_NO_SPEED = {
     "THROUGHPUT_START_STEP",
 }
 
-# Arguments that make a run the planner cannot state: argument -> why.
-UNSTATED = {
-    "--multi-latent-attention": "multi-latent attention (no GPT spec key)",
-    "--mtp-num-layers": "multi-token prediction (no GPT spec key)",
-    "--experimental-attention-variant": "experimental attention variant",
-    "--pipeline-model-parallel-layout": "pipeline layout string (uneven split)",
-    "--decoder-first-pipeline-num-layers": "uneven pipeline split",
-    "--decoder-last-pipeline-num-layers": "uneven pipeline split",
-    "--account-for-embedding-in-pipeline-split": "uneven pipeline split",
-    "--account-for-loss-in-pipeline-split": "uneven pipeline split",
-    "--squared-relu": "squared-ReLU MLP (no GPT spec key)",
-    "--quick-geglu": "quick-GeGLU MLP (no GPT spec key)",
-    "--window-size": "sliding-window attention (no GPT spec key)",
-    "--attention-output-gate": "attention output gate (no GPT spec key)",
-    "--export-kd-teacher-load": "knowledge distillation (a teacher forward per step)",
-    "--step-batch-size-schedule": "batch-size schedule",
-    "--rampup-batch-size": "batch-size ramp-up",
-    "--fine-grained-activation-offloading": "fine-grained activation offloading",
-    "--heterogeneous-layers-config-path": "heterogeneous layers",
-    "--add-qkv-bias": "q/k/v bias apart from the linear biases (no GPT spec key)",
-    "--qk-layernorm": "qk-layernorm (no GPT spec key)",
-}
-
-
-class Skip(Exception):
-    """A case or golden file that gives no row; the message is the reason counted."""
+Skip = Unstated  # a case or golden file that gives no row; the message is the reason counted
 
 
 @dataclass(frozen=True)
@@ -350,74 +327,6 @@ def measure(golden_text: str) -> Measured:
     )
 
 
-class Args:
-    """A run's MODEL_ARGS; ``stated`` records each Megatron-LM default taken for a missing
-    argument, for the row's notes."""
-
-    def __init__(self, values: dict[str, Any]) -> None:
-        self.values = values
-        self.defaults: list[str] = []
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.values
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.values.get(key, default)
-
-    def stated(self, key: str, default: Any) -> Any:
-        if key in self.values:
-            return self.values[key]
-        self.defaults.append(f"{key.removeprefix('--')} {default}")
-        return default
-
-
-def padded_vocab(args: Args, tp: int) -> int:
-    """The vocabulary size the run used: the tokenizer's, padded up to a multiple of
-    --make-vocab-size-divisible-by x tp, as Megatron-LM pads it."""
-    if "--padded-vocab-size" in args:
-        return int(args.get("--padded-vocab-size"))
-    kind = args.stated("--tokenizer-type", "GPT2BPETokenizer")  # pretrain_gpt.py's default
-    if kind == "GPT2BPETokenizer":
-        vocab = 50257  # the GPT-2 BPE vocabulary (vocab.json)
-    elif kind == "NullTokenizer" and "--vocab-size" in args:
-        vocab = int(args.get("--vocab-size"))
-    elif kind == "TikTokenizer":
-        vocab = int(args.stated("--vocab-size", 2**17))  # DEFAULT_TIKTOKEN_MAX_VOCAB
-    else:
-        raise Skip(f"vocabulary of {kind} not stated in the config")
-    multiple = int(args.stated("--make-vocab-size-divisible-by", 128)) * tp
-    return math.ceil(vocab / multiple) * multiple
-
-
-def layer_pattern(value: Any, layers: int) -> tuple[int, int]:
-    """(first dense layers, MoE every k-th layer) of --moe-layer-freq: an integer k, or a
-    pattern such as ``([0]*3+[1]*11)``; Skip if ModelSpec cannot express it."""
-    text = str(value).strip()
-    if text.isdigit():
-        return 0, int(text)
-    pattern: list[int] = []
-    for term in text.strip("()").split("+"):
-        match = re.fullmatch(r"\s*\[([01,\s]+)\]\s*(?:\*\s*(\d+))?\s*", term)
-        if not match:
-            raise Skip("moe-layer-freq pattern not parsed")
-        items = [int(x) for x in match.group(1).replace(",", " ").split()]
-        pattern += items * int(match.group(2) or 1)
-    if len(pattern) != layers:
-        raise Skip("moe-layer-freq pattern does not cover the layers")
-    dense = next((i for i, x in enumerate(pattern) if x), layers)
-    for freq in range(1, layers + 1):
-        if all(x == (i >= dense and i % freq == 0) for i, x in enumerate(pattern)):
-            return dense, freq
-    raise Skip("moe-layer-freq pattern not expressible (dense layers, then every k-th)")
-
-
-def as_list(value: Any) -> list[str]:
-    """A multi-valued argument (``[a b]`` or a YAML list) as its items."""
-    if isinstance(value, list):
-        return " ".join(str(v) for v in value).split()
-    return str(value).strip("[]").split()
-
-
 def check_case(model_dir: str, config: dict[str, Any]) -> None:
     """Skip a case that is no GPT/MoE training run with a stated GPU count."""
     if model_dir in OTHER_FAMILIES:
@@ -427,83 +336,6 @@ def check_case(model_dir: str, config: dict[str, Any]) -> None:
         raise Skip(f"{mode} test")
     if config.get("TEST_TYPE") == "release":
         raise Skip("release test: no recipe at this commit states its GPU count")
-
-
-def model_spec(args: Args, tp: int, notes: list[str]) -> str:
-    """The GPT spec (``planner.fit.GPT_KEYS``) of the run's model."""
-    hidden = int(args.get("--hidden-size"))
-    heads = int(args.get("--num-attention-heads"))
-    layers = int(args.get("--num-layers"))
-    if int(args.get("--kv-channels", hidden // heads)) * heads != hidden:
-        raise Skip("kv-channels x heads != hidden (no GPT spec key)")
-    dropout = float(args.stated("--hidden-dropout", 0.1))
-    if float(args.stated("--attention-dropout", 0.1)) != dropout:
-        raise Skip("hidden and attention dropout differ (one GPT spec key)")
-    spec = [f"hidden={hidden}", f"layers={layers}", f"heads={heads}"]
-    spec.append(f"vocab={padded_vocab(args, tp)}")
-    if args.get("--group-query-attention"):  # else Megatron-LM ignores --num-query-groups
-        kv = int(args.stated("--num-query-groups", 1))
-        if kv != heads:
-            spec.append(f"kv={kv}")
-    swiglu = bool(args.get("--swiglu"))
-    if "--ffn-hidden-size" in args:
-        ffn = int(args.get("--ffn-hidden-size"))
-    elif swiglu:
-        ffn = int((4 * hidden * 2 / 3) / 64) * 64  # arguments.py's SwiGLU default
-        args.defaults.append(f"ffn-hidden-size {ffn} (SwiGLU)")
-    else:
-        ffn = 4 * hidden
-    if ffn != 4 * hidden:
-        spec.append(f"ffn={ffn}")
-    if swiglu:
-        spec.append("swiglu=1")
-    if args.stated("--normalization", "LayerNorm") == "RMSNorm":
-        spec.append("rmsnorm=1")
-    position = args.stated("--position-embedding-type", "learned_absolute")
-    if args.get("--use-rotary-position-embeddings"):
-        position = "rope"
-    if position in ("rope", "yarn"):
-        spec.append("rope=1")
-    elif position != "learned_absolute":
-        raise Skip(f"position embedding {position} (no GPT spec key)")
-    elif int(args.get("--max-position-embeddings")) != int(args.get("--seq-length")):
-        notes.append(f"{args.get('--max-position-embeddings')} learned position rows")
-    if args.get("--disable-bias-linear"):
-        spec.append("bias=0")
-    if args.get("--untie-embeddings-and-output-weights"):
-        spec.append("tied=0")
-    if dropout:
-        spec.append(f"dropout={dropout:g}")
-    experts = int(args.get("--num-experts") or 0)
-    if experts:
-        spec += moe_spec(args, experts, ffn, layers)
-    return "gpt:" + ";".join(spec)
-
-
-def moe_spec(args: Args, experts: int, ffn: int, layers: int) -> list[str]:
-    """The GPT spec's MoE keys."""
-    spec = [f"experts={experts}", f"topk={int(args.stated('--moe-router-topk', 2))}"]
-    if int(args.get("--moe-ffn-hidden-size") or ffn) != ffn:
-        spec.append(f"moeffn={int(args.get('--moe-ffn-hidden-size'))}")
-    if args.get("--moe-shared-expert-intermediate-size"):
-        spec.append(f"shared={int(args.get('--moe-shared-expert-intermediate-size'))}")
-        if args.get("--moe-shared-expert-gate"):
-            spec.append("sgate=1")
-    if "--moe-layer-freq" in args:
-        dense, freq = layer_pattern(args.get("--moe-layer-freq"), layers)
-        spec += [f"dense={dense}"] if dense else []
-        spec += [f"moefreq={freq}"] if freq > 1 else []
-    if args.get("--moe-router-score-function", "softmax") == "sigmoid":
-        spec.append("sigmoid=1")
-    if args.get("--moe-router-enable-expert-bias"):
-        spec.append("ebias=1")
-    if args.get("--moe-router-num-groups"):
-        spec.append(f"groups={int(args.get('--moe-router-num-groups'))}")
-        if args.get("--moe-router-group-topk"):
-            spec.append(f"gtopk={int(args.get('--moe-router-group-topk'))}")
-    if args.get("--moe-router-topk-scaling-factor"):
-        spec.append(f"rscale={float(args.get('--moe-router-topk-scaling-factor')):g}")
-    return spec
 
 
 def run_flags(args: Args, env: dict[str, Any], test_type: str | None) -> list[str]:
@@ -552,94 +384,7 @@ def build_row(
         values.update(config["MODEL_ARGS_2"])
     args = Args(values)
     notes: list[str] = []
-    for key, why in UNSTATED.items():
-        if args.get(key) not in (None, False):
-            raise Skip(why)
-    if args.get("--softmax-type", "vanilla") != "vanilla":
-        raise Skip("attention softmax variant (no GPT spec key)")
-    if args.get("--optimizer", "adam") != "adam":
-        raise Skip(f"optimizer {args.get('--optimizer')} (no column)")
-    if args.get("--recompute-method", "uniform") != "uniform":
-        raise Skip("block recompute of some layers (no recompute value)")
-
-    # Precision
-    if args.get("--fp8-format"):
-        precision = "fp8"
-    elif args.get("--fp16"):
-        precision = "fp16"
-    elif args.get("--bf16"):
-        precision = "bf16"
-    else:
-        raise Skip("FP32 training (no precision value)")
-
-    # Layout
-    tp = int(args.stated("--tensor-model-parallel-size", 1))
-    pp = int(args.stated("--pipeline-model-parallel-size", 1))
-    cp = int(args.stated("--context-parallel-size", 1))
-    if gpus % (tp * pp * cp):
-        raise Skip("GPU count not a multiple of tp*pp*cp")
-    dp = gpus // (tp * pp * cp)
-    layers = int(args.get("--num-layers"))
-    vp = 1
-    if "--num-virtual-stages-per-pipeline-rank" in args:
-        vp = int(args.get("--num-virtual-stages-per-pipeline-rank"))
-    elif "--virtual-pipeline-model-parallel-size" in args:
-        vp = int(args.get("--virtual-pipeline-model-parallel-size"))
-    elif "--num-layers-per-virtual-pipeline-stage" in args:
-        vp = layers // pp // int(args.get("--num-layers-per-virtual-pipeline-stage"))
-    if pp == 1:
-        vp = 1
-    elif layers % (pp * vp):
-        raise Skip("layers do not divide into pp x vp stages (uneven split)")
-    schedule = "interleaved" if vp > 1 else "1f1b"
-    micro = int(args.get("--micro-batch-size"))
-    global_batch = int(args.stated("--global-batch-size", micro * dp))
-    if global_batch % (micro * dp):
-        raise Skip("global batch not a multiple of micro-batch x dp")
-    if args.get("--use-megatron-fsdp"):
-        strategy = args.stated("--data-parallel-sharding-strategy", "optim_grads_params")
-        zero = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}[strategy]
-    elif args.get("--use-torch-fsdp2"):
-        zero = 3
-    else:
-        zero = 1 if args.get("--use-distributed-optimizer") else 0
-
-    model = model_spec(args, tp, notes)
-    ep, etp, dispatcher = 1, 1, ""
-    if args.get("--num-experts"):
-        ep = int(args.stated("--expert-model-parallel-size", 1))
-        etp = int(args.stated("--expert-tensor-parallel-size", tp))  # Megatron-LM: tp if unset
-        if (dp * cp * tp) % (ep * etp):
-            raise Skip("ep * etp does not divide dp*cp*tp")
-        dispatcher = args.stated("--moe-token-dispatcher-type", "allgather")
-        if dispatcher == "flex":
-            if args.stated("--moe-flex-dispatcher-backend", "deepep") != "deepep":
-                raise Skip("flex dispatcher with a backend other than DeepEP (no value)")
-            dispatcher = "deepep"
-        if args.get("--overlap-moe-expert-parallel-comm"):
-            schedule += "-ep-overlap"
-
-    # Recompute
-    granularity = args.get("--recompute-granularity")
-    if args.get("--recompute-activations"):
-        granularity = "selective"
-    recompute = "none"
-    if granularity == "full":
-        recompute = "full"  # method uniform or unset: every layer
-    elif granularity == "selective" and "--recompute-modules" in args:
-        recompute = f"selective({'+'.join(as_list(args.get('--recompute-modules')))})"
-    elif granularity == "selective":
-        recompute = "selective"
-
-    # Attention kernel: Transformer Engine's fused kernels unless unfused is asked for;
-    # the local implementation computes the scores unfused
-    impl = args.stated("--transformer-impl", "transformer_engine")
-    if impl == "local":
-        flash = bool(args.get("--use-flash-attn"))
-    else:
-        flash = args.stated("--attention-backend", "auto") != "unfused"
-    if cp > 1 and not flash:
-        raise Skip("context parallelism with unfused attention")
+    columns = row_of(args, gpus, notes)
 
     if args.defaults:
         notes.insert(0, "Megatron-LM defaults (not in the config): " + ", ".join(args.defaults))
@@ -659,44 +404,14 @@ def build_row(
     def number(x: float | None) -> str:
         return "" if x is None else f"{x:.0f}"
 
-    return {
+    row = {
         "id": f"mcore-ci-{golden.platform}-{golden.environment}-{model_dir}-{case}{suffix}",
-        "model": model,
+        **columns,
         "gpu": gpu_of(golden.platform),
-        "num_gpus": str(gpus),
-        "tp": str(tp),
-        "pp": str(pp),
-        "dp": str(dp),
-        "ep": str(ep),
-        "cp": str(cp),
-        "vp": str(vp),
-        "micro_batch": str(micro),
-        "global_batch": str(global_batch),
-        "seq_len": str(int(args.get("--seq-length"))),
-        "schedule": schedule,
-        "recompute": recompute,
-        "precision": precision,
-        "framework": "megatron",
         "metric": "step_s",
         "value": f"{measured.step_s:.6g}",
         "source": source,
         "notes": "; ".join(notes),
-        "flash_attention": str(flash).lower(),
-        "tp_comm_overlap": str(bool(args.get("--tp-comm-overlap"))).lower(),
-        "fp8_cache": "false",
-        "dispatcher": dispatcher,
-        "grad_dtype": "bf16" if args.get("--grad-reduce-in-bf16") else "",
-        "sequence_parallel": str(bool(args.get("--sequence-parallel")) and tp > 1).lower(),
-        # --attention-backend flash: Transformer Engine's FlashAttention path, the flash-attn
-        # package (FlashAttention-2); auto runs cuDNN's fused attention
-        "attention_kernel": "fa2" if args.stated("--attention-backend", "auto") == "flash" else "",
-        # --cross-entropy-loss-fusion: the compiled cross-entropy, native unless the
-        # implementation is stated (ModelParallelConfig.cross_entropy_fusion_impl)
-        "loss_fusion": args.stated("--cross-entropy-fusion-impl", "native")
-        if args.get("--cross-entropy-loss-fusion")
-        else "",
-        "etp": str(etp),
-        "zero": str(zero),
         "mem_allocated_bytes": number(measured.mem_allocated),
         "mem_max_allocated_bytes": number(measured.mem_max_allocated),
         "iterations": str(measured.iterations),
@@ -707,6 +422,7 @@ def build_row(
             run_flags(args, dict(config.get("ENV_VARS") or {}), config.get("TEST_TYPE"))
         ),
     }
+    return {column: row[column] for column in COLUMNS}
 
 
 # -- recipes: GPU counts ---------------------------------------------------------------------

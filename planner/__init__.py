@@ -12,6 +12,7 @@ Public API (stable names)::
     plan = planner.plan(model, cluster, job)              # the fastest layout, with its proof
     planner.export.megatron(plan)                         # or .torchtitan(plan), .deepspeed(plan)
     planner.fit_profile(cluster, runs)                    # constants fitted to measured runs
+    runs = planner.runs_from_logs(["run.log"])            # Megatron-LM, torchtitan, DeepSpeed logs
     r = planner.load_recipe("llama3-405b-8192")          # a published layout: r.model, r.layout
     planner.sweep(["llama3-70b"], [64, 128], jobs=[job])  # many cases, resumable (SQLite)
 """
@@ -22,6 +23,7 @@ from planner.errors import PlannerError
 from planner.estimate import Estimate, evaluate
 from planner.fit import Run, fit_profile, fit_runs
 from planner.layout import BlockPlacement, Layout, Stage
+from planner.logs import LoggedRun, runs_from_logs
 from planner.recipes import Recipe, load_recipe, recipe_names
 from planner.simulate import Simulation, simulate
 from planner.solve import Plan, plan
@@ -33,6 +35,7 @@ __all__ = [
     "ClusterSpec",
     "Estimate",
     "Layout",
+    "LoggedRun",
     "ModelSpec",
     "Plan",
     "PlannerError",
@@ -53,6 +56,7 @@ __all__ = [
     "model_names",
     "plan",
     "recipe_names",
+    "runs_from_logs",
     "simulate",
     "sweep",
 ]

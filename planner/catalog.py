@@ -101,6 +101,8 @@ MACHINE_FIELDS = (
     "kernel_overhead_us",
     "host_overhead_us",
     "framework_host_overhead_us",
+    "framework_fragmentation",
+    "framework_buffers_at_peak",
 )
 MACHINE_KEYS = (
     "name",
@@ -163,7 +165,13 @@ def _check_machine(data: dict[str, Any], path: Path) -> None:
     for section, allowed in sections:
         if data.get(section) is not None:
             check_keys(data[section], allowed, file=file, where=section)
-    sections_of_numbers = ("achieved", "achieved_max", "framework_host_overhead_us")
+    sections_of_numbers = (
+        "achieved",
+        "achieved_max",
+        "framework_host_overhead_us",
+        "framework_fragmentation",
+        "framework_buffers_at_peak",
+    )
     numbers = [(k, data[k]) for k in MACHINE_FIELDS if k in data and k not in sections_of_numbers]
     for section in sections_of_numbers:
         numbers += [(f"{section}.{k}", v) for k, v in (data.get(section) or {}).items()]
@@ -220,6 +228,8 @@ def load_cluster(source: str | Path, *, gpus: int) -> ClusterSpec:
                 name: float(us) * 1e-6
                 for name, us in (data.get("framework_host_overhead_us") or {}).items()
             },
+            framework_fragmentation=dict(data.get("framework_fragmentation") or {}),
+            framework_buffers_at_peak=dict(data.get("framework_buffers_at_peak") or {}),
             # What the CUDA runtime reports as the device's total; a file without it (a
             # user's own machine) gets the nominal HBM (ClusterSpec's default).
             **(
@@ -267,6 +277,9 @@ def cluster_yaml(cluster: ClusterSpec, *, sources: dict[str, str] | None = None)
             name: _short(seconds * 1e6)
             for name, seconds in cluster.framework_host_overhead_s.items()
         }
+    for key in ("framework_fragmentation", "framework_buffers_at_peak"):
+        if getattr(cluster, key):
+            data[key] = {name: _short(v) for name, v in getattr(cluster, key).items()}
     data = {k: _short(v) for k, v in data.items()}
     data["achieved"] = {k: _short(v) for k, v in data["achieved"].items()}
     if cluster.achieved_max:

@@ -101,7 +101,9 @@ class Estimate(BaseModel):
 
 
 def evaluate(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: Layout) -> Estimate:
-    """Cost ``layout``: per-rank memory and the step time with its breakdown."""
+    """Cost ``layout``: per-rank memory and the step time with its breakdown (the job takes
+    the machine's measured memory figures where it sets none: ``ClusterSpec.job_on``)."""
+    job = cluster.job_on(job)
     memory, _, step = step_run(model, cluster, job, layout, extend_long=True)
     tokens_per_s = job.tokens_per_step / step.step_s
     flops_per_s = model_flops_per_token(model, job.seq_len) * tokens_per_s / cluster.num_gpus

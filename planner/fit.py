@@ -749,7 +749,7 @@ def layout_from_row(
             pp=whole("pp"),
             schedule=schedule,
             virtual_stages=whole("vp", 0) or None,
-            recompute=text("recompute", "none").lower(),
+            recompute=_recompute(text("recompute", "none").lower()),
             **fields_,
         )
     except PlannerError as exc:
@@ -761,6 +761,14 @@ def layout_from_row(
     if text("num_gpus") and int(text("num_gpus")) != gpus:
         raise PlannerError(f"{where}: num_gpus={text('num_gpus')} but tp*cp*pp*dp={gpus}")
     return model, job, layout
+
+
+def _recompute(stated: str) -> str:
+    """A row's recompute as a ``BlockPlacement.recompute`` value: Megatron-LM's selective
+    recompute of listed modules, ``selective(a+b)``, is those modules, ``a+b``."""
+    if stated.startswith("selective(") and stated.endswith(")"):
+        return stated.removeprefix("selective(").removesuffix(")")
+    return stated
 
 
 def measured_seconds(row: dict[str, str], job: TrainingJob, gpus: int, where: str) -> float:

@@ -23,6 +23,8 @@ from planner.errors import PlannerError
 from planner.schedules import DEFAULT_SCHEDULE
 
 TpOverlap = Literal["userbuffers", "async", "none"]
+# How a pipeline runtime holds its tensors (planner.costs.memory.stage_memory's ``runtime``)
+Runtime = Literal["megatron", "torch"]
 # The SMs of a GPU whose cluster does not state them (ClusterSpec.sm_count None): an H100's,
 # H800's or H200's 132.
 UNSTATED_SM_COUNT = 132
@@ -140,6 +142,17 @@ class Framework:
     unfused_norm: bool = False
     # Its gated MLP multiplies act(gate) by up in eager ops: act(gate) is kept too.
     unfused_swiglu: bool = False
+    # Its norms, rotary embeddings, SwiGLU backward and loss run as eager FP32 ops, one kernel
+    # each (planner.run.model, which planner validate runs): their passes are priced as such
+    # (costs.blocks.eager_bytes), beside the fused kernels' the others run.
+    eager_passes: bool = False
+    # Its real runs' pipeline runtime as planner validate measures it (torch: PyTorch's
+    # pipelining holds stage outputs and receive buffers; costs.memory.stage_memory)
+    pipeline_runtime: Runtime = "megatron"
+    # It adds each micro-batch's weight gradients into the gradient buffer in a pass of its
+    # own (read both, write the sum): planner.run's buffer hooks; Megatron-LM's GEMMs
+    # accumulate into main_grad directly (gradient_accumulation_fusion)
+    grad_accumulation_pass: bool = False
     # The fused cross-entropy implementations it offers (TrainingJob.loss_fusion).
     loss_fusions: tuple[str, ...] = ("none",)
     # Its linears and grouped experts run Transformer Engine's GEMMs, each with TE's own
@@ -399,6 +412,9 @@ FRAMEWORKS: dict[str, Framework] = {
         overlap=Overlap(zero=False, grad_sync=False, pair_hidden=0.0),  # torch's runtime
         tp_overlap="none",
         compiles_loss=True,
+        eager_passes=True,
+        pipeline_runtime="torch",
+        grad_accumulation_pass=True,
     ),
 }
 

@@ -99,6 +99,7 @@ def simulate(
     model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: Layout
 ) -> Simulation:
     """Run one training step of ``layout`` event by event (see the module docstring)."""
+    job = cluster.job_on(job)  # the machine's measured memory figures (ClusterSpec.job_on)
     memory, _, timeline = step_run(model, cluster, job, layout)
     events: list[Event] = []
     busy = []

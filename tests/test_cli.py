@@ -493,6 +493,10 @@ def test_export_of_a_file_that_is_not_a_plan_is_one_line(
         (["--cluster", "h100"], "planner: --cluster: only with --runs or --sweep"),
         (["--runs", "runs.csv"], "planner: --runs: needs --cluster"),
         (["--runs", "runs.csv", "--cluster", "h100", "--rounds", "0"], "--rounds=0: must be"),
+        (["--log", "a.log"], "planner: --log: needs --cluster"),
+        (["--log", "a.log", "--runs", "r.csv"], "planner: --runs and --log: give one"),
+        (["--log", "nowhere.log", "--cluster", "h100"], "log='nowhere.log': no such file"),
+        (["--log", "a.log", "--cluster", "h100", "--plan-limit", "-1"], "--plan-limit=-1: must"),
     ],
 )
 def test_calibrate_flags_that_do_not_go_together_are_named(

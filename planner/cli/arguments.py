@@ -345,6 +345,21 @@ def _validate_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--steps", type=int, default=3, help="timed steps per layout after warm-up")
     cmd.add_argument("--rounds", type=int, default=1, help="run the set this many times over")
     cmd.add_argument("--only", type=int, nargs="+", default=None, help="case numbers (1-based)")
+    cmd.add_argument(
+        "--set",
+        default="small",
+        choices=("small", "one-gpu", "one-gpu-moe"),
+        help="small: the small MoE model's layouts of 1-4 ranks (default); one-gpu: a 4-layer "
+        "Llama 3 8B at sequence 4,096 in nine single-GPU layouts (micro-batch x recompute; "
+        "--device cuda); one-gpu-moe: a 2-layer Mixtral 8x7B in six",
+    )
+    cmd.add_argument(
+        "--log-dir",
+        default=None,
+        metavar="DIR",
+        help="also write each layout's run as a Megatron-LM-format log there (for planner "
+        "calibrate --log)",
+    )
     cmd.add_argument("--json", action="store_true", help="one JSON entry per layout and rank")
     cmd.add_argument(
         "--cluster", default=None, help="a calibrated profile YAML (default: calibrate now)"
@@ -368,10 +383,27 @@ def _calibrate_args(cmd: argparse.ArgumentParser) -> None:
         "step_s; optional ep,vp,schedule,recompute,zero,precision,framework,gpu,id)",
     )
     cmd.add_argument(
+        "--log",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="training logs to fit (Megatron-LM, torchtitan, DeepSpeed): each states its model, "
+        "layout and job and measured its step time (and memory where logged); fits the time "
+        "and memory constants, each run held out in turn",
+    )
+    cmd.add_argument(
+        "--plan-limit",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="with --log: seconds to plan the logs' job with the machine before and after the "
+        "fit, to show how far the fit moves the plan (0: do not plan; default 10)",
+    )
+    cmd.add_argument(
         "--cluster",
         default=None,
-        help="with --runs: the machine type name or YAML to start from; with --sweep: price "
-        "the rows with its rates instead of rates fitted to the run",
+        help="with --runs or --log: the machine type name or YAML to start from; with --sweep: "
+        "price the rows with its rates instead of rates fitted to the run",
     )
     cmd.add_argument(
         "--device",
@@ -403,7 +435,9 @@ def _calibrate_args(cmd: argparse.ArgumentParser) -> None:
         help="with --runs: k of the k-fold held-out error (0: none; default 5, or every run "
         "on its own when fewer)",
     )
-    cmd.add_argument("--rounds", type=int, default=3, help="with --runs: linearisations of the fit")
+    cmd.add_argument(
+        "--rounds", type=int, default=3, help="with --runs or --log: linearisations of the fit"
+    )
     cmd.add_argument("--processes", type=int, default=2, help="worker processes ('GPUs')")
     cmd.add_argument(
         "--out",

@@ -14,6 +14,7 @@ from planner.catalog import load_cluster
 from planner.errors import PlannerError
 
 if TYPE_CHECKING:
+    from planner.fit import FitReport
     from planner.run.device import Device
 
 
@@ -33,8 +34,15 @@ PINNED_BY = {
 
 def calibrate_command(args: argparse.Namespace) -> None:
     """Fit to runs, sweep one device, or measure this machine into a profile YAML."""
+    if args.runs is not None and args.log is not None:
+        raise PlannerError("--runs and --log: give one (a CSV of runs, or training logs)")
     if args.runs is not None:
         _fit_runs(args)
+        return
+    if args.log is not None:
+        from planner.cli.calibrate_logs import fit_logs
+
+        fit_logs(args)
         return
     if args.cluster is not None and not args.sweep:
         raise PlannerError(
@@ -163,7 +171,16 @@ def _fit_runs(args: argparse.Namespace) -> None:
         + f"; informed: {', '.join(report.informed) or 'none'}; the rest kept from {args.cluster}"
     )
     path.write_text(yaml.safe_dump(cluster_yaml(fitted, sources={"fit": note}), sort_keys=False))
+    print_time_fit(report, args.cluster, path)
+
+
+def print_time_fit(report: FitReport, cluster: str, path: Path) -> None:
+    """The fitted time constants beside those of the machine ``cluster`` names, and each
+    run's seconds per step measured, predicted before and after the fit, and held out."""
     console = Console()
+    runs = report.runs
+    base = load_cluster(cluster, gpus=1)
+    held = report.heldout_mape
     constants = Table(title=f"{path}: constants fitted to {len(runs)} measured runs")
     for col in ("constant", "before", "fitted", ""):
         constants.add_column(col, justify="left" if col in ("constant", "") else "right")
@@ -199,7 +216,7 @@ def _fit_runs(args: argparse.Namespace) -> None:
         )
     console.print(rows)
     console.print(
-        f"MAPE {report.before_mape:.1%} with {args.cluster}'s constants, {report.fit_mape:.1%} "
+        f"MAPE {report.before_mape:.1%} with {cluster}'s constants, {report.fit_mape:.1%} "
         "fitted"
         + (
             f", {held:.1%} on runs each fold did not see ({report.folds}-fold)"
@@ -209,9 +226,9 @@ def _fit_runs(args: argparse.Namespace) -> None:
     )
     if held is not None and held >= report.before_mape:
         console.print(
-            f"The fit predicts the runs it did not see no better than {args.cluster}'s own "
+            f"The fit predicts the runs it did not see no better than {cluster}'s own "
             f"constants ({held:.1%} held out against {report.before_mape:.1%}): keep "
-            f"--cluster {args.cluster}, or add runs that differ in what the constants price "
+            f"--cluster {cluster}, or add runs that differ in what the constants price "
             "(GPU counts across nodes, model sizes, micro-batches, tp)."
         )
     console.print(f"Use it with --cluster {path} (plan, evaluate, simulate).")

@@ -33,17 +33,27 @@ def validate_command(args: argparse.Namespace) -> None:
     rank's predicted against measured memory and time."""
     try:
         from planner.run.device import Device
-        from planner.run.validate import validate, validation_set
+        from planner.run.validate import one_gpu_set, small_job, validate, validation_set
     except ImportError as exc:  # torch is the optional extra ``run``
         raise PlannerError(f"validate needs PyTorch: pip install -e '.[run]' ({exc.msg})") from None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    cases = validation_set()
+    device = Device.of(args.device)
+    if args.set.startswith("one-gpu"):
+        if not device.is_cuda:
+            raise PlannerError(
+                f"--set={args.set}: runs real widths at sequence 4,096: needs --device cuda"
+            )
+        job, cases = one_gpu_set(device.dtype_name, moe=args.set == "one-gpu-moe")
+    else:
+        job, cases = small_job(dtype=device.dtype_name), validation_set()
+    log_dir = Path(args.log_dir) if args.log_dir else None
+    if log_dir is not None and not log_dir.is_dir():
+        raise PlannerError(f"--log-dir={args.log_dir}: no such directory")
     if args.only:
         bad = [i for i in args.only if not 1 <= i <= len(cases)]
         if bad:
             raise PlannerError(f"--only={bad[0]}: cases are numbered 1..{len(cases)}")
-    device = Device.of(args.device)
     gpus = device.count() if device.is_cuda else None  # on CUDA, one GPU per rank
     cases = _chosen(cases, args.only, gpus)
     if args.steps < 1:
@@ -59,6 +69,8 @@ def validate_command(args: argparse.Namespace) -> None:
         task = bar.add_task("validate", total=len(cases) * args.rounds)
         entries = validate(
             cases,
+            job=job,
+            log_dir=log_dir,
             steps=args.steps,
             rounds=args.rounds,
             clusters=profiles.get,

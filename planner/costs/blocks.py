@@ -157,6 +157,13 @@ class Shard:
     loss_compiled: bool = False
     loss_chunks: int = 1  # the output layer and loss over this many token chunks
     op_sac: bool = False  # per-op selective checkpointing is on the menu (torchtitan's; OP)
+    # The runtime computes norms, rotary embeddings, SwiGLU's backward and the loss in eager
+    # FP32 ops, one kernel per op (Framework.eager_passes; ``eager_bytes``)
+    eager_passes: bool = False
+    # Bytes of a gradient element where the framework adds each micro-batch's weight
+    # gradients into its gradient buffer in a pass of its own (Framework.
+    # grad_accumulation_pass): read both, write the sum, per micro-batch; 0 where not
+    grad_accumulation_bytes: int = 0
 
     @property
     def tokens(self) -> int:
@@ -508,6 +515,16 @@ def _block_cost(model: ModelSpec, name: str, shard: Shard) -> BlockCost:
         _mtp(cost, model, shard, index)
     else:
         raise PlannerError(f"block={name!r}: not a block of {model.name}; see block_names()")
+    if shard.grad_accumulation_bytes:
+        trainable = [p for p in cost.params if p.trainable]
+        numel = sum(
+            p.numel / (shard.ep * shard.etp)
+            if p.expert
+            else p.numel / (shard.tp if p.tp_split else 1)
+            for p in trainable
+        )
+        accumulate = 3 * numel * shard.grad_accumulation_bytes
+        cost.add(ZERO, ZERO, Work(memory=accumulate, kernels=sum(p.tensors for p in trainable)))
     return cost.build()
 
 
@@ -700,6 +717,58 @@ def _head(cost: BlockBuilder, model: ModelSpec, shard: Shard, *, prefix: str = "
     elif shard.act_bytes < LOGIT_BYTES:
         cost.transient = max(cost.transient, round(elements * shard.act_bytes))
     cost.elementwise(2 * logits)  # fp32 softmax cross-entropy: read and write the logits
+    if shard.eager_passes:
+        _eager(cost, elements, "loss", shard.act_bytes)
+
+
+def _widen(a: int) -> int:
+    """Bytes one eager upcast of an element of ``a`` bytes to FP32 moves (none if FP32)."""
+    return a + 4 if a < 4 else 0
+
+
+def eager_bytes(op: str, a: int) -> tuple[float, float, int, int]:
+    """Bytes an element of ``op``'s tensor moves, forward and backward, beyond the fused
+    kernel's passes priced beside it, and the extra kernels, in the eager runtime of
+    ``planner.run.model`` (activations of ``a`` bytes, FP32 arithmetic): each eager op one
+    kernel that reads its operands and writes its result.
+
+    - ``rmsnorm`` (``_RMSNorm``, over the hidden width): forward: the input upcast, x^2,
+      mean, x * rstd, * weight (4 + 4 + 4 + 8 + 8 bytes in FP32, 28) and the downcast; backward:
+      the input and the gradient upcast, x * rstd, g * normed, its sum over tokens, g * w,
+      gw * normed, its mean, normed * mean, the difference, rstd * it (8 + 12 + 4 + 8 + 12 + 4 +
+      8 + 12 + 8 = 76) and the downcast. Priced beside it: 2a forward, 4a backward.
+    - ``rotary`` (``_Rotary``, over q's and k's widths): x * cos, -half, cat, * sin, the sum
+      (2a + a + 2a + 2a + 3a = 10a) each way. Priced: 2a forward, 4a backward.
+    - ``swiglu`` (``_SwiGLU``, over the MLP width): forward silu(gate) * up (2a + 3a); backward:
+      gate and the gradient (twice) and up upcast, sigmoid, g * s, grad * silu, 1 - s,
+      g * (1 - s), 1 + it, s * it, grad * up, the product (8 + 12 + 12 + 8 + 12 + 8 + 12 + 12 +
+      12 = 96) and two downcasts. Priced: 3a forward, 6a backward (the fused kernel's).
+    - ``loss`` (``Head`` and ``_CrossEntropy``, over the logits): forward the logits' upcast,
+      max, the in-place subtract, exp and divide, the sum (4 + 8 + 8 + 4 + 8 = 32); backward
+      the in-place scale (8) and the downcast, within the 16 bytes priced backward (8
+      forward)."""
+    w = _widen(a)
+    if op == "rmsnorm":
+        return 28 + 2 * w - 2 * a, 76 + 3 * w - 4 * a, 6, 10
+    if op == "rotary":
+        return 8 * a, 6 * a, 4, 4
+    if op == "swiglu":
+        return 2 * a, 96 + 6 * w - 6 * a, 1, 14
+    if op == "loss":
+        return 32 + w - 8, 0.0, 5, 1
+    raise ValueError(op)
+
+
+def _eager(cost: BlockBuilder, elements: float, op: str, a: int, *modules: str) -> None:
+    """The eager runtime's passes over ``elements`` beyond the fused ones (``eager_bytes``);
+    a recompute of ``modules`` repeats the forward's."""
+    fwd, bwd, kf, kb = eager_bytes(op, a)
+    cost.add(
+        Work(memory=elements * fwd, kernels=kf),
+        Work(memory=elements * bwd, kernels=kb),
+        ZERO,
+        *modules,
+    )
 
 
 def _chunked_loss(cost: BlockBuilder, shard: Shard, h: int, elements: float, prefix: str) -> None:
@@ -743,6 +812,8 @@ def _saved_norm(
     op = _op(shard) if in_block else ()
     cost.save(saved, elements * kept, "layernorm", *op)
     cost.elementwise(2 * elements * shard.act_bytes, "layernorm", *op)
+    if shard.eager_passes and model.norm == "rmsnorm":
+        _eager(cost, elements, "rmsnorm", shard.act_bytes, "layernorm", *op)
     if shard.unfused_norm and model.norm == "rmsnorm":
         # The eager RMSNorm keeps an FP32 copy of its input where the fused norm keeps the
         # input itself (counted as the block's input), and its normalised tensor in the
@@ -909,6 +980,8 @@ def _gqa(
         _qk_norm(cost, model, shard, prefix)
     if not model.learned_positions:  # rotary embedding of q and k: read + write
         cost.elementwise(2 * tokens * (nq + nkv) * d * a / t, *_op(shard))
+        if shard.eager_passes:
+            _eager(cost, tokens * (nq + nkv) * d / t, "rotary", a, *_op(shard))
     if shard.cp_a2a > 1:  # q, k and v to the head split, the output back
         cost.cp_a2a_bytes += 2 * tokens * (nq + nkv) * d * a / t
     if shard.cp_a2a < shard.cp:  # the K and V the context ring passes (as many bytes a step
@@ -1024,6 +1097,8 @@ def _ffn(
     op = _op(shard) if "moe" not in modules else ()
     cost.elementwise(tokens * (fc1_out + width) * a, *modules, *act_only, *op)
     gated = model.mlp == "swiglu"
+    if gated and shard.eager_passes:
+        _eager(cost, tokens * width, "swiglu", a, *modules, *act_only, *op)
     # Per-op checkpointing keeps w1's output and w2's; recomputes w3 (gated) or fc2 (not).
     cost.gemm(Gemm(rows, h, width, groups, routed), *modules, *([] if gated else op), kind=kind)
     if shard.fp8 and shard.fp8_cache:  # quantise the kept copy, dequantise it in backward

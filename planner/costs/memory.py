@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -64,6 +63,7 @@ from planner.costs.activations import (
 from planner.costs.blocks import BlockCost, Param, Shard, block_cost
 from planner.costs.state import STEP_KEYS, optimizer_offload_rule, shards, state_bytes
 from planner.errors import PlannerError
+from planner.frameworks import Runtime as PipelineRuntime
 from planner.frameworks import framework, names_with
 from planner.layout import Layout, parse_recompute
 from planner.schedules import schedule_of
@@ -79,7 +79,7 @@ BUCKETS = (
     "context",
     "fragmentation",
 )
-Runtime = Literal["megatron", "torch"]
+Runtime = PipelineRuntime
 EMBEDDING_HEAD_KEYS = frozenset({"word_embeddings", "output", "position_embeddings"})
 # Whether FP8 linears keep the FP8 copy of their input for the weight gradient
 # (Framework.fp8_keeps_fp8_inputs): Megatron-LM and DeepSpeed run Transformer Engine's
@@ -192,6 +192,8 @@ def shard_of(job: TrainingJob, layout: Layout) -> Shard:
         loss_fusion=job.loss_fusion,
         unfused_norm=fw.unfused_norm,
         unfused_swiglu=fw.unfused_swiglu,
+        eager_passes=fw.eager_passes,
+        grad_accumulation_bytes=DTYPE_BYTES[job.grad_dtype] if fw.grad_accumulation_pass else 0,
         op_sac=fw.op_sac,
     )
 
@@ -374,7 +376,8 @@ def _rank_memory(
         layout=layout,
         ema_on_gpu=ema_on_gpu,
     )
-    buffers = float(job.comm_buffer_bytes + workspace_bytes(model, job))
+    held = float(job.comm_buffer_bytes + workspace_bytes(model, job))  # for the whole run
+    buffers = 0.0  # transient: the job's share of them is live at the peak (buffers_at_peak)
     if torch_pp:  # receive buffers per chunk and micro-batch
         ends = sum((c > 0) + (c < last) for c in dict.fromkeys(chunks))
         buffers += ends * num_microbatches * hidden
@@ -413,7 +416,7 @@ def _rank_memory(
         "optimizer": state["optimizer"],
         "ema": state["ema"],
         "activations": activations,
-        "buffers": buffers,
+        "buffers": held + job.buffers_at_peak * buffers,
         "context": float(job.cuda_context_bytes),
     }
     allocated = sum(v for k, v in buckets.items() if k != "context")

@@ -112,8 +112,8 @@ def megatron(plan: Plan) -> Export:
             args.append("--tp-comm-overlap")
     if runs.pp > 1 or runs.virtual_stages > 1:
         args += ["--pipeline-model-parallel-layout", pipeline_layout(runs)]
-    args += _recompute_args(runs)
-    args += _zero_args(runs.zero)
+    args += recompute_args(runs)
+    args += zero_args(runs.zero)
     args += _optimizer_args(job, runs)
     if job.attention_kernel == "fa2":  # the flash-attn package; "auto" runs cuDNN (TE fused)
         args += ["--attention-backend", "flash"]
@@ -255,7 +255,7 @@ def _block_full(layout: Layout) -> int | None:
     return k if k > 0 and all(n <= k for n in whole) else None
 
 
-def _recompute_args(layout: Layout) -> list[str]:
+def recompute_args(layout: Layout) -> list[str]:
     if _offloaded(layout):
         return ["--cpu-offloading-num-layers", str(_offloaded(layout))]
     choice = uniform_recompute(layout)
@@ -276,7 +276,7 @@ def _recompute_args(layout: Layout) -> list[str]:
     if offload:  # fine-grained: these modules' inputs on the host, the rest recomputed
         rest = "+".join(m for m in choice.split("+") if not m.startswith("offload:")) or "none"
         flags = ["--fine-grained-activation-offloading", "--offload-modules", *offload]
-        return flags + _recompute_args(with_recompute(layout, rest))
+        return flags + recompute_args(with_recompute(layout, rest))
     if choice == "full":
         return [
             "--recompute-granularity",
@@ -310,7 +310,7 @@ def _optimizer_args(job: TrainingJob, runs: Layout) -> list[str]:
     return args
 
 
-def _zero_args(zero: int) -> list[str]:
+def zero_args(zero: int) -> list[str]:
     if zero == 0:
         return ["--overlap-grad-reduce"]
     if zero == 1:

@@ -73,6 +73,9 @@ class RankRun(BaseModel):
         "None (not measured) on CPU.",
     )
     step_s: list[float] = Field(description="Wall time of each timed step (s).")
+    warmup_s: list[float] = Field(
+        default_factory=list, description="Wall time of each warm-up step before them (s)."
+    )
     losses: list[float] = Field(description="Mean loss of every step (last stage; else empty).")
 
     @property
@@ -176,7 +179,9 @@ def _worker(
     )
     try:
         run = _Rank(rank, model, job, layout, dev)
-        times, losses = [], []
+        times: list[float] = []
+        warm: list[float] = []
+        losses = []
         timer = dev.timer()
         for i in range(warmup + steps):
             dist.barrier()
@@ -184,8 +189,7 @@ def _worker(
             losses.append(run.step())
             dist.barrier()
             seconds = timer.stop()
-            if i >= warmup:
-                times.append(seconds)
+            (times if i >= warmup else warm).append(seconds)
         peak, buckets, bucket_peaks, allocated, reserved = run.measured_step()
         out = RankRun(
             rank=rank,
@@ -197,6 +201,7 @@ def _worker(
             allocated_peak_bytes=allocated,
             reserved_peak_bytes=reserved,
             step_s=times,
+            warmup_s=warm,
             losses=[x for x in losses if x == x],
         )
         torch.save(out.model_dump(), os.path.join(folder, f"{rank}.pt"))

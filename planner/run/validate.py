@@ -26,8 +26,10 @@ machine can stand for (see there).
 from __future__ import annotations
 
 import os
+import re
 import statistics
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -36,10 +38,14 @@ from planner.catalog import load_model
 from planner.costs.memory import stage_memory
 from planner.estimate import evaluate
 from planner.layout import Layout
+from planner.logs.megatron import WARMUP, write_log
 from planner.run.device import Device
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 
 COMPARED = ("weights", "grads", "optimizer", "activations")
+# Warm-up steps of a logged run: the log reader's (planner.logs.megatron.WARMUP), so that the
+# median it reads is over the same timed steps as the run's own
+LOG_WARMUP = WARMUP
 TOLERANCE = 0.05  # relative, on the peak and on each bucket
 FLOOR_BYTES = 2**20  # a bucket within 1 MiB agrees however small it is
 
@@ -109,6 +115,30 @@ def validation_set() -> list[tuple[ModelSpec, Layout]]:
     return [(m, Layout.uniform(m, micro_batch=1, **kw)) for m, kw in cases]
 
 
+def one_gpu_set(
+    dtype: str = "bf16", *, moe: bool = False
+) -> tuple[TrainingJob, list[tuple[ModelSpec, Layout]]]:
+    """A job at real widths that one GPU runs in several layouts, sequence 4,096, 8 sequences
+    a step. Dense: Llama 3 8B's layer (hidden 4,096, GQA 32/8 heads, SwiGLU 14,336,
+    vocabulary 128,256) four layers deep, at micro-batch 1, 2 and 4, each with no recompute,
+    Megatron-LM's selective recompute (core attention) and full recompute. ``moe``:
+    Mixtral 8x7B's layer (8 experts of 14,336, top-2; vocabulary 32,000) two layers deep, at
+    micro-batch 1 and 2, each with no recompute, the MoE module's and full recompute. The
+    layouts of one job, whose step times spread with the micro-batch's GEMM shapes and the
+    recomputed work, and whose memory spreads with the activations kept."""
+    name, layers = ("mixtral-8x7b", 2) if moe else ("llama3-8b", 4)
+    choices = ("none", "moe", "full") if moe else ("none", "selective", "full")
+    batches: tuple[int, ...] = (1, 2) if moe else (1, 2, 4)
+    model = load_model(name).model_copy(update={"name": f"{name}-{layers}l", "num_layers": layers})
+    job = small_job(seq_len=4096, global_batch=8, dtype=dtype)
+    cases = [
+        (model, Layout.uniform(model, micro_batch=mb, recompute=choice))
+        for mb in batches
+        for choice in choices
+    ]
+    return job, cases
+
+
 class Bucket(BaseModel):
     predicted_bytes: int = Field(description="Cost model (bytes).")
     measured_bytes: int = Field(description="Measured: the bucket's highest level (bytes).")
@@ -174,16 +204,27 @@ def compare(
     steps: int = 3,
     cluster: ClusterSpec | None = None,
     device: Device | None = None,
+    log: Path | None = None,
 ) -> list[Entry]:
     """Run ``layout`` on ``device`` (default the CPU) and compare every rank with the cost
-    model (step time too, with a calibrated ``cluster`` of ``layout.world_size`` GPUs)."""
+    model (step time too, with a calibrated ``cluster`` of ``layout.world_size`` GPUs).
+    With ``log``, the run also goes to that file in Megatron-LM's log format
+    (``planner.logs.megatron.write_log``; appended as a further start where it exists): every
+    step, ``LOG_WARMUP`` warm-up steps first, each the slowest rank's time."""
     from planner.run.execute import check_runnable, run_layout
 
     m = check_runnable(model, job, layout)
     predicted = stage_memory(model, job, layout, num_microbatches=m, runtime="torch")
     step_s = evaluate(model, cluster, job, layout).step_time_s if cluster else None
+    warmup = LOG_WARMUP if log is not None else 1
+    runs = run_layout(model, job, layout, steps=steps, warmup=warmup, device=device)
+    if log is not None:
+        times = [max(col) for col in zip(*(r.warmup_s + r.step_s for r in runs), strict=True)]
+        memory = [(r.rank, r.allocated_peak_bytes, r.reserved_peak_bytes) for r in runs]
+        losses = next((r.losses for r in reversed(runs) if r.losses), None)
+        write_log(log, model, job, layout, times, memory, losses, append=log.exists())
     out = []
-    for run in run_layout(model, job, layout, steps=steps, device=device):
+    for run in runs:
         p = predicted[run.pp_rank]
         buckets = {k: _bucket(p.buckets[k], run.bucket_peaks[k]) for k in COMPARED}
         buckets["other"] = _bucket(p.buckets["buffers"], run.bucket_peaks["other"])
@@ -216,6 +257,7 @@ def validate(
     clusters: Callable[[int], ClusterSpec | None] | None = None,
     progress: Callable[[int, int], None] | None = None,
     device: Device | None = None,
+    log_dir: Path | None = None,
 ) -> list[Entry]:
     """Run every case (default: ``validation_set()``) on ``device`` (default the CPU) and
     compare; ``clusters(ranks)`` gives the calibrated profile for a layout of that many
@@ -223,7 +265,8 @@ def validate(
     With ``rounds`` > 1 the whole set runs that many times over, one case after another,
     and each rank's step time is the median of its rounds' (a shared machine's slow spells
     then fall on every layout alike); memory is the first round's (it does not change from
-    run to run)."""
+    run to run). With ``log_dir``, each case's runs also go to ``<case>-<layout>.log`` there
+    in Megatron-LM's log format, one start per round (``compare``)."""
     todo = list(cases if cases is not None else validation_set())
     job = job or small_job(dtype=(device or Device()).dtype_name)
     per_round: list[list[list[Entry]]] = []
@@ -231,7 +274,10 @@ def validate(
         runs = []
         for i, (model, layout) in enumerate(todo):
             cluster = clusters(layout.world_size) if clusters else None
-            runs.append(compare(model, job, layout, steps=steps, cluster=cluster, device=device))
+            log = log_dir / log_name(i + 1, model, layout) if log_dir is not None else None
+            runs.append(
+                compare(model, job, layout, steps=steps, cluster=cluster, device=device, log=log)
+            )
             if progress is not None:
                 progress(r * len(todo) + i + 1, rounds * len(todo))
         per_round.append(runs)
@@ -241,6 +287,12 @@ def validate(
             times = [runs[i][j].measured_step_s for runs in per_round]
             entries.append(entry.model_copy(update={"measured_step_s": statistics.median(times)}))
     return entries
+
+
+def log_name(case: int, model: ModelSpec, layout: Layout) -> str:
+    """The log file of a validation case: its number and layout's short name."""
+    name = f"mb{layout.micro_batch} " + layout_name(describe(layout), model.name)
+    return f"{case:02d}-" + re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-") + ".log"
 
 
 class Ranking(BaseModel):

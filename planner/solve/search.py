@@ -160,7 +160,7 @@ def plan(
             clock_limit_s=clock_limit_s,
         )
     space = for_target(asked, job)
-    job = _framework_for(job, space)
+    job = cluster.job_on(_framework_for(job, space))  # the machine's measured memory figures
     check_step_size(cluster, job, space)
     configs = list(enumerate_configs(model, cluster, job, space))
     if job.ema and space.ema is None:

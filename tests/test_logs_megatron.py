@@ -1,0 +1,168 @@
+"""Megatron-LM training logs as measured runs (planner/logs/megatron.py), the logs planner
+validate writes in that format, and ``planner calibrate --log`` on them.
+
+The log under tests/data/logs is built line by line in the formats of Megatron-LM's source at
+commit d98e8a64: the argument block of ``_print_args`` (megatron/training/arguments.py:1990),
+the padded vocabulary of ``vocab_size_with_padding``
+(megatron/core/tokenizers/utils/build_tokenizer.py:141), the iteration lines of
+``training_log`` (megatron/training/training.py:3567-3575) and the memory lines of
+``report_memory`` (megatron/training/utils/common_utils.py:313), with torchrun's
+``[defaultN]:`` prefixes from several ranks.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+
+from planner.costs.memory import stage_memory
+from planner.errors import PlannerError
+from planner.logs import read_log, runs_from_logs
+from planner.logs.calibrate import fit_memory
+from planner.logs.megatron import WARMUP, read, write_log
+from planner.run.validate import small_job, validation_set
+from planner.specs import TrainingJob
+
+LOGS = Path(__file__).parent / "data" / "logs"
+MIB = 2**20
+
+
+def _log() -> str:
+    return (LOGS / "megatron-gpt-tp2-pp2-vp2.log").read_text()
+
+
+def test_a_megatron_log_states_its_model_layout_job_and_measurements() -> None:
+    run = read_log(LOGS / "megatron-gpt-tp2-pp2-vp2.log")
+    assert run.framework == "megatron"
+    m = run.model
+    assert (m.hidden_size, m.num_layers, m.num_attention_heads, m.num_kv_heads) == (2048, 8, 16, 4)
+    assert (m.ffn_hidden_size, m.vocab_size, m.tie_word_embeddings) == (5632, 32000, False)
+    lay = run.layout
+    assert (lay.tp, lay.pp, lay.dp, lay.virtual_stages, lay.schedule) == (2, 2, 2, 2, "interleaved")
+    assert (lay.micro_batch, lay.zero) == (2, 1)
+    # --recompute-granularity selective --recompute-modules core_attn
+    layers = {b.recompute for s in lay.stages for b in s.blocks if b.block.startswith("layer")}
+    assert layers == {"core_attn"}
+    assert (run.job.seq_len, run.job.global_batch) == (4096, 16)
+    # iterations 1-3 are the start's warm-up; the median of 1001, 1003, 999, 1010, 1002 ms
+    assert run.step_s == pytest.approx(1.002)
+    assert run.iterations == 5
+    # the largest max allocated / max reserved any rank reports, in MiB
+    assert run.allocated_peak_bytes == round(31512.50 * MIB)
+    assert run.reserved_peak_bytes == round(34500.00 * MIB)
+
+
+def test_a_restart_is_a_start_of_its_own_and_a_cut_last_line_is_left_out() -> None:
+    text = _log()
+    block = text[text.index("------------------------ arguments") : text.index(" > padded")]
+    resumed = [
+        f" [2026-11-20 11:00:{i:02d}.000000] iteration {i:8d}/{20:8d} | consumed samples: "
+        f"{i * 16:12d} | elapsed time per iteration (ms): {ms:.1f} | global batch size:    16 |"
+        for i, ms in zip(range(9, 15), (4000.0, 1500.0, 1400.0, 980.0, 990.0, 985.0), strict=True)
+    ]
+    cut = " [2026-11-20 11:00:15.000000] iteration       15/      20 | consumed samples: 240 | ela"
+    run = read(text + block + "\n".join(resumed) + "\n" + cut, "restart.log")
+    # first start: 1001, 1003, 999, 1010, 1002; second: iterations 12-14 (9-11 its warm-up)
+    kept = [1001, 1003, 999, 1010, 1002, 980, 990, 985]
+    assert run.step_s == pytest.approx(statistics.median(kept) / 1e3)
+    assert run.iterations == len(kept)
+    assert any("cut off" in n for n in run.notes)
+
+
+def test_a_log_that_does_not_state_its_run_is_refused_in_one_line(tmp_path: Path) -> None:
+    text = _log()
+    no_args = "\n".join(line for line in text.splitlines() if " ....." not in line) + "\n"
+    with pytest.raises(PlannerError, match=r"log='a.log': .*world_size") as err:
+        read(no_args, "a.log")
+    assert "\n" not in str(err.value)
+    only_iterations = "\n".join(line for line in text.splitlines() if "iteration " in line)
+    with pytest.raises(PlannerError, match="no argument block"):
+        read(only_iterations + "\n", "b.log")
+    lines = text.splitlines()
+    third = next(i for i, line in enumerate(lines) if "iteration        3/" in line)
+    warmup_only = "\n".join(lines[: third + 1]) + "\n"
+    with pytest.raises(PlannerError, match="warm-up"):
+        read(warmup_only, "c.log")
+    dots = "." * (48 - len("micro_batch_size"))
+    other = text.replace(f"micro_batch_size {dots} 2", f"micro_batch_size {dots} 4")
+    assert other != text
+    with pytest.raises(PlannerError, match="micro_batch"):
+        read(text + other, "d.log")
+    (tmp_path / "notes.txt").write_text("step 1 done\nstep 2 done\n")
+    with pytest.raises(PlannerError, match="not a training log"):
+        read_log(tmp_path / "notes.txt")
+
+
+@pytest.mark.parametrize("case", range(len(validation_set())))
+def test_validate_logs_read_back_as_the_runs_they_record(tmp_path: Path, case: int) -> None:
+    model, layout = validation_set()[case]
+    job = small_job()
+    steps = [0.9, 0.5, 0.45, 0.31, 0.30, 0.32]
+    path = tmp_path / "run.log"
+    write_log(path, model, job, layout, steps, [(0, 123 * MIB, None)], [7.0] * len(steps))
+    run = read_log(path)
+    assert run.job == job
+    assert run.layout.model_copy(update={"sequence_parallel": True}) == layout
+    assert run.step_s == pytest.approx(statistics.median(steps[WARMUP:]))
+    assert run.allocated_peak_bytes == run.reserved_peak_bytes == 123 * MIB
+    # the model read back is the model run: the same memory to the byte
+    m = job.global_batch // (layout.dp * layout.micro_batch)
+    for a, b in zip(
+        stage_memory(model, job, layout, num_microbatches=m, runtime="torch"),
+        stage_memory(run.model, run.job, run.layout, num_microbatches=m, runtime="torch"),
+        strict=True,
+    ):
+        assert a.buckets == b.buckets
+
+
+def test_the_memory_fit_finds_the_constants_the_peaks_were_made_with(tmp_path: Path) -> None:
+    cases = [validation_set()[i] for i in (0, 4, 5, 9, 10)]
+    share, frag = 0.4, 0.085
+    paths = []
+    for i, (model, layout) in enumerate(cases):
+        job = TrainingJob(**{**small_job().model_dump(), "buffers_at_peak": share})
+        m = job.global_batch // (layout.dp * layout.micro_batch)
+        stages = stage_memory(model, job, layout, num_microbatches=m, runtime="torch")
+        peak = max(s.allocated_bytes for s in stages)
+        path = tmp_path / f"{i}.log"
+        write_log(
+            path, model, small_job(), layout, [1.0] * 5, [(0, peak, round(peak * (1 + frag)))]
+        )
+        paths.append(path)
+    report = fit_memory(runs_from_logs(paths))
+    assert report.fitted["torch"] == pytest.approx((share, frag), abs=0.0051)
+    assert report.mape(report.heldout_allocated, report.measured_allocated) < 0.01
+    assert report.mape(report.before_allocated, report.measured_allocated) > 0.01
+
+
+def test_run_log_calibrate_plan_end_to_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two real single-rank runs on this machine, logged by validate in Megatron-LM's format,
+    calibrated from the logs, and the logs' job planned with the profile written."""
+    pytest.importorskip("torch")
+    import yaml
+
+    from planner.cli import main
+    from planner.run.validate import validate
+
+    cases = [validation_set()[i] for i in (9, 10)]  # recompute moe / full, one rank each
+    entries = validate(cases, steps=1, log_dir=tmp_path)
+    logs = sorted(tmp_path.glob("*.log"))
+    assert len(logs) == 2
+    for entry, log in zip(entries, logs, strict=True):
+        run = read_log(log)
+        assert run.step_s == pytest.approx(entry.measured_step_s, abs=1e-4)  # 0.1 ms printed
+        assert run.allocated_peak_bytes == pytest.approx(entry.allocated_peak_bytes, abs=MIB / 100)
+    profile = tmp_path / "fitted.yaml"
+    # the machine's constants are only where the fit starts: any catalog machine will do
+    args = ["calibrate", "--log", *map(str, logs), "--cluster", "h100"]
+    main([*args, "--out", str(profile), "--plan-limit", "2", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert "held-out error" in out and "buffers_at_peak" in out
+    assert "planned for 2 s each" in out
+    fitted = yaml.safe_load(profile.read_text())
+    assert set(fitted["framework_fragmentation"]) == {"torch"}
+    assert 0 <= fitted["framework_buffers_at_peak"]["torch"] <= 1
