@@ -350,7 +350,7 @@ def _validate_args(cmd: argparse.ArgumentParser) -> None:
         default="small",
         choices=("small", "one-gpu", "one-gpu-moe"),
         help="small: the small MoE model's layouts of 1-4 ranks (default); one-gpu: a 4-layer "
-        "Llama 3 8B at sequence 4,096 in nine single-GPU layouts (micro-batch x recompute; "
+        "Llama 3 8B at sequence 4,096 in twelve single-GPU layouts (micro-batch x recompute; "
         "--device cuda); one-gpu-moe: a 2-layer Mixtral 8x7B in six",
     )
     cmd.add_argument(

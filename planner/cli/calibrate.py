@@ -177,7 +177,7 @@ def _fit_runs(args: argparse.Namespace) -> None:
 def print_time_fit(report: FitReport, cluster: str, path: Path) -> None:
     """The fitted time constants beside those of the machine ``cluster`` names, and each
     run's seconds per step measured, predicted before and after the fit, and held out."""
-    console = Console()
+    console = Console(width=max(Console().width, 140))
     runs = report.runs
     base = load_cluster(cluster, gpus=1)
     held = report.heldout_mape

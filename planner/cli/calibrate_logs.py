@@ -88,25 +88,38 @@ def fit_logs(args: argparse.Namespace) -> None:
 def _print_runs(runs: list[LoggedRun]) -> None:
     """What each log states and measured."""
     table = Table(title=f"{len(runs)} logs read: what each states and measured")
-    for col in ("log", "framework", "model", "layout", "step s", "steps", "alloc GiB", "resv GiB"):
-        table.add_column(col, justify="right" if col[0] in "sa r" else "left")
+    numbers = ("step s", "steps", "alloc GiB", "resv GiB")
+    for col in ("log", "framework", "model", "layout", *numbers):
+        table.add_column(col, justify="right" if col in numbers else "left", overflow="fold")
     for r in runs:
         recompute = sorted({b.recompute for s in r.layout.stages for b in s.blocks} - {"none"})
         table.add_row(
             r.name,
             r.framework,
-            r.model.name if not r.model.name.startswith("gpt:") else "(from arguments)",
+            _model_text(r),
             f"{r.layout.shape()} {'+'.join(recompute) or 'no recompute'}",
             f"{r.step_s:.4f}",
             str(r.iterations),
             f"{r.allocated_peak_bytes / GiB:.2f}" if r.allocated_peak_bytes else "-",
             f"{r.reserved_peak_bytes / GiB:.2f}" if r.reserved_peak_bytes else "-",
         )
-    console = Console()
+    console = _console()
     console.print(table)
     for r in runs:
         for note in r.notes:
             console.print(f"  {r.name}: {note}")
+
+
+def _console() -> Console:
+    """A console wide enough for a table of runs (a pipe's 80 columns fold every cell)."""
+    return Console(width=max(Console().width, 140))
+
+
+def _model_text(run: LoggedRun) -> str:
+    """The model's shape in a few words (a log's model has no catalog name)."""
+    m = run.model
+    experts = f", {m.num_experts} experts top-{m.experts_per_token}" if m.num_experts else ""
+    return f"{m.num_layers} layers, hidden {m.hidden_size}{experts}"
 
 
 def _memory_summary(report: MemoryReport) -> str:
@@ -130,7 +143,7 @@ def _memory_summary(report: MemoryReport) -> str:
 
 def _print_memory(report: MemoryReport, runs: list[LoggedRun]) -> None:
     """The memory constants before and after, and each run's peaks."""
-    console = Console()
+    console = _console()
     constants = Table(title="memory constants per framework: before (the jobs') and fitted")
     for col in ("constant", "before", "fitted", ""):
         constants.add_column(col, justify="left" if col in ("constant", "") else "right")
@@ -150,20 +163,12 @@ def _print_memory(report: MemoryReport, runs: list[LoggedRun]) -> None:
             )
     console.print(constants)
     rows = Table(
-        title="memory peaks per run (GiB): measured, and predicted before, fitted, held out"
+        title="memory peaks per run: measured GiB, and the error before, fitted and held out"
     )
-    for col in (
-        "log",
-        "alloc",
-        "before",
-        "fitted",
-        "held out",
-        "resv",
-        "before",
-        "fitted",
-        "held out",
-    ):
-        rows.add_column(col, justify="left" if col == "log" else "right")
+    stages = ("before", "fitted", "held out")
+    for col in ("log", "alloc GiB", *stages, "resv GiB", *stages):
+        left = col == "log"
+        rows.add_column(col, justify="left" if left else "right", overflow="fold")
 
     def cells(what: str, i: int) -> list[str]:
         measured = getattr(report, f"measured_{what}")[i]
@@ -188,7 +193,7 @@ def _plan_moves(run: LoggedRun, name: str, cluster: str, path: Path, limit: floa
     """Plan the first log's job on its GPU count with the machine before and after the fit."""
     from planner.solve import plan
 
-    console = Console()
+    console = _console()
     gpus = run.layout.world_size
     found = []
     with Console(stderr=True).status(f"planning the logs' job on {gpus} GPUs, before and after"):

@@ -120,7 +120,7 @@ def one_gpu_set(
 ) -> tuple[TrainingJob, list[tuple[ModelSpec, Layout]]]:
     """A job at real widths that one GPU runs in several layouts, sequence 4,096, 8 sequences
     a step. Dense: Llama 3 8B's layer (hidden 4,096, GQA 32/8 heads, SwiGLU 14,336,
-    vocabulary 128,256) four layers deep, at micro-batch 1, 2 and 4, each with no recompute,
+    vocabulary 128,256) four layers deep, at micro-batch 1, 2, 4 and 8, each with no recompute,
     Megatron-LM's selective recompute (core attention) and full recompute. ``moe``:
     Mixtral 8x7B's layer (8 experts of 14,336, top-2; vocabulary 32,000) two layers deep, at
     micro-batch 1 and 2, each with no recompute, the MoE module's and full recompute. The
@@ -128,7 +128,7 @@ def one_gpu_set(
     recomputed work, and whose memory spreads with the activations kept."""
     name, layers = ("mixtral-8x7b", 2) if moe else ("llama3-8b", 4)
     choices = ("none", "moe", "full") if moe else ("none", "selective", "full")
-    batches: tuple[int, ...] = (1, 2) if moe else (1, 2, 4)
+    batches: tuple[int, ...] = (1, 2) if moe else (1, 2, 4, 8)
     model = load_model(name).model_copy(update={"name": f"{name}-{layers}l", "num_layers": layers})
     job = small_job(seq_len=4096, global_batch=8, dtype=dtype)
     cases = [
