@@ -357,15 +357,17 @@ class ClusterSpec(Spec):
         for key, value in self.achieved.items():
             if not 0 < value <= 1:
                 raise PlannerError(f"ClusterSpec.achieved.{key}={value}: must be in (0, 1]")
-        for field in ("framework_fragmentation", "framework_buffers_at_peak"):
+        # as TrainingJob.fragmentation (below 1) and TrainingJob.buffers_at_peak (up to 1)
+        for field, top in (("framework_fragmentation", "1)"), ("framework_buffers_at_peak", "1]")):
             for name, value in getattr(self, field).items():
                 if name not in FRAMEWORKS:
                     raise PlannerError(
                         f"ClusterSpec.{field}.{name}: not a framework; use one of "
                         f"{', '.join(FRAMEWORK_NAMES)}"
                     )
-                if not (math.isfinite(value) and 0 <= value <= 1):
-                    raise PlannerError(f"ClusterSpec.{field}.{name}={value}: must be in [0, 1]")
+                below_top = value < 1 if top == "1)" else value <= 1
+                if not (math.isfinite(value) and value >= 0 and below_top):
+                    raise PlannerError(f"ClusterSpec.{field}.{name}={value}: must be in [0, {top}")
         for name, seconds in self.framework_host_overhead_s.items():
             if name not in FRAMEWORKS:
                 raise PlannerError(

@@ -134,6 +134,8 @@ def test_the_memory_fit_finds_the_constants_the_peaks_were_made_with(tmp_path: P
     report = fit_memory(runs_from_logs(paths))
     assert report.fitted["torch"] == pytest.approx((share, frag), abs=0.0051)
     assert report.mape(report.heldout_allocated, report.measured_allocated) < 0.01
+    assert report.mape(report.fitted_reserved, report.measured_reserved) < 0.01
+    assert report.mape(report.heldout_reserved, report.measured_reserved) < 0.01
     assert report.mape(report.before_allocated, report.measured_allocated) > 0.01
 
 
@@ -166,3 +168,67 @@ def test_run_log_calibrate_plan_end_to_end(
     fitted = yaml.safe_load(profile.read_text())
     assert set(fitted["framework_fragmentation"]) == {"torch"}
     assert 0 <= fitted["framework_buffers_at_peak"]["torch"] <= 1
+
+
+def test_a_machine_s_measured_memory_applies_where_the_job_sets_none() -> None:
+    """ClusterSpec.job_on: a calibrated machine's per-framework figures fill the job fields it
+    leaves unset; a job's own setting wins; other frameworks keep theirs; bounds as the
+    job's fields have them."""
+    import planner
+
+    base = planner.load_cluster("h100", gpus=8)
+    machine = planner.ClusterSpec(
+        **{
+            **base.model_dump(),
+            "framework_fragmentation": {"torch": 0.2},
+            "framework_buffers_at_peak": {"torch": 0.5},
+        }
+    )
+    job = TrainingJob(seq_len=4096, global_batch=8, framework="torch")
+    on = machine.job_on(job)
+    assert (on.fragmentation, on.buffers_at_peak) == (0.2, 0.5)
+    own = TrainingJob(seq_len=4096, global_batch=8, framework="torch", fragmentation=0.05)
+    assert machine.job_on(own).fragmentation == 0.05
+    other = TrainingJob(seq_len=4096, global_batch=8, framework="megatron")
+    assert machine.job_on(other) == other
+    with pytest.raises(
+        PlannerError, match=r"framework_fragmentation.torch=1.0: must be in \[0, 1\)"
+    ):
+        planner.ClusterSpec(**{**base.model_dump(), "framework_fragmentation": {"torch": 1.0}})
+
+
+def test_the_eager_runtime_s_passes_are_priced_for_it_alone() -> None:
+    """A dense layer under the eager runtime (framework torch) moves, beyond the fused
+    kernels' traffic, its two RMSNorms', rotary embedding's and SwiGLU's eager passes
+    (costs.blocks.eager_bytes) and, per micro-batch, its gradients added into the buffer
+    (3 x 2 bytes an element, BF16); no other framework's layer moves them."""
+    from planner.catalog import load_model
+    from planner.costs.blocks import block_cost, eager_bytes
+    from planner.costs.memory import shard_of
+    from planner.layout import Layout
+
+    model = load_model("llama3-8b")
+    layout = Layout.uniform(model)
+    traffic = {}
+    for fw in ("torch", "megatron"):
+        job = TrainingJob(
+            seq_len=1024,
+            global_batch=8,
+            framework=fw,
+            weight_dtype="bf16",
+            grad_dtype="bf16",
+            activation_dtype="bf16",
+        )
+        cost = block_cost(model, "layer.0", shard_of(job, layout))
+        traffic[fw] = (cost.fwd.memory, cost.bwd_input.memory + cost.bwd_weight.memory)
+    tokens, h, f = 1024, model.hidden_size, model.ffn_hidden_size
+    qk = (model.num_attention_heads + model.num_kv_heads) * model.head_dim
+    parts = [("rmsnorm", 2 * tokens * h), ("rotary", tokens * qk), ("swiglu", tokens * f)]
+    fwd = sum(eager_bytes(op, 2)[0] * n for op, n in parts)
+    bwd = sum(eager_bytes(op, 2)[1] * n for op, n in parts)
+    q, kv = model.num_attention_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    params = 2 * h * q + 2 * h * kv + 3 * h * f + 2 * h  # q and o, k and v, the MLP, two norms
+    assert traffic["torch"][0] - traffic["megatron"][0] == pytest.approx(fwd)
+    assert traffic["torch"][1] - traffic["megatron"][1] == pytest.approx(bwd + 3 * 2 * params)
+    # the RMSNorm at BF16: 40 bytes an element forward and 94 backward in all, 4 and 8 fused
+    assert eager_bytes("rmsnorm", 2)[:2] == (40 - 4, 94 - 8)
