@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from planner.catalog import load_cluster
@@ -198,7 +199,7 @@ def print_time_fit(report: FitReport, cluster: str, path: Path) -> None:
         elif informed:
             note = ""
         constants.add_row(
-            c.name, f"{before:.3g}{unit}", f"{after:.3g}{unit}" if informed else "-", note
+            escape(c.name), f"{before:.3g}{unit}", f"{after:.3g}{unit}" if informed else "-", note
         )
     console.print(constants)
     rows = Table(title="seconds per step: measured, and predicted before and after the fit")
