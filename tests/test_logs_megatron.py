@@ -232,3 +232,11 @@ def test_the_eager_runtime_s_passes_are_priced_for_it_alone() -> None:
     assert traffic["torch"][1] - traffic["megatron"][1] == pytest.approx(bwd + 3 * 2 * params)
     # the RMSNorm at BF16: 40 bytes an element forward and 94 backward in all, 4 and 8 fused
     assert eager_bytes("rmsnorm", 2)[:2] == (40 - 4, 94 - 8)
+
+
+def test_layouts_that_differ_only_in_micro_batch_have_names_of_their_own() -> None:
+    """validate ranks layouts by name: the one-GPU set's twelve must stay twelve."""
+    from planner.run.validate import describe, layout_name, one_gpu_set
+
+    _, cases = one_gpu_set()
+    assert len({layout_name(describe(layout), model.name) for model, layout in cases}) == 12

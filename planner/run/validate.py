@@ -291,7 +291,7 @@ def validate(
 
 def log_name(case: int, model: ModelSpec, layout: Layout) -> str:
     """The log file of a validation case: its number and layout's short name."""
-    name = f"mb{layout.micro_batch} " + layout_name(describe(layout), model.name)
+    name = layout_name(describe(layout), model.name)
     return f"{case:02d}-" + re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-") + ".log"
 
 
@@ -308,9 +308,11 @@ class Ranking(BaseModel):
 
 
 def layout_name(lay: dict[str, Any], model: str = "") -> str:
-    """A described layout's short name: degrees, ZeRO stage, schedule, recompute."""
+    """A described layout's short name: degrees, ZeRO stage, schedule, recompute, and the
+    micro-batch where it is not 1."""
+    mb = f" mb{lay['micro_batch']}" if lay["micro_batch"] != 1 else ""
     return (
-        f"pp{lay['pp']} dp{lay['dp']} ep{lay['ep']} z{lay['zero']} {lay['schedule']} "
+        f"pp{lay['pp']} dp{lay['dp']} ep{lay['ep']} z{lay['zero']}{mb} {lay['schedule']} "
         f"{lay['recompute']}" + (" tied" if model.endswith("tied") else "")
     )
 
