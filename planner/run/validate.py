@@ -310,7 +310,7 @@ class Ranking(BaseModel):
 def layout_name(lay: dict[str, Any], model: str = "") -> str:
     """A described layout's short name: degrees, ZeRO stage, schedule, recompute, and the
     micro-batch where it is not 1."""
-    mb = f" mb{lay['micro_batch']}" if lay["micro_batch"] != 1 else ""
+    mb = f" mb{lay['micro_batch']}" if lay.get("micro_batch", 1) != 1 else ""
     return (
         f"pp{lay['pp']} dp{lay['dp']} ep{lay['ep']} z{lay['zero']}{mb} {lay['schedule']} "
         f"{lay['recompute']}" + (" tied" if model.endswith("tied") else "")
