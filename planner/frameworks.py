@@ -151,7 +151,8 @@ class Framework:
     pipeline_runtime: Runtime = "megatron"
     # It adds each micro-batch's weight gradients into the gradient buffer in a pass of its
     # own (read both, write the sum): planner.run's buffer hooks; Megatron-LM's GEMMs
-    # accumulate into main_grad directly (gradient_accumulation_fusion)
+    # accumulate into main_grad directly (gradient_accumulation_fusion). Priced alike at every
+    # ZeRO stage, though planner.run's ZeRO-2 adds only the owner's share
     grad_accumulation_pass: bool = False
     # The fused cross-entropy implementations it offers (TrainingJob.loss_fusion).
     loss_fusions: tuple[str, ...] = ("none",)

@@ -749,7 +749,7 @@ def eager_bytes(op: str, a: int) -> tuple[float, float, int, int]:
       forward)."""
     w = _widen(a)
     if op == "rmsnorm":
-        return 28 + 2 * w - 2 * a, 76 + 3 * w - 4 * a, 6, 10
+        return 28 + 2 * w - 2 * a, 76 + 3 * w - 4 * a, 6, 11
     if op == "rotary":
         return 8 * a, 6 * a, 4, 4
     if op == "swiglu":

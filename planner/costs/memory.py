@@ -63,8 +63,7 @@ from planner.costs.activations import (
 from planner.costs.blocks import BlockCost, Param, Shard, block_cost
 from planner.costs.state import STEP_KEYS, optimizer_offload_rule, shards, state_bytes
 from planner.errors import PlannerError
-from planner.frameworks import Runtime as PipelineRuntime
-from planner.frameworks import framework, names_with
+from planner.frameworks import Runtime, framework, names_with
 from planner.layout import Layout, parse_recompute
 from planner.schedules import schedule_of
 from planner.specs import DTYPE_BYTES, ModelSpec, TrainingJob
@@ -79,7 +78,6 @@ BUCKETS = (
     "context",
     "fragmentation",
 )
-Runtime = PipelineRuntime
 EMBEDDING_HEAD_KEYS = frozenset({"word_embeddings", "output", "position_embeddings"})
 # Whether FP8 linears keep the FP8 copy of their input for the weight gradient
 # (Framework.fp8_keeps_fp8_inputs): Megatron-LM and DeepSpeed run Transformer Engine's

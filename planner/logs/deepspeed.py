@@ -39,7 +39,6 @@ GiB, two decimals); no reserved figure is logged per step.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import statistics
@@ -50,6 +49,7 @@ from planner.catalog import load_model
 from planner.errors import PlannerError
 from planner.layout import Layout
 from planner.logs import LoggedRun
+from planner.logs.text import Line, Settings, json_block, streams
 from planner.specs import ModelSpec, TrainingJob
 
 GIB = 2**30
@@ -58,7 +58,6 @@ HF_DEEPSPEED = "hf-deepspeed"
 WARMUP_STEPS = 3  # the first steps of each engine whose ThroughputTimer lines are dropped
 
 # --- launcher and logging prefixes -------------------------------------------------------------
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # Slurm's srun --label: "<task>: "; pdsh, DeepSpeed's multi-node runner
 # (launcher/multinode_runner.py:55 PDSHRunner), prefixes each output line with "<host>: ";
 # torchrun --tee: "[<role><local_rank>]:"
@@ -109,10 +108,10 @@ _ARGS_OPEN = re.compile(r"(?:^|\s)(?P<cls>\w*(?:Arguments|Config))\($")
 _ARGS_FIELD = re.compile(r"^(?P<name>\w+)=(?P<value>.*),$")
 
 
-@dataclass(frozen=True)
-class _Line:
-    no: int  # 1-based line number in the file
-    text: str  # the message, launcher and logging prefixes removed
+def _message(rest: str) -> str:
+    """A line's message: DeepSpeed's, Hugging Face's and the [Rank N] prefixes removed."""
+    rest = _HF_PREFIX.sub("", _DS_PREFIX.sub("", rest, count=1), count=1)
+    return _DIST.sub("", rest, count=1)
 
 
 def recognises(text: str) -> bool:
@@ -125,75 +124,6 @@ def recognises(text: str) -> bool:
     )
 
 
-def _streams(text: str) -> tuple[dict[str, list[_Line]], list[str]]:
-    """The log's lines per writer (srun task or host, and torchrun rank; ``""`` for
-    unprefixed lines), prefixes removed, and notes on what was skipped."""
-    notes: list[str] = []
-    raw = text.splitlines(keepends=True)
-    if raw and not raw[-1].endswith(("\n", "\r")):
-        notes.append(f"line {len(raw)}: the log stops mid-line; that line is skipped")
-        raw.pop()
-    streams: dict[str, list[_Line]] = {}
-    for no, line in enumerate(raw, start=1):
-        plain = _ANSI.sub("", line.rstrip("\r\n"))
-        m = _RANK.match(plain)
-        assert m is not None  # every group is optional
-        key = (m["label"] or "").strip() + (m["header"] or "")
-        message = _HF_PREFIX.sub("", _DS_PREFIX.sub("", plain[m.end() :], count=1), count=1)
-        message = _DIST.sub("", message, count=1)
-        streams.setdefault(key, []).append(_Line(no, message))
-    return streams, notes
-
-
-def _block(lines: list[_Line], i: int, first: str) -> tuple[Any, int]:
-    """The JSON object starting with ``first`` on line ``i`` and ending at the first later line
-    that is ``}`` alone (the closing brace at indent 0), parsed (None where it is cut off or
-    not JSON), and the index of its last line."""
-    parts = [first]
-    j = i
-    while first.rstrip() != "{}" and j + 1 < len(lines):
-        j += 1
-        parts.append(lines[j].text)
-        if lines[j].text.rstrip() == "}":
-            break
-    try:
-        return json.loads("\n".join(parts)), j
-    except (ValueError, RecursionError):
-        return None, j
-
-
-class _Settings:
-    """What the log states, each with the line that states it; a second line stating
-    another value for the same setting is refused."""
-
-    def __init__(self, where: str) -> None:
-        self.where = where
-        self.values: dict[str, tuple[Any, int]] = {}
-
-    def put(self, key: str, value: Any, no: int) -> None:
-        old = self.values.get(key)
-        if old is not None and old[0] != value:
-            raise PlannerError(
-                f"{self.where}: line {no} states {key}={_short(value)} but line {old[1]} "
-                f"states {_short(old[0])}; a log must hold one run's settings"
-            )
-        self.values.setdefault(key, (value, no))
-
-    def get(self, key: str) -> Any:
-        found = self.values.get(key)
-        return None if found is None else found[0]
-
-    def line(self, key: str) -> int:
-        """The line that states ``key``."""
-        return self.values[key][1]
-
-
-def _short(value: Any) -> str:
-    """``value``'s repr, cut to 60 characters for a one-line error."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 @dataclass
 class _Start:
     """One engine's ThroughputTimer lines in one writer's lines."""
@@ -202,7 +132,7 @@ class _Start:
     # (global_step, CurrSamplesPerSec, MaxMemAllocated GiB)
 
 
-def _scan(lines: list[_Line], found: _Settings, notes: list[str]) -> list[_Start]:
+def _scan(lines: list[Line], found: Settings, notes: list[str]) -> list[_Start]:
     """Read one writer's lines into ``found``; return its engine starts with their lines."""
     starts: list[_Start] = []
     old_format = 0
@@ -227,7 +157,7 @@ def _scan(lines: list[_Line], found: _Settings, notes: list[str]) -> list[_Start
             found.put(f"engine.{m['name']}", m["value"].strip(), line.no)
         elif m := _USER_JSON.match(text):
             in_dump = False
-            config, i = _block(lines, i, m["first"])
+            config, i = json_block(lines, i, m["first"])
             if isinstance(config, dict):
                 found.put("user_config", config, line.no)
             else:
@@ -235,7 +165,7 @@ def _scan(lines: list[_Line], found: _Settings, notes: list[str]) -> list[_Start
         elif m := _GROUPS.match(text):
             found.put(f"groups.{m['name']}", int(m["value"]), line.no)
         elif m := _MODEL.match(text):
-            config, i = _block(lines, i, m["first"])
+            config, i = json_block(lines, i, m["first"])
             if isinstance(config, dict):
                 found.put("model_config", (m["cls"], config), line.no)
             else:
@@ -277,7 +207,7 @@ def _whole(where: str, name: str, raw: Any) -> int:
     return int(value)
 
 
-def _user(found: _Settings, *keys: str) -> Any:
+def _user(found: Settings, *keys: str) -> Any:
     """The user's json config at ``keys`` (None where absent)."""
     value: Any = found.get("user_config")
     for key in keys:
@@ -287,7 +217,7 @@ def _user(found: _Settings, *keys: str) -> Any:
     return value
 
 
-def _setting(found: _Settings, where: str, name: str, json_key: str, default: int | None) -> int:
+def _setting(found: Settings, where: str, name: str, json_key: str, default: int | None) -> int:
     """An engine setting from its dump line, else the user's json, else ``default`` (a
     one-line refusal when there is none)."""
     raw = found.get(f"engine.{name}")
@@ -311,7 +241,7 @@ def _enabled(raw: str | None) -> bool | None:
     return None if m is None else m[1] == "True"
 
 
-def _precision(found: _Settings, where: str) -> str:
+def _precision(found: Settings, where: str) -> str:
     """The run's compute precision, "bf16" or "fp16" (an FP32 run is refused)."""
     bf16 = _enabled(found.get("engine.bfloat16_config") or found.get("engine.bfloat16_enabled"))
     fp16 = _enabled(found.get("engine.float16_config") or found.get("engine.fp16_enabled"))
@@ -331,7 +261,7 @@ def _precision(found: _Settings, where: str) -> str:
     )
 
 
-def _offload(found: _Settings, where: str, part: str, defaults: list[str]) -> bool:
+def _offload(found: Settings, where: str, part: str, defaults: list[str]) -> bool:
     """Whether ``zero_optimization.<part>`` puts it on the host (cpu); nvme is refused. An
     unstated one is DeepSpeed's default (none), added to ``defaults``."""
     section = _user(found, "zero_optimization", part)
@@ -360,7 +290,7 @@ def _offload(found: _Settings, where: str, part: str, defaults: list[str]) -> bo
     )
 
 
-def _model(found: _Settings, where: str, notes: list[str]) -> ModelSpec:
+def _model(found: Settings, where: str, notes: list[str]) -> ModelSpec:
     """The model transformers' ``Model config`` line states (refused without one)."""
     stated = found.get("model_config")
     if stated is None:
@@ -385,13 +315,13 @@ def _model(found: _Settings, where: str, notes: list[str]) -> ModelSpec:
         raise PlannerError(f"{where}: line {found.line('model_config')}: {exc}") from None
 
 
-def _trainer_args(found: _Settings) -> dict[str, str]:
+def _trainer_args(found: Settings) -> dict[str, str]:
     """The Trainer arguments dump's fields as logged text (empty without a dump)."""
     stated = found.get("trainer_args")
     return {} if stated is None else dict(stated)
 
 
-def _seq_len(found: _Settings, where: str) -> int:
+def _seq_len(found: Settings, where: str) -> int:
     """The packed sequence length of a TRL SFTConfig dump (see the module docstring)."""
     args = _trainer_args(found)
     key = next((k for k in ("max_length", "max_seq_length") if args.get(k, "None") != "None"), None)
@@ -425,9 +355,9 @@ def read(text: str, path: str) -> LoggedRun:
 
 def _read(text: str, path: str, where: str) -> LoggedRun:
     """The body of ``read``; refusals name the file through ``where``."""
-    streams, notes = _streams(text)
-    found = _Settings(where)
-    scanned = {key: _scan(lines, found, notes) for key, lines in streams.items()}
+    by_writer, notes = streams(text, _RANK, _message)
+    found = Settings(where)
+    scanned = {key: _scan(lines, found, notes) for key, lines in by_writer.items()}
 
     model = _model(found, where, notes)
     seq_len = _seq_len(found, where)

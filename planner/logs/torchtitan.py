@@ -47,7 +47,6 @@ allocated peak is not logged.
 from __future__ import annotations
 
 import ast
-import json
 import math
 import re
 import statistics
@@ -59,6 +58,7 @@ from planner.errors import PlannerError
 from planner.export.flavors import DEEPSEEK_V3, LLAMA3_SCALING, flavors
 from planner.layout import Layout
 from planner.logs import LoggedRun
+from planner.logs.text import ANSI, Line, Settings, json_block, streams
 from planner.schedules import schedule_of
 from planner.specs import ModelSpec, TrainingJob
 
@@ -66,7 +66,6 @@ GIB = 2**30
 WARMUP_STEPS = 3  # the first steps of each start whose step lines are dropped
 
 # --- launcher and logging prefixes -------------------------------------------------------------
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # torchtitan/tools/utils.py Color (b5bcd76c:263-274)
 # Slurm's srun --label puts the task number and ": " before each line (width-padded);
 # torchrun --tee: "[<role><local_rank>]:"
 # (torch/distributed/elastic/multiprocessing/tail_log.py:130, header f"[{self._name}{local_rank}]:";
@@ -165,16 +164,15 @@ _SCHEDULES = {
 _DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp")
 
 
-@dataclass(frozen=True)
-class _Line:
-    no: int  # 1-based line number in the file
-    text: str  # the message, launcher and logging prefixes removed
+def _message(rest: str) -> str:
+    """A line's message: the [titan] logging prefix removed."""
+    return _TITAN.sub("", rest, count=1)
 
 
 def recognises(text: str) -> bool:
     """Whether ``text`` is a torchtitan log: it has torchtitan's step line, or its
     ``[titan]`` logging prefix on a model-building or trainer line."""
-    plain = _ANSI.sub("", text)
+    plain = ANSI.sub("", text)
     if re.search(r"step:\s*\d+\s+loss:\s*\S+\s+(?:grad_norm:\s*\S+\s+)?memory:\s*[\d.]+GiB", plain):
         return True
     return bool(
@@ -184,42 +182,6 @@ def recognises(text: str) -> bool:
             plain,
         )
     )
-
-
-def _streams(text: str) -> tuple[dict[str, list[_Line]], list[str]]:
-    """The log's lines per writer (srun task and torchrun rank, ``""`` for unprefixed
-    lines), prefixes removed, and notes on what was skipped (a last line cut off)."""
-    notes: list[str] = []
-    raw = text.splitlines(keepends=True)
-    if raw and not raw[-1].endswith(("\n", "\r")):
-        notes.append(f"line {len(raw)}: the log stops mid-line; that line is skipped")
-        raw.pop()
-    streams: dict[str, list[_Line]] = {}
-    for no, line in enumerate(raw, start=1):
-        plain = _ANSI.sub("", line.rstrip("\r\n"))
-        m = _RANK.match(plain)
-        assert m is not None  # every group is optional
-        key = (m["label"] or "").strip() + (m["header"] or "")
-        message = _TITAN.sub("", plain[m.end() :], count=1)
-        streams.setdefault(key, []).append(_Line(no, message))
-    return streams, notes
-
-
-def _block(lines: list[_Line], i: int, first: str) -> tuple[Any, int]:
-    """The JSON object that starts with ``first`` on line ``i`` and ends at the first later
-    line that is ``}`` alone (json.dumps' closing brace at indent 0), parsed (None where the
-    block is cut off or is not JSON), and the index of that closing line."""
-    parts = [first]
-    j = i
-    while first.rstrip() != "{}" and j + 1 < len(lines):
-        j += 1
-        parts.append(lines[j].text)
-        if lines[j].text.rstrip() == "}":
-            break
-    try:
-        return json.loads("\n".join(parts)), j
-    except (ValueError, RecursionError):
-        return None, j
 
 
 def _flatten(value: Any, into: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -275,40 +237,6 @@ def _path(config: dict[str, Any], *keys: str) -> Any:
     return value
 
 
-class _Settings:
-    """What the log states, each with the line that states it; a second line stating
-    another value for the same setting is refused."""
-
-    def __init__(self, where: str) -> None:
-        self.where = where
-        self.values: dict[str, tuple[Any, int]] = {}
-
-    def put(self, key: str, value: Any, no: int) -> None:
-        """Record that line ``no`` states ``key`` = ``value`` (refused if another line states
-        another value)."""
-        old = self.values.get(key)
-        if old is not None and old[0] != value:
-            raise PlannerError(
-                f"{self.where}: line {no} states {key}={_short(value)} but line {old[1]} "
-                f"states {_short(old[0])}; a log must hold one run's settings"
-            )
-        self.values.setdefault(key, (value, no))
-
-    def get(self, key: str) -> Any:
-        """The value stated for ``key`` (None where no line states it)."""
-        found = self.values.get(key)
-        return None if found is None else found[0]
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.values
-
-
-def _short(value: Any) -> str:
-    """``value``'s repr, cut to 60 characters for a one-line error."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 @dataclass
 class _Start:
     """One start of the training loop in one writer's lines."""
@@ -318,7 +246,7 @@ class _Start:
     # (step, first step the line averages over, tps, reserved GiB)
 
 
-def _scan(lines: list[_Line], found: _Settings) -> list[_Start]:
+def _scan(lines: list[Line], found: Settings) -> list[_Start]:
     """Read one writer's lines into ``found`` and return its starts with their step lines."""
     starts: list[_Start] = []
     i = 0
@@ -343,7 +271,7 @@ def _scan(lines: list[_Line], found: _Settings) -> list[_Start]:
         elif m := _BUILD_ARGS.match(text):
             found.put("model", (m["name"], m["flavor"]), line.no)
             if m["args"] == "{":
-                args, i = _block(lines, i, "{")
+                args, i = json_block(lines, i, "{")
                 if isinstance(args, dict):
                     found.put("model_args", _flatten(args), line.no)
                 else:
@@ -392,7 +320,7 @@ def _scan(lines: list[_Line], found: _Settings) -> list[_Start]:
             body = m["body"]
             config: Any = None
             if body.strip() == "{":
-                config, i = _block(lines, i, "{")
+                config, i = json_block(lines, i, "{")
             else:
                 config = _literal(body)
             if isinstance(config, dict):
@@ -401,7 +329,7 @@ def _scan(lines: list[_Line], found: _Settings) -> list[_Start]:
     return starts
 
 
-def _mesh_nd(names_text: str, dims_text: str, no: int, found: _Settings) -> None:
+def _mesh_nd(names_text: str, dims_text: str, no: int, found: Settings) -> None:
     """The degrees of a ``Building N-D device mesh with [names], [sizes]`` line."""
     names, dims = _literal(names_text), _literal(dims_text)
     if not (isinstance(names, list) and isinstance(dims, list) and len(names) == len(dims)):
@@ -490,7 +418,7 @@ _DEEPSEEK_CORE = (
 )
 
 
-def _model(found: _Settings, where: str, seq_len: int, notes: list[str]) -> ModelSpec:
+def _model(found: Settings, where: str, seq_len: int, notes: list[str]) -> ModelSpec:
     """The model the log builds (see the module docstring); refused in one line where the
     log does not state one the planner can build exactly."""
     stated = found.get("model")
@@ -561,7 +489,7 @@ def _model(found: _Settings, where: str, seq_len: int, notes: list[str]) -> Mode
 # --- the run -----------------------------------------------------------------------------------
 
 
-def _config_value(found: _Settings, *keys: str) -> Any:
+def _config_value(found: Settings, *keys: str) -> Any:
     """The job config dump's value at ``keys`` (None without a dump or that key)."""
     config = found.get("config")
     return _path(config, *keys) if isinstance(config, dict) else None
@@ -585,7 +513,7 @@ _CONFIG_DEGREES = {
 }
 
 
-def _degrees(found: _Settings, where: str, notes: list[str]) -> dict[str, int]:
+def _degrees(found: Settings, where: str, notes: list[str]) -> dict[str, int]:
     """pp, dp_replicate, dp_shard, cp, tp, ep, etp as the log states them: the device-mesh
     line, else the job config dump (whose dp_shard -1 is resolved only by the mesh line)."""
     if "mesh.expert_nd" in found and "mesh.tp" not in found:
@@ -612,7 +540,7 @@ def _degrees(found: _Settings, where: str, notes: list[str]) -> dict[str, int]:
     return out
 
 
-def _batch(found: _Settings, where: str, dp: int) -> tuple[int, int, int, int]:
+def _batch(found: Settings, where: str, dp: int) -> tuple[int, int, int, int]:
     """(seq_len, global batch, sequences per data-parallel rank per forward of a step's
     gradient-accumulation microstep, tokens per train step) as the log states them."""
     if "batch.seq" in found:
@@ -644,7 +572,7 @@ def _batch(found: _Settings, where: str, dp: int) -> tuple[int, int, int, int]:
     )
 
 
-def _recompute(found: _Settings, where: str, notes: list[str]) -> tuple[str, int]:
+def _recompute(found: Settings, where: str, notes: list[str]) -> tuple[str, int]:
     """torchtitan's activation checkpointing as a recompute choice: ("none" | "full" | "op" |
     "layer", the layer-SAC frequency where "layer")."""
     mode = found.get("ac")
@@ -712,9 +640,9 @@ def read(text: str, path: str) -> LoggedRun:
 
 def _read(text: str, path: str, where: str) -> LoggedRun:
     """The body of ``read``; refusals name the file through ``where``."""
-    streams, notes = _streams(text)
-    found = _Settings(where)
-    scanned = {key: _scan(lines, found) for key, lines in streams.items()}
+    by_writer, notes = streams(text, _RANK, _message)
+    found = Settings(where)
+    scanned = {key: _scan(lines, found) for key, lines in by_writer.items()}
     if found.get("model") is None:
         raise PlannerError(
             f"{where}: torchtitan log states no model (no 'Building ... with ...' line)"
@@ -856,7 +784,7 @@ def _read(text: str, path: str, where: str) -> LoggedRun:
     )
 
 
-def _stage_counts(found: _Settings, chunks: int, layers: int) -> list[int] | None:
+def _stage_counts(found: Settings, chunks: int, layers: int) -> list[int] | None:
     """Transformer layers per stage from the ``PP rank ... is building stage_idx`` lines,
     where every stage's line is in the log and they hold every layer once."""
     counts = []
