@@ -97,7 +97,9 @@ class Args:
     def stated(self, key: str, default: Any) -> Any:
         if key in self.values:
             return self.values[key]
-        self.defaults.append(f"{key.removeprefix('--')} {default}")
+        said = f"{key.removeprefix('--')} {default}"
+        if said not in self.defaults:  # a default read twice is listed once
+            self.defaults.append(said)
         return default
 
 
