@@ -154,6 +154,14 @@ class Framework:
     # accumulate into main_grad directly (gradient_accumulation_fusion). Priced alike at every
     # ZeRO stage, though planner.run's ZeRO-2 adds only the owner's share
     grad_accumulation_pass: bool = False
+    # Its optimizer step ends with zero_grad(set_to_none=True): the gradients are freed and
+    # made again by the next step's first backward (planner.run, outside its data-parallel
+    # buffer: costs.memory.grads_freed). Megatron-LM keeps them in its gradient buffer.
+    frees_grads: bool = False
+    # Its AdamW is PyTorch's single-tensor implementation (torch.optim.AdamW(foreach=False),
+    # planner.run): eight eager kernels per parameter tensor, each a pass over its elements
+    # (costs.state.SINGLE_TENSOR_ADAMW), where a fused step reads and writes each tensor once.
+    single_tensor_adamw: bool = False
     # The fused cross-entropy implementations it offers (TrainingJob.loss_fusion).
     loss_fusions: tuple[str, ...] = ("none",)
     # Its linears and grouped experts run Transformer Engine's GEMMs, each with TE's own
@@ -416,6 +424,8 @@ FRAMEWORKS: dict[str, Framework] = {
         eager_passes=True,
         pipeline_runtime="torch",
         grad_accumulation_pass=True,
+        frees_grads=True,
+        single_tensor_adamw=True,
     ),
 }
 

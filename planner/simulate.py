@@ -142,8 +142,14 @@ def _memory(
     timelines, peaks = [], []
     for rank, mine in enumerate(tasks):
         b = memory[rank].buckets
-        static = sum(b[k] for k in ("weights", "grads", "optimizer", "ema", "buffers"))
+        # gradients the runtime frees each step come back at the end of the first backward
+        made = memory[rank].step_grad_bytes
+        static = sum(b[k] for k in ("weights", "optimizer", "ema", "buffers"))
+        static += 0 if made else b["grads"]
         changes: list[tuple[float, int, int]] = []  # (time, order: frees first, bytes)
+        ends = [t.end for t in mine for op in t.ops if op.kind in ("B", "BW")]
+        if made and ends:
+            changes.append((min(ends), 1, made))
         for task in mine:
             for op in task.ops:
                 if op.kind == "F":

@@ -39,14 +39,30 @@ def activation_peak(
     The level at any point of the order is a sum over chunks of counts times those bytes;
     ``level_points`` lists the counts at the points that can be highest, once per schedule
     shape, so each call costs the points, not the order's length."""
+    return max(activation_peaks(layout, rank, num_microbatches, per_chunk, rebuild, kept))
+
+
+def activation_peaks(
+    layout: Layout,
+    rank: int,
+    num_microbatches: int,
+    per_chunk: dict[int, float],
+    rebuild: dict[int, float],
+    kept: tuple[dict[int, float], dict[int, float]] | None = None,
+) -> tuple[float, float]:
+    """``activation_peak`` in two parts: the highest level before the rank's first backward
+    is done (its rebuild included), and the highest from then on. A runtime that frees the
+    gradients after each step makes them during that first backward, so only the second
+    part is reached with them allocated (``costs.memory``)."""
     after_forward, after_backward = kept or ({}, {})
     lengths = long_step(layout.pp, layout.virtual_stages, num_microbatches)
     if lengths and not any(after_forward.values()) and not any(after_backward.values()):
         # A long step's level at its highest points is that of a shorter step's, or grows by
         # the same bytes per micro-batch (every micro-batch in flight, as GPipe holds them).
-        a, b = (activation_peak(layout, rank, n, per_chunk, rebuild) for n in lengths)
-        return extended(a, b, lengths, num_microbatches)
-    peak = 0.0
+        a, b = (activation_peaks(layout, rank, n, per_chunk, rebuild) for n in lengths)
+        first, rest = (extended(x, y, lengths, num_microbatches) for x, y in zip(a, b, strict=True))
+        return first, rest
+    first = rest = 0.0
     points = level_points(layout.schedule, layout.pp, num_microbatches, layout.virtual_stages, rank)
     for flight, rebuilt, forwards, backwards in points:
         level = sum(n * per_chunk[c] for c, n in flight)
@@ -54,8 +70,11 @@ def activation_peak(
         level += sum(n * after_backward.get(c, 0.0) for c, n in backwards)
         if rebuilt >= 0:
             level += rebuild[rebuilt]
-        peak = max(peak, level)
-    return peak
+        if backwards:
+            rest = max(rest, level)
+        else:
+            first = max(first, level)
+    return first, rest
 
 
 # Beyond this many micro-batches, a step's timeline (``estimate.extended_run``) and its

@@ -57,6 +57,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from planner.costs.activations import (
     activation_offload_rule,
     activation_peak,
+    activation_peaks,
     backward_temporaries,
     rebuild_peak,
 )
@@ -123,6 +124,12 @@ class StageMemory(BaseModel):
         description="Part of the 'buffers' bucket NCCL allocates itself, outside PyTorch's "
         "caching allocator (bytes): in the device's use, not in max_memory_allocated or "
         "max_memory_reserved.",
+    )
+    step_grad_bytes: int = Field(
+        default=0,
+        description="Gradient bytes the runtime frees after each step and makes again in "
+        "the rank's first backward (0: it keeps them from step to step); the 'grads' bucket "
+        "holds them only where the peak comes after that backward.",
     )
     step_bytes: dict[str, int] = Field(
         default_factory=dict,
@@ -317,6 +324,17 @@ def stage_memory(
     ]
 
 
+def grads_freed(job: TrainingJob, layout: Layout) -> bool:
+    """Whether the job's runtime frees the gradients after each optimizer step
+    (``Framework.frees_grads``). ``planner.run`` keeps them in one flat buffer per
+    data-parallel group of more than one rank below ZeRO-2 (Megatron-LM's contiguous buffer,
+    which it all-reduces); then they stay. (Its experts' gradients are freed where their own
+    group is one rank: not counted, so the prediction errs high by them.)"""
+    if not framework(job.framework).frees_grads:
+        return False
+    return not (layout.zero < 2 and layout.dp > 1)
+
+
 def _rank_memory(
     rank: int,
     model: ModelSpec,
@@ -362,12 +380,19 @@ def _rank_memory(
             if c > 0:  # the input a chunk keeps is its receive buffer, counted in buffers
                 per_chunk[c] -= blocks[0][0].kept_bytes("block_input", blocks[0][1])
         rebuild[c] = rebuild_peak(blocks, kept)
-    activations = activation_peak(
+    first, rest = activation_peaks(
         layout, rank, num_microbatches, per_chunk, rebuild, (after_forward, after_backward)
     )
     plist = list(params.values())
     ema_on_gpu = layout.ema == "hbm"
     state = state_bytes(plist, job=job, layout=layout, ema_on_gpu=ema_on_gpu)
+    # Gradients a runtime frees after each step are made again in the rank's first backward:
+    # a peak reached before it (one micro-batch's forward and loss, as with no gradient
+    # accumulation) holds none of them. The buckets are what is live at the peak.
+    made = state["grads"] if grads_freed(job, layout) else 0.0
+    activations, grads = max(first, rest), state["grads"]
+    if made:
+        activations, grads = (first, 0.0) if first > rest + made else (rest, made)
     emb = state_bytes(
         [p for p in plist if p.key in EMBEDDING_HEAD_KEYS],
         job=job,
@@ -410,7 +435,7 @@ def _rank_memory(
         offloaded_activations = activation_peak(layout, rank, num_microbatches, host_chunk, none)
     buckets = {
         "weights": state["weights"],
-        "grads": state["grads"],
+        "grads": grads,
         "optimizer": state["optimizer"],
         "ema": state["ema"],
         "activations": activations,
@@ -430,5 +455,6 @@ def _rank_memory(
         embedding_head_bytes=round(emb["weights"] + emb["grads"] + emb["optimizer"] + emb["ema"]),
         host_bytes=round(state["host"] + offloaded_activations),
         nccl_bytes=int(job.comm_buffer_bytes),
+        step_grad_bytes=round(made),
         step_bytes={k: round(state[k]) for k in STEP_KEYS},
     )

@@ -226,7 +226,10 @@ def compare(
     out = []
     for run in runs:
         p = predicted[run.pp_rank]
-        buckets = {k: _bucket(p.buckets[k], run.bucket_peaks[k]) for k in COMPARED}
+        # each bucket at its own highest level: gradients freed each step (not live at a
+        # peak before the first backward) reach theirs after it
+        highest = {**p.buckets, "grads": max(p.buckets["grads"], p.step_grad_bytes)}
+        buckets = {k: _bucket(highest[k], run.bucket_peaks[k]) for k in COMPARED}
         buckets["other"] = _bucket(p.buckets["buffers"], run.bucket_peaks["other"])
         out.append(
             Entry(
