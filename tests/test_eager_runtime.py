@@ -99,3 +99,16 @@ def test_single_tensor_adamw_moves_forty_bytes_an_element_at_bf16() -> None:
     fused = job.model_copy(update={"framework": "megatron", "master_dtype": None})
     (megatron,) = stage_memory(model, fused, layout, num_microbatches=4)
     assert megatron.step_bytes["step_hbm"] < 0.35 * rank.step_bytes["step_hbm"]
+
+
+def test_the_memory_table_says_where_the_gradients_went(capsys: pytest.CaptureFixture[str]) -> None:
+    from planner.cli.render import print_memory
+
+    model = load_model("llama3-8b").model_copy(update={"num_layers": 2})
+    job = TrainingJob(seq_len=4096, global_batch=4, framework="torch")
+    cluster = load_cluster("h200", gpus=1)
+    for micro_batch, said in ((4, True), (2, False)):
+        layout = Layout.uniform(model, micro_batch=micro_batch)
+        print_memory("job", layout, evaluate(model, cluster, job, layout), 0.05)
+        out = " ".join(capsys.readouterr().out.split())
+        assert ("freed after each step and made again in its first backward" in out) is said

@@ -54,6 +54,13 @@ def print_memory(name: str, layout: Layout, est: Estimate, margin: float) -> Non
         "and GEMM workspaces, CUDA context and fragmentation; ignores optimizer-step "
         "temporaries."
     )
+    freed = max((s.step_grad_bytes for s in est.memory if not s.buckets["grads"]), default=0)
+    if freed:
+        console.print(
+            f"Gradients: {freed / GiB:.2f} GiB per rank are freed after each step and made "
+            "again in its first backward; the peak comes before that backward, so they are "
+            "not in it."
+        )
     if est.memory_risk:
         console.print(f"Risk of running out of memory: {est.memory_risk}.")
     host = max(s.host_bytes for s in est.memory)
