@@ -144,3 +144,29 @@ def _recipe(data: dict[str, Any], path: Path) -> Recipe:
         assumed=str(data.get("assumed", "")),
         measured=str(data.get("measured", "")),
     )
+
+
+def known_layouts(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob) -> list[Layout]:
+    """The layouts of the catalog's recipes for this model (its architecture, whatever its
+    name) on this machine, each with the schedule the job's framework runs in its place
+    where its launcher does not run the recipe's (DeepSeek-V3's DualPipe becomes Megatron-LM's
+    1F1B on the same stages): warm starts for ``plan``, which restates their data-parallel
+    degree and micro-batch for the job's GPU count and batch (``solve.first.hinted_layouts``).
+    A recipe file that no longer reads is passed over: the catalog's own tests read each."""
+    from planner.frameworks import framework
+
+    launcher = framework(job.framework).launcher
+    same = model.model_dump(exclude={"name"})
+    out: list[Layout] = []
+    for name in recipe_names():
+        try:
+            recipe = load_recipe(name)
+        except PlannerError:
+            continue
+        if recipe.cluster.name != cluster.name or recipe.model.model_dump(exclude={"name"}) != same:
+            continue
+        layout = recipe.layout
+        if launcher is not None and layout.schedule not in launcher.schedules:
+            layout = layout.model_copy(update={"schedule": launcher.runs_instead(layout.schedule)})
+        out.append(layout)
+    return out

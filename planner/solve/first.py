@@ -161,8 +161,12 @@ def offloaded_layouts(
 
 
 # What a hint does not fix of a configuration: its expert-parallel degree and micro-batch
-# (the nearest that divide are taken) and what follows from them.
-_HINT_FREE = frozenset({"ep", "micro_batch", "num_microbatches", "recompute_extra"})
+# (the nearest that divide are taken) and what follows from them; where the EMA lives and
+# whether FP8 inputs are cached, which the job and the space decide (a published layout
+# states neither for this job).
+_HINT_FREE = frozenset(
+    {"ep", "micro_batch", "num_microbatches", "recompute_extra", "ema", "fp8_cache"}
+)
 
 
 def hinted_layouts(
@@ -193,7 +197,8 @@ def hinted_layouts(
 
         def near(c: Config, hint: Layout = hint) -> tuple[object, ...]:
             # The hint's micro-batch, else the largest smaller one (it holds less), then the
-            # nearest expert-parallel degree, the larger of two as near (it holds less).
+            # nearest expert-parallel degree, the larger of two as near (it holds less), then
+            # the hint's EMA placement and FP8 cache where the space has them.
             mb = c.micro_batch
             return (
                 mb != hint.micro_batch,
@@ -201,6 +206,8 @@ def hinted_layouts(
                 -mb,
                 abs(math.log(c.ep / hint.ep)),
                 -c.ep,
+                c.ema != hint.ema,
+                c.fp8_cache != hint.fp8_cache,
             )
 
         config = min(same, key=near)
@@ -216,6 +223,8 @@ def hinted_layouts(
                     "ep": config.ep,
                     "micro_batch": config.micro_batch,
                     "num_microbatches": None,
+                    "ema": config.ema,
+                    "fp8_cache": config.fp8_cache,
                 }
             )
             est = evaluate(model, cluster, job, layout)

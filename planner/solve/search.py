@@ -62,6 +62,7 @@ from planner.costs.activations import offloads_activations
 from planner.errors import PlannerError
 from planner.estimate import evaluate
 from planner.layout import Layout
+from planner.recipes import known_layouts
 from planner.solve import lanes
 from planner.solve.bounds import (
     bound_tables,
@@ -209,7 +210,9 @@ def plan(
     first = first_fit(model, cluster, job, space, configs, budget)
     if first is not None:
         keep(*first)
-    for item in hinted_layouts(model, cluster, job, configs, hints, budget):
+    # The caller's hints, then the catalog's published layouts of this model on this machine
+    known = [*hints, *(k for k in known_layouts(model, cluster, job) if k not in hints)]
+    for item in hinted_layouts(model, cluster, job, configs, known, budget):
         keep(*item)
     # The sets of degrees (and micro-batch) go to the lanes by their key; each lane searches
     # its own (``lanesearch``), the lanes side by side in rounds of a fixed deterministic length,
