@@ -160,7 +160,10 @@ def best_uniform(
             )
         except PlannerError:  # the plan's stage count leaves some stage without a layer
             return None
-        est = planner.evaluate(model, cluster, job, uniform)
+        try:
+            est = planner.evaluate(model, cluster, job, uniform)
+        except PlannerError:  # a recompute the plan's schedule refuses (its expert overlap)
+            continue
         if est.fits and (best is None or est.step_time_s < best):
             best = est.step_time_s
     return best
