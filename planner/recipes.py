@@ -16,6 +16,7 @@ layer per chunk between them, as Llama 3's interleaved schedule, arXiv 2407.2178
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,18 +152,13 @@ def known_layouts(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob) -> l
     name) on this machine, each with the schedule the job's framework runs in its place
     where its launcher does not run the recipe's (DeepSeek-V3's DualPipe becomes Megatron-LM's
     1F1B on the same stages): warm starts for ``plan``, which restates their data-parallel
-    degree and micro-batch for the job's GPU count and batch (``solve.first.hinted_layouts``).
-    A recipe file that no longer reads is passed over: the catalog's own tests read each."""
+    degree and micro-batch for the job's GPU count and batch (``solve.first.hinted_layouts``)."""
     from planner.frameworks import framework
 
     launcher = framework(job.framework).launcher
     same = model.model_dump(exclude={"name"})
     out: list[Layout] = []
-    for name in recipe_names():
-        try:
-            recipe = load_recipe(name)
-        except PlannerError:
-            continue
+    for recipe in _catalog_recipes():
         if recipe.cluster.name != cluster.name or recipe.model.model_dump(exclude={"name"}) != same:
             continue
         layout = recipe.layout
@@ -170,3 +166,16 @@ def known_layouts(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob) -> l
             layout = layout.model_copy(update={"schedule": launcher.runs_instead(layout.schedule)})
         out.append(layout)
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def _catalog_recipes() -> tuple[Recipe, ...]:
+    """Every recipe of the catalog that reads, read once a process (a sweep plans many
+    jobs); one that no longer reads is passed over: the catalog's own tests read each."""
+    out = []
+    for name in recipe_names():
+        try:
+            out.append(load_recipe(name))
+        except PlannerError:
+            continue
+    return tuple(out)
