@@ -25,6 +25,7 @@ import yaml
 
 from planner.catalog import MODELS_DIR, check_keys, load_cluster, load_model, resolve_source
 from planner.errors import PlannerError
+from planner.frameworks import framework
 from planner.layout import Layout
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 
@@ -153,8 +154,6 @@ def known_layouts(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob) -> l
     where its launcher does not run the recipe's (DeepSeek-V3's DualPipe becomes Megatron-LM's
     1F1B on the same stages): warm starts for ``plan``, which restates their data-parallel
     degree and micro-batch for the job's GPU count and batch (``solve.first.hinted_layouts``)."""
-    from planner.frameworks import framework
-
     launcher = framework(job.framework).launcher
     same = model.model_dump(exclude={"name"})
     out: list[Layout] = []
