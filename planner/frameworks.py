@@ -154,10 +154,11 @@ class Framework:
     # accumulate into main_grad directly (gradient_accumulation_fusion). Priced alike at every
     # ZeRO stage, though planner.run's ZeRO-2 adds only the owner's share
     grad_accumulation_pass: bool = False
-    # Its optimizer step ends with zero_grad(set_to_none=True): the gradients are freed and
-    # made again by the next step's first backward (planner.run, outside its data-parallel
-    # buffer: costs.memory.grads_freed). Megatron-LM keeps them in its gradient buffer.
-    frees_grads: bool = False
+    # Whether its training step frees the gradients (zero_grad(set_to_none=True)), so that
+    # the next step's first backward makes them again (costs.memory.grads_freed): "never"
+    # (Megatron-LM's gradient buffer, zeroed in place), "always", or "unbuffered" (planner.run:
+    # all but a data-parallel group's flat buffer below ZeRO-2).
+    frees_grads: Literal["never", "always", "unbuffered"] = "never"
     # Its AdamW is PyTorch's single-tensor implementation (torch.optim.AdamW(foreach=False),
     # planner.run): eight eager kernels per parameter tensor, each a pass over its elements
     # (costs.state.SINGLE_TENSOR_ADAMW), where a fused step reads and writes each tensor once.
@@ -317,6 +318,11 @@ FRAMEWORKS: dict[str, Framework] = {
     "torchtitan": Framework(
         name="torchtitan",
         label="torchtitan",
+        # train_step opens with self.optimizers.zero_grad(), torch's default set_to_none=True
+        # (torchtitan/train.py at v0.1.0, v0.2.0 and v0.2.2, and trainer.py up to f84224af,
+        # 2026-08-13, when CUDA graph capture made it set_to_none=disable_cuda_graphs, False by
+        # default: the later trainer keeps them)
+        frees_grads="always",
         weight_dtype="fp32",
         grad_dtype="fp32",
         master_dtype=None,
@@ -424,7 +430,7 @@ FRAMEWORKS: dict[str, Framework] = {
         eager_passes=True,
         pipeline_runtime="torch",
         grad_accumulation_pass=True,
-        frees_grads=True,
+        frees_grads="unbuffered",
         single_tensor_adamw=True,
     ),
 }

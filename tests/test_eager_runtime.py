@@ -70,6 +70,10 @@ def test_gradients_are_made_in_the_first_backward_only_where_the_runtime_frees_t
     assert first.buckets["grads"] == 0 and first.step_grad_bytes > 0
     (second,) = stage_memory(model, job, two, num_microbatches=2, runtime="torch")
     assert second.buckets["grads"] == second.step_grad_bytes == first.step_grad_bytes
+    # torchtitan's train_step opens with zero_grad() (set_to_none) up to its CUDA-graph trainer
+    titan = job.model_copy(update={"framework": "torchtitan"})
+    (fsdp,) = stage_memory(model, titan, Layout.uniform(model, micro_batch=4), num_microbatches=1)
+    assert fsdp.step_grad_bytes > 0
     # Megatron-LM keeps its gradient buffer from step to step
     megatron = job.model_copy(update={"framework": "megatron"})
     (kept,) = stage_memory(model, megatron, one, num_microbatches=1)
@@ -83,6 +87,23 @@ def test_gradients_are_made_in_the_first_backward_only_where_the_runtime_frees_t
     for layout in (one, two):
         closed = [m.peak_bytes for m in evaluate(model, cluster, job, layout).memory]
         assert simulate(model, cluster, job, layout).peak_bytes == closed
+
+
+def test_the_first_backward_can_peak_with_part_of_the_gradients_made() -> None:
+    """Full recompute at a long sequence: little is saved, but each layer's backward
+    rebuilds its activations while the later layers' gradients are already made. The peak
+    is inside the first backward, above both the forward's peak and all the gradients."""
+    model = load_model("mixtral-8x7b").model_copy(update={"num_layers": 4})
+    job = TrainingJob(seq_len=32768, global_batch=1, framework="torch", fragmentation=0.0)
+    layout = Layout.uniform(model, recompute="full")
+    (rank,) = stage_memory(model, job, layout, num_microbatches=1, runtime="torch")
+    made, live = rank.step_grad_bytes, rank.buckets["grads"]
+    assert 0 < live < made < live + rank.buckets["activations"]
+    # a short sequence: the gradients outweigh one micro-batch's activations, and the peak
+    # is that backward's end, every gradient made and nothing saved left
+    short = job.model_copy(update={"seq_len": 256})
+    (end,) = stage_memory(model, short, layout, num_microbatches=1, runtime="torch")
+    assert end.buckets["grads"] == end.step_grad_bytes and end.buckets["activations"] == 0
 
 
 def test_single_tensor_adamw_moves_forty_bytes_an_element_at_bf16() -> None:

@@ -10,6 +10,7 @@ tensors on the host instead.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 from planner.costs.blocks import OFFLOAD, OFFLOAD_TAG, BlockCost, Shard
@@ -204,6 +205,30 @@ def rebuild_peak(
         after += cost.saved_bytes(choice) - kept
         kept = 0.0
     return peak
+
+
+def first_backward_peak(
+    blocks: Sequence[tuple[BlockCost, frozenset[str] | str]],
+    grads: Sequence[float],
+    kept: float = 0.0,
+) -> tuple[float, float]:
+    """A chunk's backward as the step's first, when the runtime makes the gradients there
+    (they were freed after the last step): its highest level relative to its saved level,
+    and the gradient bytes made by then. Block k's gradients (``grads``, in block order) are
+    made at the end of its backward, once its rebuilt tensors are gone: while block k runs,
+    the blocks after it have freed their saved tensors (``rebuild_peak``) and made theirs;
+    the walk ends with the chunk's saved tensors all freed and every gradient made."""
+    peak, at_peak, made, after = -math.inf, 0.0, 0.0, 0.0
+    for (cost, choice), g in zip(reversed(blocks), reversed(grads), strict=True):
+        level = cost.rebuilt_bytes(choice) - after + made
+        if level > peak:
+            peak, at_peak = level, made
+        after += cost.saved_bytes(choice) - kept
+        kept = 0.0
+        made += g
+    if made - after > peak:
+        peak, at_peak = made - after, made
+    return peak, at_peak
 
 
 def backward_temporaries(

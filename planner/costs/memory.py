@@ -59,6 +59,7 @@ from planner.costs.activations import (
     activation_peak,
     activation_peaks,
     backward_temporaries,
+    first_backward_peak,
     rebuild_peak,
 )
 from planner.costs.blocks import BlockCost, Param, Shard, block_cost
@@ -324,15 +325,43 @@ def stage_memory(
     ]
 
 
+def first_backward_walk(
+    c: int,
+    layout: Layout,
+    costs: dict[str, BlockCost],
+    job: TrainingJob,
+    runtime: Runtime,
+    last: int,
+) -> tuple[float, float]:
+    """``activations.first_backward_peak`` of chunk ``c``: its blocks' gradient bytes on
+    this rank (a parameter two blocks share counted at the first to make it, the last in
+    model order), and the logits the torch pipeline runtime keeps through the last stage's
+    backward (as ``_rank_memory`` does for ``rebuild_peak``)."""
+    placed = layout.stages[c].blocks
+    blocks = [(costs[b.block], parse_recompute(b.recompute)) for b in placed]
+    seen: set[str] = set()
+    grads: list[float] = []
+    for cost, _ in reversed(blocks):
+        mine = [p for p in cost.params if p.key not in seen]
+        seen.update(p.key for p in mine)
+        grads.append(state_bytes(mine, job=job, layout=layout, ema_on_gpu=False)["grads"])
+    grads.reverse()
+    kept = 0.0
+    if runtime == "torch" and layout.pp > 1 and c == last:
+        kept = blocks[-1][0].kept_bytes("logits")
+    return first_backward_peak(blocks, grads, kept)
+
+
 def grads_freed(job: TrainingJob, layout: Layout) -> bool:
-    """Whether the job's runtime frees the gradients after each optimizer step
-    (``Framework.frees_grads``). ``planner.run`` keeps them in one flat buffer per
-    data-parallel group of more than one rank below ZeRO-2 (Megatron-LM's contiguous buffer,
-    which it all-reduces); then they stay. (Its experts' gradients are freed where their own
-    group is one rank: not counted, so the prediction errs high by them.)"""
-    if not framework(job.framework).frees_grads:
-        return False
-    return not (layout.zero < 2 and layout.dp > 1)
+    """Whether the job's runtime frees the gradients between optimizer steps
+    (``Framework.frees_grads``). ``planner.run`` ("unbuffered") keeps them in one flat buffer
+    per data-parallel group of more than one rank below ZeRO-2 (Megatron-LM's contiguous
+    buffer, which it all-reduces); then they stay. (Its experts' gradients are freed where
+    their own group is one rank: not counted, so the prediction errs high by them.)"""
+    frees = framework(job.framework).frees_grads
+    if frees == "unbuffered":
+        return not (layout.zero < 2 and layout.dp > 1)
+    return frees == "always"
 
 
 def _rank_memory(
@@ -386,13 +415,19 @@ def _rank_memory(
     plist = list(params.values())
     ema_on_gpu = layout.ema == "hbm"
     state = state_bytes(plist, job=job, layout=layout, ema_on_gpu=ema_on_gpu)
-    # Gradients a runtime frees after each step are made again in the rank's first backward:
-    # a peak reached before it (one micro-batch's forward and loss, as with no gradient
-    # accumulation) holds none of them. The buckets are what is live at the peak.
     made = state["grads"] if grads_freed(job, layout) else 0.0
     activations, grads = max(first, rest), state["grads"]
     if made:
-        activations, grads = (first, 0.0) if first > rest + made else (rest, made)
+        # Gradients a runtime frees after each step are made again in the rank's first
+        # backward: a peak before it (one micro-batch's forward and loss, as with no
+        # gradient accumulation) holds none; during it, those of the blocks done; after it,
+        # all. The buckets are what is live at the peak.
+        c = max(chunks)  # the chunk whose backward runs first on this rank
+        walked = first_backward_walk(c, layout, costs, job, runtime, last)
+        walk = first - rebuild[c] + walked[0]  # the others' level at most first's less c's
+        activations, grads = max(
+            (first, 0.0), (walk - walked[1], walked[1]), (rest, made), key=lambda x: sum(x)
+        )
     emb = state_bytes(
         [p for p in plist if p.key in EMBEDDING_HEAD_KEYS],
         job=job,
