@@ -743,3 +743,21 @@ def test_read_log_dispatches_each_format(tmp_path: Path) -> None:
     assert read_log(titan_file).framework == "torchtitan"
     assert read_log(ds_file).framework == "hf-deepspeed"
     assert read_log(ds_file).name == "ds.log"
+
+
+def test_every_refusal_names_the_log_once() -> None:
+    """The torchtitan and DeepSpeed readers' refusals from deeper down (a model or layout the
+    planner refuses) are named with the file, and those that name it already are not twice."""
+    from planner.errors import PlannerError
+    from planner.logs.text import naming_the_log
+
+    def deep(where: str) -> None:
+        raise PlannerError("Layout.tp=3: must divide the 32 heads")
+
+    def named(where: str) -> None:
+        raise PlannerError(f"{where}: no step lines")
+
+    for body, said in ((deep, "log='a.log': Layout.tp=3"), (named, "log='a.log': no step")):
+        with pytest.raises(PlannerError) as refused:
+            naming_the_log("a.log", body)
+        assert str(refused.value).startswith(said) and str(refused.value).count("a.log") == 1

@@ -49,7 +49,7 @@ from planner.catalog import load_model
 from planner.errors import PlannerError
 from planner.layout import Layout
 from planner.logs import LoggedRun
-from planner.logs.text import Line, Settings, json_block, streams
+from planner.logs.text import Line, Settings, json_block, naming_the_log, streams
 from planner.specs import ModelSpec, TrainingJob
 
 GIB = 2**30
@@ -344,13 +344,7 @@ def read(text: str, path: str) -> LoggedRun:
     any line within its first three optimizer steps). Every refusal is one line naming
     ``path``. Assumes one run per file; each engine start (a restart from a checkpoint) is its
     own warm-up."""
-    where = f"log={path!r}"
-    try:
-        return _read(text, path, where)
-    except PlannerError as exc:
-        if str(exc).startswith(where):
-            raise
-        raise PlannerError(f"{where}: {exc}") from None
+    return naming_the_log(path, lambda where: _read(text, path, where))
 
 
 def _read(text: str, path: str, where: str) -> LoggedRun:

@@ -8,7 +8,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from planner.errors import PlannerError
 
@@ -96,3 +96,18 @@ def short(value: Any) -> str:
     """``value``'s repr, cut to 60 characters for a one-line error."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+T = TypeVar("T")
+
+
+def naming_the_log(path: str, body: Callable[[str], T]) -> T:
+    """``body(where)``, ``where`` being how a refusal names the log (``log='PATH'``), with
+    every refusal one line that names it, whether ``body`` already did or not."""
+    where = f"log={path!r}"
+    try:
+        return body(where)
+    except PlannerError as exc:
+        if str(exc).startswith(where):
+            raise
+        raise PlannerError(f"{where}: {exc}") from None

@@ -58,7 +58,7 @@ from planner.errors import PlannerError
 from planner.export.flavors import DEEPSEEK_V3, LLAMA3_SCALING, flavors
 from planner.layout import Layout
 from planner.logs import LoggedRun
-from planner.logs.text import ANSI, Line, Settings, json_block, streams
+from planner.logs.text import ANSI, Line, Settings, json_block, naming_the_log, streams
 from planner.schedules import schedule_of
 from planner.specs import ModelSpec, TrainingJob
 
@@ -629,13 +629,7 @@ def read(text: str, path: str) -> LoggedRun:
     every line averaging over one of its first three steps; each line's time is the average
     over the steps since the line before). Every refusal is one line naming ``path``.
     Assumes one run per file; restarts resume it."""
-    where = f"log={path!r}"
-    try:
-        return _read(text, path, where)
-    except PlannerError as exc:
-        if str(exc).startswith(where):
-            raise
-        raise PlannerError(f"{where}: {exc}") from None
+    return naming_the_log(path, lambda where: _read(text, path, where))
 
 
 def _read(text: str, path: str, where: str) -> LoggedRun:
