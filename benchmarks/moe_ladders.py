@@ -42,7 +42,7 @@ import csv
 import itertools
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -53,6 +53,9 @@ from planner.estimate import model_flops_per_token
 
 HERE = Path(__file__).resolve().parent
 LADDERS = HERE / "moe_ladders.csv"
+
+
+Costed = tuple[planner.ModelSpec, planner.ClusterSpec, planner.TrainingJob, planner.Layout]
 
 
 @dataclass
@@ -68,6 +71,10 @@ class Row:
     error: float | None  # predicted / measured step - 1
     assumed: str
     skipped: str = ""
+    # What was costed, where a row was: (model, cluster, job, layout)
+    costed: (
+        tuple[planner.ModelSpec, planner.ClusterSpec, planner.TrainingJob, planner.Layout] | None
+    ) = None
 
 
 def _int(text: str, default: int) -> int:
@@ -211,6 +218,7 @@ def cost(r: dict[str, str]) -> Row:
         est.mfu,
         est.step_time_s / measured - 1 if measured else None,
         ", ".join(assumed),
+        costed=(model, cluster, job, layout),
     )
 
 
@@ -412,7 +420,9 @@ def main(argv: list[str] | None = None) -> int:
             counted += 1
             exact += not backwards
         errors += [c.error for c in ok if c.error is not None]
-        out.append({"ladder": name, "tau": tau, "rows": [asdict(c) for c in costed]})
+        out.append(
+            {"ladder": name, "tau": tau, "rows": [asdict(replace(c, costed=None)) for c in costed]}
+        )
         if args.json:
             continue
         print(f"\n{name}: Kendall tau {tau:+.2f}, {len(backwards)} pair(s) backwards")

@@ -19,7 +19,7 @@ For each job it prints, with units:
   seconds per step, with the conversion printed) and the error of each prediction of that
   layout against it;
 - a verdict: is the plan at least as fast as every expert layout that fits, under simulate,
-  and do the plan's estimate and its simulation agree within 1%.
+  and do the plan's estimate and its simulation agree within 3%.
 
 A summary at the end counts the jobs that meet each target. Today's planner is expected to
 miss some: this measures, it does not tune. Every golden figure (in the recipes and the jobs
@@ -64,7 +64,7 @@ from planner.estimate import model_flops_per_token
 from planner.frameworks import launcher
 
 GiB = 2**30
-AGREE = 0.01  # estimate vs simulation: the 1% target
+AGREE = 0.03  # estimate vs simulation (planner.executor): the 3% target
 SAME = 1e-9  # relative slack for "at least as fast" (float noise only)
 
 # ---------------------------------------------------------------------------------------------

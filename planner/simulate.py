@@ -1,11 +1,10 @@
-"""``simulate``: a layout's training step as events, per rank, with memory over time.
+"""``simulate``: a layout's training step executed on modelled hardware, with memory over time.
 
-The step is ``planner.timeline.run``: each pipeline rank runs its schedule's op order task by
-task, a task starting when the rank is free and its inputs have arrived, the gradient
-reductions on a second stream and the optimizer step after both (see that module for the
-rules, including the links and SMs an overlapped reduction shares). ``evaluate`` reports the
-same run's step time; this adds what happened when: every task and reduction as an event,
-and each rank's memory over the step.
+The step is ``planner.executor.execute``: each pipeline rank's program run kernel by kernel
+and transfer by transfer on the compute and communication streams, SMs and links they share
+(see that module for what is modelled and what is ignored). It does not read the closed-form
+timing (``planner.timeline``, ``costs.overlap``) that ``evaluate`` and the search use, so the
+two figures can disagree: ``planner.check`` compares them, within a stated tolerance.
 
 Memory: each forward allocates its stage's saved activations for one micro-batch and the
 backward that consumes them frees them (the weight-gradient op, when the schedule splits it
@@ -25,12 +24,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from planner.costs.activations import rebuild_peak
-from planner.costs.memory import StageMemory, block_costs, shard_of
-from planner.estimate import step_run
+from planner.costs.memory import StageMemory, block_costs, shard_of, stage_memory
+from planner.executor import STREAMS, execute, label_text
 from planner.layout import Layout, parse_recompute
 from planner.schedules import schedule_of
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 from planner.timeline import Task
+
+# How far the simulated step may be from the closed-form estimate before the two are said to
+# disagree (``planner.check``; ``Plan.simulation``): they price overlap differently (the
+# estimate by a rule per schedule, the simulator by streams, SMs and links shared), and on
+# the catalog's recipes they differ by up to about 11% (benchmarks/sim_agreement.py prints
+# every figure).
+SIM_TOLERANCE = 0.08
 
 
 @dataclass(frozen=True)
@@ -38,10 +44,13 @@ class Event:
     """One span on one rank's track (seconds)."""
 
     rank: int
-    track: str  # "compute" or "comm"
+    # "ops" (one span per task of the schedule) or a stream: "compute", "ep", "p2p", "dp" or
+    # "zero" (``executor.STREAMS``)
+    track: str
     name: str
     start: float
     duration: float
+    waited_for: str = ""  # what it was last to wait for before it could start
 
 
 @dataclass
@@ -54,6 +63,8 @@ class Simulation:
     peak_bytes: list[int]  # memory peak per pipeline rank
     memory_timeline: list[list[tuple[float, int]]]  # (seconds, bytes) after each change
     events: list[Event] = field(default_factory=list)
+    # Seconds each rank's links were in full use, by "<ib|nvl> <out|in>" (``executor``)
+    link_busy_s: dict[str, list[float]] = field(default_factory=dict)
 
     def to_chrome_trace(self, path: str | Path) -> Path:
         """Write a Chrome trace (JSON) that Perfetto and chrome://tracing open: one process
@@ -62,19 +73,21 @@ class Simulation:
         for rank in range(len(self.busy_s)):
             out.append(_meta(rank, "process_name", f"pipeline rank {rank}"))
             out.append(_meta(rank, "process_sort_index", rank, key="sort_index"))
-            for tid, track in enumerate(("compute", "comm")):
+            for tid, track in enumerate(TRACKS):
                 out.append({**_meta(rank, "thread_name", track), "tid": tid})
+        tids = {track: tid for tid, track in enumerate(TRACKS)}
         for e in self.events:
-            out.append(
-                {
-                    "ph": "X",
-                    "pid": e.rank,
-                    "tid": 0 if e.track == "compute" else 1,
-                    "name": e.name,
-                    "ts": e.start * 1e6,
-                    "dur": e.duration * 1e6,
-                }
-            )
+            span: dict[str, object] = {
+                "ph": "X",
+                "pid": e.rank,
+                "tid": tids.get(e.track, 0),
+                "name": e.name,
+                "ts": e.start * 1e6,
+                "dur": e.duration * 1e6,
+            }
+            if e.waited_for:
+                span["args"] = {"waited for": e.waited_for}
+            out.append(span)
         for rank, timeline in enumerate(self.memory_timeline):
             for t, nbytes in timeline:
                 out.append(
@@ -91,6 +104,9 @@ class Simulation:
         return target
 
 
+TRACKS = ("ops", *STREAMS)  # each rank's tracks in a trace, top to bottom
+
+
 def _meta(rank: int, name: str, value: object, *, key: str = "name") -> dict[str, object]:
     return {"ph": "M", "pid": rank, "tid": 0, "name": name, "args": {key: value}}
 
@@ -100,25 +116,45 @@ def simulate(
 ) -> Simulation:
     """Run one training step of ``layout`` event by event (see the module docstring)."""
     job = cluster.job_on(job)  # the machine's measured memory figures (ClusterSpec.job_on)
-    memory, _, timeline = step_run(model, cluster, job, layout)
-    events: list[Event] = []
-    busy = []
-    for rank, r in enumerate(timeline.ranks):
-        events += [Event(rank, "compute", t.name, t.start, t.duration) for t in r.tasks]
-        events += [
-            Event(rank, "comm", f"grad sync s{s.stage}", s.start, s.duration) for s in r.syncs
+    run = execute(model, cluster, job, layout)
+    memory = stage_memory(model, job, layout, num_microbatches=run.num_microbatches)
+    events = [
+        Event(
+            item.rank,
+            item.stream,
+            label_text(item.label),
+            item.start,
+            item.end - item.start,
+            label_text(item.released_by.label) if item.released_by is not None else "",
+        )
+        for item in run.items
+        if item.stream is not None and item.work > 0
+    ]
+    prog = run.prog
+    tasks = [
+        [
+            Task(
+                rank,
+                prog.key[g],
+                prog.ops[g],
+                run.task_start[g].end,
+                run.task_end[g].end - run.task_start[g].end,
+            )
+            for g in mine
         ]
-        events.append(Event(rank, "compute", "optimizer", r.optimizer_start, r.optimizer))
-        busy.append(sum(t.duration for t in r.tasks) + r.optimizer)
-    step = timeline.step_s
-    timelines, peaks = _memory(model, job, layout, [r.tasks for r in timeline.ranks], memory)
+        for rank, mine in enumerate(prog.by_rank)
+    ]
+    events += [Event(t.rank, "ops", t.name, t.start, t.duration) for mine in tasks for t in mine]
+    step = run.step_s
+    timelines, peaks = _memory(model, job, layout, tasks, memory)
     return Simulation(
         step_time_s=step,
-        busy_s=busy,
-        idle_s=[step - b for b in busy],
+        busy_s=run.busy_s,
+        idle_s=[step - b for b in run.busy_s],
         peak_bytes=peaks,
         memory_timeline=timelines,
         events=events,
+        link_busy_s=run.link_busy_s,
     )
 
 

@@ -275,12 +275,12 @@ def program(schedule: str, pp: int, m: int, v: int) -> Program:
             rank.append(r)
             mine.append(len(key) - 1)
         by_rank.append(mine)
-    owner = {_dep_key(op): g for g, group in enumerate(ops) for op in group}
+    owner = {dep_key(op): g for g, group in enumerate(ops) for op in group}
     last = pp * v - 1
     preds: list[list[int]] = []
     sends: list[list[Prim | None]] = []
     for g, group in enumerate(ops):
-        needs = [(owner[d], _send(d, g, owner, rank)) for op in group for d in _inputs(op, last)]
+        needs = [(owner[d], _send(d, g, owner, rank)) for op in group for d in op_inputs(op, last)]
         kept = [(p, sent) for p, sent in needs if p != g]
         preds.append([p for p, _ in kept])
         sends.append([sent for _, sent in kept])
@@ -333,12 +333,12 @@ def _topo(preds: list[list[int]], by_rank: list[list[int]]) -> list[int]:
     return order
 
 
-def _dep_key(op: Op) -> tuple[str, int, int, int]:
+def dep_key(op: Op) -> tuple[str, int, int, int]:
     kind = "B" if op.kind in ("B", "BW") else op.kind
     return (kind, op.microbatch, op.stage, op.direction)
 
 
-def _inputs(op: Op, last: int) -> list[tuple[str, int, int, int]]:
+def op_inputs(op: Op, last: int) -> list[tuple[str, int, int, int]]:
     """The ops whose results ``op`` needs (their sends are inside them)."""
     s, mb, d = op.stage, op.microbatch, op.direction
     if op.kind == "F":

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 
 import planner
+from planner.check import SIM_TOLERANCE
 from planner.cli import main
 from planner.costs.blocks import block_cost
 from planner.costs.comm import Network, group
@@ -84,7 +85,7 @@ def test_the_ring_costs_time_only_where_attention_cannot_hide_it() -> None:
         est = planner.evaluate(LLAMA, H100, JOB, lay)
         times[(tp, cp)] = est.breakdown.get("cp_comm", 0.0)
         assert est.step_time_s == pytest.approx(
-            planner.simulate(LLAMA, H100, JOB, lay).step_time_s, rel=1e-9
+            planner.simulate(LLAMA, H100, JOB, lay).step_time_s, rel=SIM_TOLERANCE
         )
     assert times[(4, 1)] == 0.0
     assert 0.0 < times[(4, 2)] < times[(8, 2)]
@@ -200,7 +201,7 @@ def test_all_to_all_context_parallelism_costs_its_collectives_exposed() -> None:
     passes = 2 * LLAMA.num_layers * est.num_microbatches  # forward and backward, no recompute
     assert est.breakdown["cp_comm"] == pytest.approx(passes * one_pass, rel=1e-9)
     assert est.step_time_s == pytest.approx(
-        planner.simulate(LLAMA, H100, JOB, lay).step_time_s, rel=1e-9
+        planner.simulate(LLAMA, H100, JOB, lay).step_time_s, rel=SIM_TOLERANCE
     )
 
 

@@ -40,8 +40,13 @@ def test_trace_opens_with_16_ranks_of_stages(deepseek: planner.Simulation, tmp_p
         assert forwards == m  # m/2 micro-batches through each of the rank's two stages
         stages = {p.split(" s")[1] for n in mine for p in n.split(" & ") if " s" in p}
         assert stages == {str(rank), str(15 - rank)}  # stage r and its mirror
-    comm = [e for e in spans if e["tid"] == 1]
-    assert {e["pid"] for e in comm} == set(range(16))  # every rank reduces its gradients
+    tracks = {e["args"]["name"]: e["tid"] for e in events if e.get("name") == "thread_name"}
+    assert list(tracks) == ["ops", "compute", "ep", "p2p", "dp", "zero"]
+    reductions = [e for e in spans if e["tid"] == tracks["dp"] and "grad sync" in e["name"]]
+    assert {e["pid"] for e in reductions} == set(range(16))  # every rank reduces its gradients
+    dispatches = [e for e in spans if e["tid"] == tracks["ep"] and "dispatch" in e["name"]]
+    assert {e["pid"] for e in dispatches} == set(range(16))  # and runs its experts' all-to-alls
+    assert all(e["args"]["waited for"] for e in dispatches)  # each after its own compute
     assert any(e["ph"] == "C" for e in events)  # the memory counter track
 
 

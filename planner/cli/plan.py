@@ -184,6 +184,20 @@ def _print_plan(result: Plan, model: ModelSpec, job: TrainingJob) -> None:
     )
     runs = (result.job or job).framework
     out.print(f"Run by {runs}: only layouts it runs, priced as it runs them.")
+    sim = result.simulation
+    if sim is not None:
+        verdict = (
+            "within"
+            if sim.agrees
+            else "[bold yellow]beyond[/] (the two price overlap differently: treat the step as "
+            "uncertain by that much)"
+        )
+        out.print(
+            f"Simulated step: {sim.step_time_s:.3f} s, {sim.difference:+.1%} from the estimate, "
+            f"{verdict} the {sim.tolerance:.0%} the two models are taken to agree within. The "
+            f"simulator runs each rank's kernels and transfers on shared streams, SMs and links "
+            f"(planner.simulate); the estimate prices overlap by a rule per schedule."
+        )
     for each in result.frameworks:  # several target frameworks: the best of each
         figure = f"{each.step_time_s:.3f} s per step" if each.step_time_s else "no layout"
         gap = f", gap {each.gap:.1%}" if each.gap else ""

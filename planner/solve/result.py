@@ -59,6 +59,26 @@ class FrameworkBest(BaseModel):
     gap: float | None = Field(default=None, description="Its proven gap (fraction).")
 
 
+class SimulatedStep(BaseModel):
+    """The plan's layout run by the simulator (``planner.simulate``), beside its estimate."""
+
+    model_config = ConfigDict(frozen=True)
+
+    step_time_s: float = Field(
+        description="Simulated seconds per step (planner.executor: each rank's kernels and "
+        "transfers on shared streams, SMs and links; no closed-form overlap rule)."
+    )
+    difference: float = Field(description="Simulated step over the estimate's, less 1.")
+    tolerance: float = Field(
+        description="The difference within which the two models are taken to agree "
+        "(planner.simulate.SIM_TOLERANCE)."
+    )
+
+    @property
+    def agrees(self) -> bool:
+        return abs(self.difference) <= self.tolerance
+
+
 class Plan(BaseModel):
     """The planner's answer for one (model, cluster, job, search space)."""
 
@@ -83,6 +103,10 @@ class Plan(BaseModel):
         default=0, description="Degree/schedule combinations considered in the search."
     )
     alternatives: list[Alternative] = Field(default_factory=list)
+    simulation: SimulatedStep | None = Field(
+        default=None,
+        description="The layout's simulated step beside its estimate (None when infeasible).",
+    )
     stopped_by_clock: bool = Field(
         default=False,
         description="The wall-clock safety stop cut the search short of its deterministic "

@@ -63,6 +63,7 @@ from planner.errors import PlannerError
 from planner.estimate import evaluate
 from planner.layout import Layout
 from planner.recipes import known_layouts
+from planner.simulate import SIM_TOLERANCE, simulate
 from planner.solve import lanes
 from planner.solve.bounds import (
     bound_tables,
@@ -87,7 +88,7 @@ from planner.solve.lanesearch import (
     lane_open,
     lane_step,
 )
-from planner.solve.result import Alternative, FrameworkBest, Plan
+from planner.solve.result import Alternative, FrameworkBest, Plan, SimulatedStep
 from planner.solve.space import check_step_size, enumerate_configs, for_target
 from planner.solve.tables import (
     Config,
@@ -308,6 +309,12 @@ def plan(
     gap = max(0.0, (objective - lower) / objective)
     status = "optimal" if not open_bounds else "feasible"
     estimate = evaluate(model, cluster, job, layout)
+    simulated = simulate(model, cluster, job, layout).step_time_s
+    simulation = SimulatedStep(
+        step_time_s=simulated,
+        difference=simulated / estimate.step_time_s - 1,
+        tolerance=SIM_TOLERANCE,
+    )
     alternatives = []
     for _, _c, alt in _distinct(found[1:], exclude=config)[: max(0, top_k - 1)]:
         other = evaluate(model, cluster, job, alt)
@@ -324,6 +331,7 @@ def plan(
         solve_time_s=time.perf_counter() - started,
         configurations=len(configs),
         alternatives=alternatives,
+        simulation=simulation,
         stopped_by_clock=budget.stopped_by_clock,
         model=model,
         cluster=cluster,
