@@ -501,7 +501,7 @@ def verdict(result: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"expert_layouts": len(result["experts"]), "fitting": len(fitting)}
     if not has_plan:
         out["at_least_as_fast"] = False
-        out["agree_1pct"] = False
+        out["agrees"] = False
         out["why"] = f"no plan ({plan['status']})"
         return out
     if fitting:
@@ -516,7 +516,7 @@ def verdict(result: dict[str, Any]) -> dict[str, Any]:
         out["plan_vs_fastest_expert_any"] = (
             plan["simulate_s"] / min(e["simulate_s"] for e in every) - 1
         )
-    out["agree_1pct"] = abs(plan["estimate_vs_simulate"]) <= AGREE
+    out["agrees"] = abs(plan["estimate_vs_simulate"]) <= AGREE
     return out
 
 
@@ -606,10 +606,10 @@ def print_job(res: dict[str, Any]) -> None:
         fast += (
             f"; against every expert layout, fitting or not: {v['plan_vs_fastest_expert_any']:+.1%}"
         )
-    agree = "yes" if v["agree_1pct"] else "NO"
+    agree = "yes" if v["agrees"] else "NO"
     print(f"  VERDICT: plan at least as fast as every fitting expert layout (simulate): {fast}")
     print(
-        f"  VERDICT: plan's estimate within 1% of its simulation: {agree} "
+        f"  VERDICT: plan's estimate within {AGREE:.0%} of its simulation: {agree} "
         f"({plan['estimate_vs_simulate']:+.2%})"
     )
 
@@ -620,7 +620,7 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
     # Jobs with at least one expert layout that fits: the target applies; no plan is a miss.
     compared = [r for r in results if r["verdict"].get("fitting", 0) > 0]
     fast = [r for r in compared if r["verdict"].get("at_least_as_fast")]
-    agree = [r for r in results if r["verdict"].get("agree_1pct")]
+    agree = [r for r in results if r["verdict"].get("agrees")]
     experts = [e for r in results for e in r["experts"] if "simulate_s" in e]
     fitting = [e for e in experts if e["fits"]]
     best_cmp = [e for e in fitting if "simulate_s" in (e.get("best_within_degrees") or {})]
@@ -636,10 +636,10 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
         "plan_at_least_as_fast": len(fast),
         "jobs_compared": len(compared),
         "jobs_no_fitting_expert": len(results) - len(compared),
-        "plan_agrees_1pct": len(agree),
+        "plan_agrees": len(agree),
         "expert_layouts": len(experts),
         "expert_layouts_fit": len(fitting),
-        "experts_agree_1pct": len([e for e in experts if abs(e["estimate_vs_simulate"]) <= AGREE]),
+        "experts_agreeing": len([e for e in experts if abs(e["estimate_vs_simulate"]) <= AGREE]),
         "best_within_degrees_compared": len(best_cmp),
         "best_within_degrees_at_least_as_fast": len(best_ok),
         "measured_layouts": len(measured),
@@ -658,12 +658,12 @@ def print_summary(results: list[dict[str, Any]], summary: dict[str, Any], wall: 
         "plan sim / plan est: the plan's simulated and estimated step; est-sim: their difference; "
         "expert sim: each expert layout's simulated step; fits: within the memory cap; measured: "
         "the published step; best@deg: the planner's best within that expert's degrees "
-        "(simulated); fast: plan at least as fast as every fitting expert layout; 1%: plan's "
-        "estimate within 1% of its simulation"
+        "(simulated); fast: plan at least as fast as every fitting expert layout; agrees: plan's "
+        f"estimate within {AGREE:.0%} of its simulation"
     )
     head = (
         f"{'job':<24} {'plan sim':>9} {'plan est':>9} {'est-sim':>8} {'expert sim':>11} "
-        f"{'fits':>5} {'measured':>9} {'best@deg':>9} {'fast':>5} {'1%':>4}"
+        f"{'fits':>5} {'measured':>9} {'best@deg':>9} {'fast':>5} {'agrees':>6}"
     )
     print(head)
     print("-" * len(head))
@@ -673,7 +673,7 @@ def print_summary(results: list[dict[str, Any]], summary: dict[str, Any], wall: 
         pest = f"{p['estimate_s']:.3f}" if "simulate_s" in p else "-"
         diff = f"{p['estimate_vs_simulate']:+.2%}" if "simulate_s" in p else "-"
         fast = {True: "yes", False: "NO", None: "n/a"}[v.get("at_least_as_fast")]
-        agree = "yes" if v.get("agree_1pct") else "NO"
+        agree = "yes" if v.get("agrees") else "NO"
         experts = r["experts"] or [{}]
         for i, e in enumerate(experts):
             esim = f"{e['simulate_s']:.3f}" if "simulate_s" in e else "error"
@@ -686,7 +686,7 @@ def print_summary(results: list[dict[str, Any]], summary: dict[str, Any], wall: 
             if i == 0:
                 print(
                     f"{r['name']:<24} {psim:>9} {pest:>9} {diff:>8} {esim:>11} {fits:>5} "
-                    f"{meas:>9} {bsim:>9} {fast:>5} {agree:>4}"
+                    f"{meas:>9} {bsim:>9} {fast:>5} {agree:>6}"
                 )
             else:
                 print(
@@ -702,13 +702,13 @@ def print_summary(results: list[dict[str, Any]], summary: dict[str, Any], wall: 
         f"{s['jobs'] - s['jobs_with_plan']} of {s['jobs']} jobs got no plan)"
     )
     print(
-        f"- plan's estimate within 1% of its simulation: {s['plan_agrees_1pct']} of "
+        f"- plan's estimate within {AGREE:.0%} of its simulation: {s['plan_agrees']} of "
         f"{s['jobs']} jobs"
     )
     print(
         f"- expert layouts that fit the planner's memory cap: {s['expert_layouts_fit']} of "
-        f"{s['expert_layouts']}; their estimate within 1% of simulation: "
-        f"{s['experts_agree_1pct']} of {s['expert_layouts']}"
+        f"{s['expert_layouts']}; their estimate within {AGREE:.0%} of simulation: "
+        f"{s['experts_agreeing']} of {s['expert_layouts']}"
     )
     print(
         f"- planner's best within an expert's degrees at least as fast as that (fitting) expert "
@@ -752,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
                 "error": f"{type(exc).__name__}: {exc}",
                 "plan": {"status": "error", "error": f"{type(exc).__name__}: {exc}", "wall_s": 0.0},
                 "experts": [],
-                "verdict": {"at_least_as_fast": False, "agree_1pct": False, "why": "error"},
+                "verdict": {"at_least_as_fast": False, "agrees": False, "why": "error"},
             }
             if not args.json:
                 print(f"\n== {spec.name}: ERROR {res['error']} ==")

@@ -165,13 +165,13 @@ def test_a_simulation_that_differs_from_the_estimate_is_reported(
     simulated(1.10)
     assert check_plan(MODEL, CLUSTER, JOB, plan) == [
         f"simulated step {step * 1.10:.4g} s differs from the estimate {step:.4g} s by +10.0% "
-        "(tolerance 8%)"
+        "(tolerance 3%)"
     ]
-    simulated(0.95)
+    simulated(0.98)
     assert check_plan(MODEL, CLUSTER, JOB, plan) == []
-    assert check_plan(MODEL, CLUSTER, JOB, plan, sim_tolerance=0.04) == [
-        f"simulated step {step * 0.95:.4g} s differs from the estimate {step:.4g} s by -5.0% "
-        "(tolerance 4%)"
+    assert check_plan(MODEL, CLUSTER, JOB, plan, sim_tolerance=0.01) == [
+        f"simulated step {step * 0.98:.4g} s differs from the estimate {step:.4g} s by -2.0% "
+        "(tolerance 1%)"
     ]
 
 

@@ -267,3 +267,40 @@ def test_a_long_step_runs_short_and_extends(
     given = inputs(model, cluster, job, layout)
     whole = run_stages(layout, given.stages, given.optimizer, given.overlap, given.a2a_sms, m)
     assert short.step_s == pytest.approx(whole.step_s, rel=1e-9)
+
+
+def test_a_plan_whose_two_models_disagree_takes_the_finalist_both_count_fastest() -> None:
+    """Mixtral 8x7B on 64 H100 (Megatron-LM's reference job): ZeRO-3 with the paired
+    all-to-all overlap estimates a little faster than the reference mapping (EP8 PP4 VP8),
+    but the simulator puts it well past the estimate, beyond the tolerance; counted at the
+    slower of its two figures it loses, and the plan takes the reference mapping."""
+    from planner.simulate import SIM_TOLERANCE
+    from planner.solve.search import _judged
+    from planner.solve.tables import Config
+
+    recipe = planner.load_recipe("mixtral-8x7b-megatron")
+    model, cluster = recipe.model, recipe.cluster
+    job = cluster.job_on(recipe.job)
+    paired = Layout.uniform(
+        model,
+        tp=1,
+        pp=1,
+        dp=64,
+        ep=8,
+        zero=3,
+        micro_batch=2,
+        schedule="1f1b-ep-overlap",
+        recompute="moe_act",
+    )
+    est = planner.evaluate(model, cluster, job, paired).step_time_s
+    sim = planner.simulate(model, cluster, job, paired).step_time_s
+    assert sim / est - 1 > SIM_TOLERANCE
+    config = Config.__new__(Config)  # what the search kept beside each layout; unread here
+    finalists = [(est, config, paired), (est * 1.01, config, recipe.layout)]
+    judged = _judged(model, cluster, job, finalists)
+    assert judged[0][0][2] is recipe.layout  # the reference mapping
+    assert all(j[2] is not None for j in judged)  # both simulated
+    # where the search's best agrees with its simulation, nothing else is simulated
+    agreeing = [(est, config, recipe.layout), (est * 1.01, config, paired)]
+    judged = _judged(model, cluster, job, agreeing)
+    assert judged[0][0][2] is recipe.layout and judged[1][2] is None

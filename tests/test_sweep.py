@@ -69,7 +69,9 @@ def test_every_case_is_planned_and_kept(tmp_path: Path) -> None:
     )
     checked(rows)
     assert [r["gpus"] for r in rows] == [8, 16, 32]
-    assert all(r["status"] == "optimal" for r in rows)
+    for r in rows:  # a proven optimum, or a layout both models count faster (it says why)
+        plan = planner.Plan.model_validate(r["plan"])
+        assert r["status"] == "optimal" or (plan.simulation and plan.simulation.chosen), r
     direct = planner.plan(SMALL, planner.load_cluster("h100", gpus=16), JOB, time_limit_s=10)
     assert rows[1]["step_time_s"] == pytest.approx(direct.estimate.step_time_s)  # type: ignore[union-attr]
     assert seen[-1] == (3, 0, 0, 3)  # done, running, failed, total

@@ -198,6 +198,8 @@ def _print_plan(result: Plan, model: ModelSpec, job: TrainingJob) -> None:
             f"simulator runs each rank's kernels and transfers on shared streams, SMs and links "
             f"(planner.simulate); the estimate prices overlap by a rule per schedule."
         )
+        if sim.chosen:
+            out.print(f"Chosen by both models: {sim.chosen}.")
     for each in result.frameworks:  # several target frameworks: the best of each
         figure = f"{each.step_time_s:.3f} s per step" if each.step_time_s else "no layout"
         gap = f", gap {each.gap:.1%}" if each.gap else ""

@@ -198,14 +198,18 @@ def print_runners_up(result: Plan) -> None:
     console = Console(width=max(Console().width, 132))
     base = result.estimate.step_time_s
     table = Table(title="runners-up (other degrees or schedules the search found)")
-    for col in ("layout", "step s", "vs plan", "peak GiB"):
+    simulated = any(alt.simulated_step_s is not None for alt in result.alternatives)
+    columns = ("layout", "step s", "vs plan", "peak GiB") + (("simulated s",) if simulated else ())
+    for col in columns:
         table.add_column(col, justify="left" if col == "layout" else "right")
     for alt in result.alternatives:
+        sim = alt.simulated_step_s
         table.add_row(
             alt.layout.shape(),
             f"{alt.step_time_s:.3f}",
             f"{alt.step_time_s / base - 1:+.1%}",
             f"{alt.peak_bytes / GiB:.2f}",
+            *((f"{sim:.3f}" if sim is not None else "-",) if simulated else ()),
         )
     console.print(table)
 

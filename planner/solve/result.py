@@ -19,6 +19,11 @@ class Alternative(BaseModel):
     layout: Layout
     step_time_s: float = Field(description="Its evaluated step time (seconds).")
     peak_bytes: int = Field(description="Its largest per-rank memory peak (bytes).")
+    simulated_step_s: float | None = Field(
+        default=None,
+        description="Its simulated step (seconds), where the plan's choice needed it "
+        "(SimulatedStep.chosen).",
+    )
 
 
 class Binding(BaseModel):
@@ -72,6 +77,13 @@ class SimulatedStep(BaseModel):
     tolerance: float = Field(
         description="The difference within which the two models are taken to agree "
         "(planner.simulate.SIM_TOLERANCE)."
+    )
+    chosen: str = Field(
+        default="",
+        description="Empty where the plan is the search's best by the estimate. Else why not: "
+        "that layout's simulation disagreed with its estimate beyond the tolerance, and of "
+        "the final candidates the plan is the fastest counted at the slower of its two "
+        "figures.",
     )
 
     @property

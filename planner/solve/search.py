@@ -60,7 +60,7 @@ from typing import Any
 
 from planner.costs.activations import offloads_activations
 from planner.errors import PlannerError
-from planner.estimate import evaluate
+from planner.estimate import Estimate, evaluate
 from planner.layout import Layout
 from planner.recipes import known_layouts
 from planner.simulate import SIM_TOLERANCE, simulate
@@ -304,23 +304,30 @@ def plan(
             job=job,
             space=asked,
         )
-    objective, config, layout = found[0]
-    lower = min([objective, *open_bounds])
+    lower = min([found[0][0], *open_bounds])
+    searched = time.perf_counter() - started  # the simulations below are not the search's
+    finalists = [found[0], *_distinct(found[1:], exclude=found[0][1])]
+    every = _judged(model, cluster, job, finalists)
+    judged = every[:top_k]
+    (objective, _, layout), estimate, simulated = judged[0]
+    assert simulated is not None  # the plan's layout is always simulated (``_judged``)
     gap = max(0.0, (objective - lower) / objective)
-    status = "optimal" if not open_bounds else "feasible"
-    estimate = evaluate(model, cluster, job, layout)
-    simulated = simulate(model, cluster, job, layout).step_time_s
+    status = "optimal" if not open_bounds and gap <= 1e-9 else "feasible"
     simulation = SimulatedStep(
         step_time_s=simulated,
         difference=simulated / estimate.step_time_s - 1,
         tolerance=SIM_TOLERANCE,
+        chosen=_chosen(every, finalists[0]),
     )
-    alternatives = []
-    for _, _c, alt in _distinct(found[1:], exclude=config)[: max(0, top_k - 1)]:
-        other = evaluate(model, cluster, job, alt)
-        alternatives.append(
-            Alternative(layout=alt, step_time_s=other.step_time_s, peak_bytes=other.peak_bytes)
+    alternatives = [
+        Alternative(
+            layout=alt,
+            step_time_s=est.step_time_s,
+            peak_bytes=est.peak_bytes,
+            simulated_step_s=sim,
         )
+        for (_, _, alt), est, sim in judged[1:]
+    ]
     return Plan(
         status=status,
         layout=layout,
@@ -328,7 +335,7 @@ def plan(
         objective_s=objective,
         lower_bound_s=lower,
         gap=0.0 if status == "optimal" else gap,
-        solve_time_s=time.perf_counter() - started,
+        solve_time_s=searched,
         configurations=len(configs),
         alternatives=alternatives,
         simulation=simulation,
@@ -337,6 +344,72 @@ def plan(
         cluster=cluster,
         job=job,
         space=asked,
+    )
+
+
+Judged = tuple[tuple[float, Config, Layout], Estimate, float | None]
+JUDGED = 8  # the most final candidates simulated where the search's best disagrees
+
+
+def _judged(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    job: TrainingJob,
+    finalists: list[tuple[float, Config, Layout]],
+) -> list[Judged]:
+    """The final candidates (the search's best, then the best of each other set of degrees,
+    in the estimate's order), each with its estimate and, where judged, its simulated step;
+    the one the plan takes first.
+
+    The search's best is simulated. Where its simulation and estimate agree (within
+    ``SIM_TOLERANCE``) it stays the plan. Where they do not, the two models price that
+    layout's overlap differently, so every other candidate that could beat it (estimated
+    faster than its slower figure; at most ``JUDGED``) is simulated too, and the plan takes
+    the one whose slower figure, estimate or simulation, is the least (a layout is counted at
+    what the more pessimistic model says of it) where that is less than the search's best's by
+    more than the tolerance, the most the two models are taken to disagree by without
+    saying so. The others follow in the estimate's order."""
+    first = finalists[0]
+    est = evaluate(model, cluster, job, first[2])
+    out: list[Judged] = [(first, est, simulate(model, cluster, job, first[2]).step_time_s)]
+    agrees = _agrees(out[0])
+    bar = max(est.step_time_s, out[0][2] or 0.0)
+    for item in finalists[1:]:
+        if agrees and len(out) >= JUDGED:
+            break
+        if not agrees and (len(out) >= JUDGED or item[0] >= bar):
+            break
+        other = evaluate(model, cluster, job, item[2])
+        sim = None if agrees else simulate(model, cluster, job, item[2]).step_time_s
+        out.append((item, other, sim))
+    if agrees:
+        return out
+    slower = [max(j[1].step_time_s, j[2] or 0.0) for j in out]
+    best = min(range(len(out)), key=lambda i: (slower[i], i))
+    if slower[best] >= slower[0] * (1 - SIM_TOLERANCE):
+        return out  # no better by more than the two models' own disagreement: kept
+    return [out[best], *(j for i, j in enumerate(out) if i != best)]
+
+
+def _agrees(judged: Judged) -> bool:
+    _, est, sim = judged
+    return sim is None or abs(sim / est.step_time_s - 1) <= SIM_TOLERANCE
+
+
+def _chosen(judged: list[Judged], first: tuple[float, Config, Layout]) -> str:
+    """Why the plan is not the search's best by the estimate, in words ("" where it is)."""
+    (_, _, layout), est, sim = judged[0]
+    if judged[0][0] is first:
+        return ""
+    (_, _, was), was_est, was_sim = next(j for j in judged if j[0] is first)
+    assert sim is not None and was_sim is not None
+    return (
+        f"the search's best by the estimate, {was.degrees()} {was.schedule} "
+        f"({was_est.step_time_s:.3f} s), simulates at {was_sim:.3f} s "
+        f"({was_sim / was_est.step_time_s - 1:+.1%}); of the {len(judged)} final candidates "
+        f"simulated, "
+        f"{layout.degrees()} {layout.schedule} is the fastest counted at the slower of its "
+        f"estimate ({est.step_time_s:.3f} s) and its simulation ({sim:.3f} s)"
     )
 
 
