@@ -3,7 +3,7 @@
 It checks the layout against the model, the cluster and the job (every block placed once, in
 order; degrees that divide; the world size; micro-batching that adds up to the global batch),
 then returns an ``Estimate``: per-rank memory (``planner.costs.memory``) and the analytic step
-time: the step run task by task (``planner.timeline``), the same run ``simulate`` reports.
+time: the step run task by task (``planner.timeline``); ``simulate`` reaches it another way.
 
 MFU convention (PaLM, Chowdhery et al. 2022, appendix B, with attention's causal half): model
 FLOPs per token = 6 x (parameters a token passes through in matrix multiplies: routed experts
@@ -235,7 +235,7 @@ def step_run(
     extend_long: bool = False,
 ) -> tuple[list[StageMemory], list[StageTime], Timeline]:
     """The per-rank memory, the per-stage times and the step run task by task
-    (``planner.timeline``) of a layout: what ``evaluate``, ``simulate`` and the search's
+    (``planner.timeline``) of a layout: what ``evaluate`` and the search's
     final choice all read. With ``extend_long`` a long step (``costs.activations.long_step``)
     is run shorter and extended (``extended_run``): its time, critical rank and breakdown are
     the whole step's, its ranks' tasks and chains the shorter run's."""

@@ -1,9 +1,10 @@
 """Seconds of each pipeline stage's work for one micro-batch, and of each rank's per-step work.
 
 This is the table every timing consumer reads: the timeline (``planner.timeline``, behind
-``evaluate`` and ``simulate``) and the solver's tables (``planner.solve.tables``) both take
-their numbers from here and state what runs beside what with the one set of rules in
-``planner.costs.overlap``.
+``evaluate``) and the solver's tables (``planner.solve.tables``) both take their numbers from
+here and state what runs beside what with the one set of rules in ``planner.costs.overlap``;
+the simulator (``planner.executor``, behind ``simulate``) takes each block's and transfer's
+figures from here and lets resources decide what overlaps.
 
 Per stage (one chunk of the layout, on one rank of its pipeline position):
 

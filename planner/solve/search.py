@@ -12,11 +12,12 @@ timeline's chains of its shape, each rank's memory) is solved and it goes back i
 the larger bound; on its second turn it gets its own CP-SAT model (``planner.solve.model``),
 warm-started from the rounded relaxation. The model states the step time as the largest of
 the chains the timeline reports; each layout it returns is run on the timeline
-(``planner.timeline``, what ``evaluate`` and ``simulate`` report) and, while the two differ,
-that layout's chains join the model and it is solved again. So every layout's figure here is
-its simulated step time, and every bound a bound on that. The search stops when the next
-bound is no better than the best layout found: then the best is optimal, or else the gap is
-the distance to the smallest bound not yet closed.
+(``planner.timeline``, what ``evaluate`` reports) and, while the two differ, that layout's
+chains join the model and it is solved again. So every layout's figure here is its
+timeline's step time, and every bound a bound on that. The plan's layout is then simulated
+(``planner.simulate``) and, where the two models disagree, chosen by both (``_judged``). The
+search stops when the next bound is no better than the best layout found: then the best is
+optimal, or else the gap is the distance to the smallest bound not yet closed.
 
 Dominance rules applied before solving (each says why it loses nothing):
 - ZeRO-0 is never better than ZeRO-1: same compute, the reduce-scatter is half the all-reduce
