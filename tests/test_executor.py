@@ -11,11 +11,11 @@ only as far as their lengths allow, and no stream ever runs two pieces at once.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_agreement import CLOSED_FORMS, OPT, B, F, Shape, W  # the schedules' published steps
 
 import planner
 from planner.costs.comm import NO_TRANSFER, Transfer
@@ -35,15 +35,7 @@ from planner.frameworks import framework
 from planner.layout import Layout
 from planner.timeline import run
 
-F, B, W, OPT = 1.0, 1.5, 0.7, 0.3  # seconds: a rank's forward, input and weight gradients
 SM = framework("megatron").overlap.sm_count
-
-
-@dataclass(frozen=True)
-class Shape:
-    schedule: str
-    pp: int
-    virtual_stages: int
 
 
 def block(f: float, b: float, w: float, *, share: float = 1.0, moe: int = 0) -> BlockWork:
@@ -65,15 +57,6 @@ def stage(*blocks: BlockWork, **transfers: Transfer) -> StageWork:
         NO_TRANSFER,
     )
     return StageWork(tuple(blocks), **(fields | transfers))  # type: ignore[arg-type]
-
-
-# What the same schedules' published closed forms give (tests/test_agreement.py cites them).
-CLOSED_FORMS = {
-    "gpipe": lambda p, m, v: (m + p - 1) * (F + B + W),
-    "1f1b": lambda p, m, v: (m + p - 1) * (F + B + W),
-    "interleaved": lambda p, m, v: m * (F + B + W) + (p - 1) * (F + B + W) / v,
-    "zb-h1": lambda p, m, v: m * (F + B + W) + (p - 1) * (F + B - W),
-}
 
 
 @pytest.mark.parametrize(
