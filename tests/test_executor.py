@@ -285,5 +285,5 @@ def test_a_plan_whose_two_models_disagree_takes_the_finalist_both_count_fastest(
     assert all(j[2] is not None for j in judged)  # both simulated
     # where the search's best agrees with its simulation, nothing else is simulated
     agreeing = [(est, config, recipe.layout), (est * 1.01, config, paired)]
-    judged = _judged(model, cluster, job, agreeing)
+    judged = _judged(model, cluster, job, agreeing, keep=2)
     assert judged[0][0][2] is recipe.layout and judged[1][2] is None

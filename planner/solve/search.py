@@ -308,7 +308,7 @@ def plan(
     lower = min([found[0][0], *open_bounds])
     searched = time.perf_counter() - started  # the simulations below are not the search's
     finalists = [found[0], *_distinct(found[1:], exclude=found[0][1])]
-    every = _judged(model, cluster, job, finalists)
+    every = _judged(model, cluster, job, finalists, keep=top_k)
     judged = every[:top_k]
     (objective, _, layout), estimate, simulated = judged[0]
     assert simulated is not None  # the plan's layout is always simulated (``_judged``)
@@ -357,6 +357,7 @@ def _judged(
     cluster: ClusterSpec,
     job: TrainingJob,
     finalists: list[tuple[float, Config, Layout]],
+    keep: int = 1,
 ) -> list[Judged]:
     """The final candidates (the search's best, then the best of each other set of degrees,
     in the estimate's order), each with its estimate and, where judged, its simulated step;
@@ -369,24 +370,24 @@ def _judged(
     the one whose slower figure, estimate or simulation, is the least (a layout is counted at
     what the more pessimistic model says of it) where that is less than the search's best's by
     more than the tolerance, the most the two models are taken to disagree by without
-    saying so. The others follow in the estimate's order."""
+    saying so. The others follow in the estimate's order, at least ``keep`` in all where there
+    are as many."""
     first = finalists[0]
     est = evaluate(model, cluster, job, first[2])
     out: list[Judged] = [(first, est, simulate(model, cluster, job, first[2]).step_time_s)]
     agrees = _agrees(out[0])
     bar = max(est.step_time_s, out[0][2] or 0.0)
-    for item in finalists[1:]:
-        if agrees and len(out) >= JUDGED:
-            break
-        if not agrees and (len(out) >= JUDGED or item[0] >= bar):
+    for item in finalists[1:]:  # in the estimate's order: once one cannot win, none can
+        judge = not agrees and item[0] < bar and len(out) < JUDGED
+        if not judge and len(out) >= keep:
             break
         other = evaluate(model, cluster, job, item[2])
-        sim = None if agrees else simulate(model, cluster, job, item[2]).step_time_s
+        sim = simulate(model, cluster, job, item[2]).step_time_s if judge else None
         out.append((item, other, sim))
     if agrees:
         return out
-    slower = [max(j[1].step_time_s, j[2] or 0.0) for j in out]
-    best = min(range(len(out)), key=lambda i: (slower[i], i))
+    slower = {i: max(j[1].step_time_s, j[2]) for i, j in enumerate(out) if j[2] is not None}
+    best = min(slower, key=lambda i: (slower[i], i))
     if slower[best] >= slower[0] * (1 - SIM_TOLERANCE):
         return out  # no better by more than the two models' own disagreement: kept
     return [out[best], *(j for i, j in enumerate(out) if i != best)]
@@ -407,8 +408,8 @@ def _chosen(judged: list[Judged], first: tuple[float, Config, Layout]) -> str:
     return (
         f"the search's best by the estimate, {was.degrees()} {was.schedule} "
         f"({was_est.step_time_s:.3f} s), simulates at {was_sim:.3f} s "
-        f"({was_sim / was_est.step_time_s - 1:+.1%}); of the {len(judged)} final candidates "
-        f"simulated, "
+        f"({was_sim / was_est.step_time_s - 1:+.1%}); of the "
+        f"{sum(j[2] is not None for j in judged)} final candidates simulated, "
         f"{layout.degrees()} {layout.schedule} is the fastest counted at the slower of its "
         f"estimate ({est.step_time_s:.3f} s) and its simulation ({sim:.3f} s)"
     )
