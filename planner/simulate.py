@@ -24,8 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from planner.costs.activations import rebuild_peak
-from planner.costs.memory import StageMemory, block_costs, shard_of, stage_memory
+from planner.costs.memory import (
+    StageMemory,
+    block_costs,
+    first_backward_walk,
+    shard_of,
+    stage_memory,
+)
 from planner.executor import STREAMS, execute, label_text
+from planner.frameworks import Runtime
 from planner.layout import Layout, parse_recompute
 from planner.schedules import schedule_of
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
@@ -39,6 +46,10 @@ from planner.timeline import Task
 # differences lie within -2.8% and +4.7%, on the catalog's recipes -10.7% to +2.0%
 # (benchmarks/sim_agreement.py prints every figure). 3%: the agreement a plan is held to.
 SIM_TOLERANCE = 0.03
+
+
+# How the pipeline runtime holds its tensors: the memory model's default, as evaluate uses it.
+RUNTIME: Runtime = "megatron"
 
 
 @dataclass(frozen=True)
@@ -119,7 +130,9 @@ def simulate(
     """Run one training step of ``layout`` event by event (see the module docstring)."""
     job = cluster.job_on(job)  # the machine's measured memory figures (ClusterSpec.job_on)
     run = execute(model, cluster, job, layout)
-    memory = stage_memory(model, job, layout, num_microbatches=run.num_microbatches)
+    memory = stage_memory(
+        model, job, layout, num_microbatches=run.num_microbatches, runtime=RUNTIME
+    )
     events = [
         Event(
             item.rank,
@@ -169,6 +182,7 @@ def _memory(
 ) -> tuple[list[list[tuple[float, int]]], list[int]]:
     """Activation bytes over time per rank, on top of the memory model's static buckets."""
     costs = block_costs(model, layout, shard_of(job, layout))
+    last = len(layout.stages) - 1
     saved, rebuild = [], []
     for stage in layout.stages:
         choices = [(costs[b.block], parse_recompute(b.recompute)) for b in stage.blocks]
@@ -184,23 +198,39 @@ def _memory(
         made = memory[rank].step_grad_bytes
         static = sum(b[k] for k in ("weights", "optimizer", "ema", "buffers"))
         static += 0 if made else b["grads"]
-        changes: list[tuple[float, int, int]] = []  # (time, order: frees first, bytes)
-        ends = [t.end for t in mine for op in t.ops if op.kind in ("B", "BW")]
-        if made and ends:
-            changes.append((min(ends), 1, made))
-        for task in mine:
+        # A rank's tasks run one after another in program order: a change is placed by its
+        # task, its side of the task (start 0, end 1) and kind (frees 0 before allocations
+        # 1), not by its time, whose rounding can put a task's start an ulp before the end
+        # of the task before it. (order, time, bytes)
+        changes: list[tuple[tuple[int, int, int], float, int]] = []
+        backwards = [i for i, t in enumerate(mine) if any(o.kind in ("B", "BW") for o in t.ops)]
+        first = -1
+        if made and backwards:
+            first = min(backwards, key=lambda i: mine[i].end)
+            changes.append(((first, 1, 1), mine[first].end, made))
+        for i, task in enumerate(mine):
             for op in task.ops:
                 if op.kind == "F":
-                    when = task.end if lockstep and len(task.ops) == 2 else task.start
-                    changes.append((when, 1, saved[op.stage]))
-                if op.kind in ("B", "BW") and rebuild[op.stage]:
-                    changes.append((task.start, 1, rebuild[op.stage]))
-                    changes.append((task.end, 0, -rebuild[op.stage]))
+                    if lockstep and len(task.ops) == 2:
+                        changes.append(((i, 1, 1), task.end, saved[op.stage]))
+                    else:
+                        changes.append(((i, 0, 1), task.start, saved[op.stage]))
+                # A backward holds the tensors it rebuilds; the step's first one, where it
+                # frees its saved tensors as it goes, also the gradients the runtime freed,
+                # made block by block (costs.memory.first_backward_walk).
+                held = rebuild[op.stage] if op.kind in ("B", "BW") else 0
+                if i == first and op.kind == "BW":
+                    held = round(
+                        first_backward_walk(op.stage, layout, costs, job, RUNTIME, last)[0]
+                    )
+                if held:
+                    changes.append(((i, 0, 1), task.start, held))
+                    changes.append(((i, 1, 0), task.end, -held))
                 if op.kind in ("BW", "W"):
-                    changes.append((task.end, 0, -saved[op.stage]))
+                    changes.append(((i, 1, 0), task.end, -saved[op.stage]))
         level, high = 0, 0
         timeline = [(0.0, static + b["context"])]
-        for t, _, delta in sorted(changes):
+        for _, t, delta in sorted(changes):
             level += delta
             high = max(high, level)
             timeline.append((t, static + b["context"] + level))
