@@ -46,11 +46,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.multiprocessing.spawn import spawn
 
 from planner.errors import PlannerError
 from planner.run.device import Device
-from planner.run.state import _free_port
+from planner.run.processes import run_ranks
 
 MiB = 2**20
 _CPU = Device()
@@ -225,8 +224,7 @@ def measure(processes: int = 2, device: Device = _CPU) -> dict[str, Any]:
     device.check_workers(processes, "--processes")
     model, job = small_model(), small_job_for(device)
     with tempfile.TemporaryDirectory() as folder:
-        args = (processes, _free_port(), folder, model, job, device)
-        spawn(_worker, args=args, nprocs=processes)
+        run_ranks(_worker, lambda port: (processes, port, folder, model, job, device), processes)
         parts = [torch.load(Path(folder) / f"{r}.pt") for r in range(processes)]
     rates = {k: _median([p["rates"][k] for p in parts]) for k in parts[0]["rates"]}
     blocks = {

@@ -35,13 +35,12 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, Field
 from torch import nn
-from torch.multiprocessing.spawn import ProcessExitedException, spawn
 
 from planner.errors import PlannerError
 from planner.layout import Layout
 from planner.run.device import Device
 from planner.run.model import DenseLayer, Embedding, Head, MoE, loss_fn
-from planner.run.state import _free_port
+from planner.run.processes import run_ranks
 from planner.run.track import Tracker
 from planner.schedules import SCHEDULES as REGISTRY
 from planner.specs import ModelSpec, TrainingJob
@@ -143,14 +142,9 @@ def run_layout(
     device = device or Device()
     device.check_workers(world, "Layout.world_size")
     with tempfile.TemporaryDirectory() as folder:
-        for attempt in range(3):  # a port taken between choosing and binding it: try again
-            try:
-                args = (model, job, layout, steps, warmup, _free_port(), folder, device)
-                spawn(_worker, args=args, nprocs=world, join=True)
-                break
-            except ProcessExitedException:
-                if attempt == 2:
-                    raise
+        run_ranks(
+            _worker, lambda port: (model, job, layout, steps, warmup, port, folder, device), world
+        )
         return [
             RankRun.model_validate(torch.load(os.path.join(folder, f"{r}.pt")))
             for r in range(world)

@@ -13,17 +13,16 @@ copy): what plain PyTorch training keeps.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.multiprocessing.spawn import ProcessExitedException, spawn
 
 from planner.errors import PlannerError
 from planner.run.model import DenseLayer
+from planner.run.processes import run_ranks
 from planner.specs import ModelSpec
 
 
@@ -35,14 +34,7 @@ def measure_state(
     if zero not in (0, 1, 3):
         raise PlannerError(f"zero={zero}: real runs cover ZeRO-0, 1 and 3 (FSDP2) so far")
     with tempfile.TemporaryDirectory() as folder:
-        for attempt in range(3):  # a port taken between choosing and binding it: try again
-            try:
-                args = (model, dp, zero, seq_len, _free_port(), folder)
-                spawn(_worker, args=args, nprocs=dp, join=True)
-                break
-            except ProcessExitedException:
-                if attempt == 2:
-                    raise
+        run_ranks(_worker, lambda port: (model, dp, zero, seq_len, port, folder), dp)
         return [torch.load(os.path.join(folder, f"{r}.pt")) for r in range(dp)]
 
 
@@ -116,9 +108,3 @@ def _local_state(layers: nn.Module, optimizer: Any) -> dict[str, int]:
 
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
