@@ -1,5 +1,5 @@
 """What every test shares: each plan a test makes goes through the independent checker, and
-the slow tests run only when asked for.
+the slow tests run only when asked for, the longest files first.
 
 ``plan_checked`` (autouse) replaces ``planner.plan`` for the test's duration, under every
 name a test or the library's front ends call it by (``planner.plan``, ``planner.solve.plan``,
@@ -19,6 +19,7 @@ them too.
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,14 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     if config.getoption("all"):
         config.option.markexpr = ""  # every test, whatever -m the options hold
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers:
+        # Each worker's share of the cores for PyTorch's (OpenMP) thread pool in the tests it
+        # runs in-process, read when torch is first imported (here, none yet is): a pool as
+        # wide as the machine contends with the other workers for their cores and does no
+        # more work.
+        share = max(1, (os.cpu_count() or 1) // workers)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
 
 
 @dataclass
@@ -112,3 +121,23 @@ def plan_checked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     for holder in PLAN_HOLDERS:
         monkeypatch.setattr(holder, "plan", wrapper)
     return record
+
+
+# The files that take longest in the full run (tens of seconds each on two cores), started
+# first: with a file's tests kept on one worker (--dist loadfile), the two workers then
+# finish together instead of one running a long file alone at the end.
+LONG_FIRST = (
+    "test_plan.py",
+    "test_cli.py",
+    "test_bounds.py",
+    "test_run_memory.py",
+    "test_run_layouts.py",
+    "test_sweep.py",
+    "test_calibrate.py",
+    "test_readme.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # stable

@@ -9,20 +9,22 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tomllib
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+from packaging.requirements import Requirement
 
 import planner
 from planner.data import CATALOGS
 from planner.estimate import expected_error
 
 REPO = Path(__file__).resolve().parents[1]
-SETUPTOOLS: dict[str, Any] = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"][
-    "setuptools"
-]
+PYPROJECT: dict[str, Any] = tomllib.loads((REPO / "pyproject.toml").read_text())
+PROJECT, SETUPTOOLS = PYPROJECT["project"], PYPROJECT["tool"]["setuptools"]
 
 
 def test_every_package_is_listed() -> None:
@@ -52,9 +54,11 @@ def test_package_data_holds_the_accuracy_tables() -> None:
     assert SETUPTOOLS["package-data"]["planner"] == tables
 
 
-def _run(*command: str | Path, cwd: Path) -> str:
-    """``command``'s stdout; its stderr on failure."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+def _run(*command: str | Path, cwd: Path, bytecode: bool = False) -> str:
+    """``command``'s stdout; its stderr on failure. ``bytecode``: the command's Python writes
+    the bytecode of what it imports, whatever PYTHONDONTWRITEBYTECODE says here."""
+    dropped = ("PYTHONPATH", "VIRTUAL_ENV", *(["PYTHONDONTWRITEBYTECODE"] if bytecode else []))
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     done = subprocess.run(
         [str(c) for c in command], cwd=cwd, env=env, capture_output=True, text=True, check=False
     )
@@ -91,25 +95,44 @@ def test_a_wheel_installed_elsewhere_has_its_catalogs(tmp_path: Path) -> None:
     wheels = tmp_path / "wheels"
     _run(sys.executable, "-m", "pip", "wheel", source, "-w", wheels, "--no-deps", "-q", cwd=source)
     (wheel,) = wheels.glob("planner-*.whl")
+    with zipfile.ZipFile(wheel) as z:  # the dependencies it asks an installer for
+        (meta,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        lines = z.read(meta).decode().splitlines()
+    required = {
+        str(Requirement(line.split(": ", 1)[1]))
+        for line in lines
+        if line.startswith("Requires-Dist: ") and "extra ==" not in line
+    }
+    assert required == {str(Requirement(r)) for r in PROJECT["dependencies"]}
     venv = tmp_path / "venv"
-    _run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
-    _run(venv / "bin" / "pip", "install", "-q", wheel, cwd=tmp_path)
+    # An environment without pip of its own, given the wheel alone by this interpreter's pip
+    # (--python), uncompiled; its dependencies are this interpreter's, read from its
+    # site-packages after the environment's own (a path in a .pth file: the editable install
+    # of the checkout that those site-packages hold is not processed), so the planner that
+    # runs is the wheel's.
+    _run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp_path)
+    python = venv / "bin" / "python"
+    pip = (sys.executable, "-m", "pip", "--python", python)
+    _run(*pip, "install", "-q", "--no-compile", "--no-deps", wheel, cwd=tmp_path)
+    (own,) = {sysconfig.get_path("purelib", vars={"base": str(venv)})}
+    ours = {sysconfig.get_path(k) for k in ("purelib", "platlib")}
+    (Path(own) / "dependencies.pth").write_text("".join(f"{d}\n" for d in sorted(ours)))
     outside = tmp_path / "elsewhere"
     outside.mkdir()
 
-    cli = venv / "bin" / "planner"
-    names = [r["name"] for r in json.loads(_run(cli, "models", "--json", cwd=outside))]
-    assert names == planner.model_names()
-    machines = [r["name"] for r in json.loads(_run(cli, "clusters", "--json", cwd=outside))]
-    assert machines == planner.cluster_names()
-    recipes = [r["name"] for r in json.loads(_run(cli, "recipes", "--json", cwd=outside))]
-    assert recipes == planner.recipe_names()
+    def cli(*args: str) -> Any:
+        out = _run(venv / "bin" / "planner", *args, "--json", cwd=outside, bytecode=True)
+        return json.loads(out)
+
+    assert [r["name"] for r in cli("models")] == planner.model_names()
+    assert [r["name"] for r in cli("clusters")] == planner.cluster_names()
+    assert [r["name"] for r in cli("recipes")] == planner.recipe_names()
     flags = "--model llama3-8b --cluster h100 --gpus 8 --seq-len 4096 --global-batch 64"
-    plan = json.loads(_run(cli, "plan", *flags.split(), "--time-limit", "3", "--json", cwd=outside))
+    plan = cli("plan", *flags.split(), "--time-limit", "3")
     assert plan["layout"] is not None
     assert "published h100 runs" in plan["estimate"]["expected_error"]
 
-    found = json.loads(_run(venv / "bin" / "python", "-c", CHECK, cwd=outside))
+    found = json.loads(_run(python, "-c", CHECK, cwd=outside, bytecode=True))
     site = str(venv.resolve())
     assert found["file"].startswith(site) and all(d.startswith(site) for d in found["dirs"])
     assert found["models"] == planner.model_names()
