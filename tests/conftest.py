@@ -135,6 +135,11 @@ LONG_FIRST = (
     "test_sweep.py",
     "test_calibrate.py",
     "test_readme.py",
+    "test_logs_megatron.py",
+    "test_accuracy.py",
+    "test_packaging.py",
+    "test_timeline.py",
+    "test_export.py",
 )
 
 
