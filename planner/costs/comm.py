@@ -83,11 +83,9 @@ def group(layout: Layout, kind: GroupKind, rank: int) -> list[int]:
     if kind == "cp":
         return [rank_of(layout, **(at | {"cp_rank": c})) for c in range(cp)]
     if kind == "dp":
-        return sorted(
-            rank_of(layout, **(at | {"cp_rank": c, "dp_rank": d}))
-            for d in range(dp)
-            for c in range(cp)
-        )
+        # rank_of over every (cp_rank, dp_rank): cp_rank + cp * dp_rank runs over 0..cp*dp-1
+        first = pp_rank * layout.plane + tp_rank
+        return list(range(first, first + tp * cp * dp, tp))
     if kind == "pp":
         return [rank_of(layout, **(at | {"pp_rank": p})) for p in range(layout.pp)]
     base = pp_rank * layout.plane  # first rank of this pipeline stage's plane
@@ -332,7 +330,8 @@ class Network:
     # -- helpers --------------------------------------------------------------------------
     def _spread(self, ranks: Iterable[int]) -> tuple[int, int]:
         """(members on the busiest node, nodes spanned) of a group."""
-        counts = Counter(self.node_of(r) for r in set(ranks))
+        per_node = self.gpus_per_node  # node_of, inlined: groups here run to thousands
+        counts = Counter(r // per_node for r in set(ranks))
         if not counts:
             raise PlannerError("ranks=[]: a collective needs at least one rank")
         return max(counts.values()), len(counts)

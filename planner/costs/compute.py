@@ -165,9 +165,22 @@ class BlockTime:
 
 def block_time(cost: BlockCost, rates: Rates, dropped: frozenset[str] | str) -> BlockTime:
     """Phase times of ``cost`` with recompute choice ``dropped`` (a module set or "full")."""
+    fwd, bwd_input, bwd_weight = _phase_times(cost, rates)
     return BlockTime(
-        fwd=work_time(cost.fwd, rates),
-        bwd_input=work_time(cost.bwd_input, rates),
-        bwd_weight=work_time(cost.bwd_weight, rates),
+        fwd=fwd,
+        bwd_input=bwd_input,
+        bwd_weight=bwd_weight,
         recompute=work_time(cost.recompute_work(dropped), rates),
+    )
+
+
+@functools.lru_cache(maxsize=65536)
+def _phase_times(cost: BlockCost, rates: Rates) -> tuple[float, float, float]:
+    """A block's forward, input-gradient and weight-gradient seconds, whatever it recomputes:
+    priced once for all its recompute choices (a ``BlockCost`` is hashed by identity, and
+    ``block_cost`` hands out one per block and shard)."""
+    return (
+        work_time(cost.fwd, rates),
+        work_time(cost.bwd_input, rates),
+        work_time(cost.bwd_weight, rates),
     )
