@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from types import MappingProxyType
 
-from planner.costs.work import ZERO, Gemm, Work, flash_overhead
+from planner.costs.work import ZERO, Gemm, Work, flash_overhead, work_sum
 from planner.errors import PlannerError
 from planner.specs import DTYPE_BYTES, ModelSpec
 
@@ -343,12 +343,13 @@ class BlockBuilder:
 
     name: str
     params: list[Param] = field(default_factory=list)
-    fwd: Work = ZERO
-    bwd_input: Work = ZERO
-    bwd_weight: Work = ZERO
+    # each phase's and each module's parts, added once in ``build`` (``work_sum``)
+    fwd: list[Work] = field(default_factory=list)
+    bwd_input: list[Work] = field(default_factory=list)
+    bwd_weight: list[Work] = field(default_factory=list)
     saved: list[ActGroup] = field(default_factory=list)
     transient: int = 0  # see ``BlockCost.transient``
-    module_work: dict[str, Work] = field(default_factory=dict)
+    module_work: dict[str, list[Work]] = field(default_factory=dict)
     tp_collectives: int = 0
     moe_layers: int = 0
     tokens_per_expert: float = 0.0
@@ -364,12 +365,12 @@ class BlockBuilder:
         return BlockCost(
             name=self.name,
             params=tuple(self.params),
-            fwd=self.fwd,
-            bwd_input=self.bwd_input,
-            bwd_weight=self.bwd_weight,
+            fwd=work_sum(self.fwd),
+            bwd_input=work_sum(self.bwd_input),
+            bwd_weight=work_sum(self.bwd_weight),
             saved=tuple(self.saved),
             transient=self.transient,
-            module_work=MappingProxyType(dict(self.module_work)),
+            module_work=MappingProxyType({m: work_sum(w) for m, w in self.module_work.items()}),
             tp_collectives=self.tp_collectives,
             moe_layers=self.moe_layers,
             tokens_per_expert=self.tokens_per_expert,
@@ -384,9 +385,9 @@ class BlockBuilder:
     # -- builders -------------------------------------------------------------------------
     def add(self, fwd: Work, bwd_input: Work, bwd_weight: Work = ZERO, *modules: str) -> None:
         """Add work to each phase; ``modules`` re-run ``fwd`` when they are recomputed."""
-        self.fwd += fwd
-        self.bwd_input += bwd_input
-        self.bwd_weight += bwd_weight
+        self.fwd.append(fwd)
+        self.bwd_input.append(bwd_input)
+        self.bwd_weight.append(bwd_weight)
         self.rerun(fwd, *modules)
 
     def gemm(self, shape: Gemm, *modules: str, kind: str = "gemm", quantized: bool = True) -> None:
@@ -440,7 +441,7 @@ class BlockBuilder:
         """Forward work a recompute of ``modules`` repeats (``add`` registers its own; alone,
         work forward counts as part of another op: one half of a fused GEMM)."""
         for m in modules:
-            self.module_work[m] = self.module_work.get(m, ZERO) + work
+            self.module_work.setdefault(m, []).append(work)
 
     def norm(self, key: str, width: int, kind: str) -> None:
         layernorm = kind == "layernorm"  # a weight and a bias

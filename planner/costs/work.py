@@ -19,6 +19,7 @@ block builders record work by kind rather than as one FLOP total:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -149,6 +150,25 @@ def _merge(
     for g, n in b:
         counts[g] = counts.get(g, 0.0) + n
     return tuple(sorted(counts.items()))
+
+
+def work_sum(works: Iterable[Work]) -> Work:
+    """``works`` added in order, as ``ZERO + w1 + w2 + ...`` adds them (the same sums in the
+    same order), with the shapes merged once rather than at every addition."""
+    parts = list(works)
+    counts: dict[Gemm, float] = {}
+    for w in parts:
+        for g, n in w.shapes:
+            counts[g] = counts.get(g, 0.0) + n
+    return Work(
+        sum((w.gemm for w in parts), 0.0),
+        sum((w.attention for w in parts), 0.0),
+        sum((w.expert for w in parts), 0.0),
+        sum((w.memory for w in parts), 0.0),
+        sum((w.kernels for w in parts), 0.0),
+        tuple(sorted(counts.items())),
+        sum((w.attention_overhead for w in parts), 0.0),
+    )
 
 
 ZERO = Work()
