@@ -7,13 +7,12 @@ answers, never depends on which job finished first or on how many processes ran 
 batches are the same whether ``run`` uses one process or several, so the plan is the same
 on one core or two, only sooner on two.
 
-Each job names a key (its configuration's degrees) and always runs in the lane that key
-maps to: lane 0 is this process, each other lane one forked process. The cost tables,
-relaxations and schedule programs a job builds are cached in the process that ran it, so a
-set of degrees' later jobs find them there. The forked processes are started once per
-Python process and reused by every ``plan`` call (a fork costs milliseconds; a fresh
-interpreter with OR-Tools and NumPy about a second).
-"""
+Each job names a key (the degrees its configuration's costs depend on) and always runs in
+the lane that key maps to: lane 0 is this process, each other lane one forked process. The
+cost tables, relaxations and schedule programs a job builds are cached in the process that
+ran it, so a set of degrees' later jobs find them there. The forked processes are started
+once per Python process and reused by every ``plan`` call (a fork costs milliseconds; a
+fresh interpreter with OR-Tools and NumPy about a second)."""
 
 from __future__ import annotations
 

@@ -83,9 +83,16 @@ def _variants(members: list[Config]) -> list[list[Config]]:
 
 
 def degrees_key(c: Config) -> tuple[int, ...]:
-    """What a configuration's lane is chosen by: its degrees and micro-batch, which its
-    cost tables, relaxation and schedule program depend on (and so are cached with it)."""
+    """A set of degrees: its degrees and micro-batch, which its configurations' cost tables,
+    relaxations and schedule programs depend on."""
     return (c.tp, c.cp, c.pp, c.dp, c.ep, c.etp, c.micro_batch)
+
+
+def shard_key(c: Config) -> tuple[int, ...]:
+    """What a configuration's lane is chosen by: the degrees and micro-batch its blocks' costs
+    and recompute options depend on (not pp or dp), so the sets of degrees that share them
+    are searched in one lane, whose process builds them once."""
+    return (c.tp, c.cp, c.ep, c.etp, c.micro_batch)
 
 
 def _fill(config: Config) -> float:

@@ -88,6 +88,7 @@ from planner.solve.lanesearch import (
     lane_close,
     lane_open,
     lane_step,
+    shard_key,
 )
 from planner.solve.result import Alternative, FrameworkBest, Plan, SimulatedStep
 from planner.solve.space import check_step_size, enumerate_configs, for_target
@@ -216,14 +217,16 @@ def plan(
     known = [*hints, *(k for k in known_layouts(model, cluster, job) if k not in hints)]
     for item in hinted_layouts(model, cluster, job, configs, known, budget):
         keep(*item)
-    # The sets of degrees (and micro-batch) go to the lanes by their key; each lane searches
-    # its own (``lanesearch``), the lanes side by side in rounds of a fixed deterministic length,
+    # The sets of degrees (and micro-batch) go to the lanes by what their blocks' costs
+    # depend on (``shard_key``), so one lane builds those once; each lane searches its own
+    # (``lanesearch``), the lanes side by side in rounds of a fixed deterministic length,
     # sharing the best layout found between rounds (``planner.solve.lanes``).
     groups: dict[tuple[int, ...], list[Config]] = {}
     for c in configs:
         groups.setdefault(degrees_key(c), []).append(c)
     shares = [
-        [m for k, m in groups.items() if lanes.lane_of(k, LANES) == lane] for lane in range(LANES)
+        [m for m in groups.values() if lanes.lane_of(shard_key(m[0]), LANES) == lane]
+        for lane in range(LANES)
     ]
     settings = LaneSettings(
         quick_budget=QUICK_SHARE * max(0.0, budget.limit - budget.spent) / LANES,
