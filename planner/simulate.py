@@ -25,6 +25,7 @@ from pathlib import Path
 
 from planner.costs.activations import rebuild_peak
 from planner.costs.memory import (
+    DEFAULT_RUNTIME,
     StageMemory,
     block_costs,
     first_backward_walk,
@@ -32,7 +33,6 @@ from planner.costs.memory import (
     stage_memory,
 )
 from planner.executor import STREAMS, execute, label_text
-from planner.frameworks import Runtime
 from planner.layout import Layout, parse_recompute
 from planner.schedules import schedule_of
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
@@ -46,10 +46,6 @@ from planner.timeline import Task
 # differences lie within -2.8% and +4.7%, on the catalog's recipes -10.7% to +2.0%
 # (benchmarks/sim_agreement.py prints every figure). 3%: the agreement a plan is held to.
 SIM_TOLERANCE = 0.03
-
-
-# How the pipeline runtime holds its tensors: the memory model's default, as evaluate uses it.
-RUNTIME: Runtime = "megatron"
 
 
 @dataclass(frozen=True)
@@ -130,9 +126,7 @@ def simulate(
     """Run one training step of ``layout`` event by event (see the module docstring)."""
     job = cluster.job_on(job)  # the machine's measured memory figures (ClusterSpec.job_on)
     run = execute(model, cluster, job, layout)
-    memory = stage_memory(
-        model, job, layout, num_microbatches=run.num_microbatches, runtime=RUNTIME
-    )
+    memory = stage_memory(model, job, layout, num_microbatches=run.num_microbatches)
     events = [
         Event(
             item.rank,
@@ -203,10 +197,9 @@ def _memory(
         # 1), not by its time, whose rounding can put a task's start an ulp before the end
         # of the task before it. (order, time, bytes)
         changes: list[tuple[tuple[int, int, int], float, int]] = []
-        backwards = [i for i, t in enumerate(mine) if any(o.kind in ("B", "BW") for o in t.ops)]
-        first = -1
-        if made and backwards:
-            first = min(backwards, key=lambda i: mine[i].end)
+        backwards = (i for i, t in enumerate(mine) if any(o.kind in ("B", "BW") for o in t.ops))
+        first = next(backwards, -1) if made else -1  # the step's first backward
+        if first >= 0:
             changes.append(((first, 1, 1), mine[first].end, made))
         for i, task in enumerate(mine):
             for op in task.ops:
@@ -221,7 +214,7 @@ def _memory(
                 held = rebuild[op.stage] if op.kind in ("B", "BW") else 0
                 if i == first and op.kind == "BW":
                     held = round(
-                        first_backward_walk(op.stage, layout, costs, job, RUNTIME, last)[0]
+                        first_backward_walk(op.stage, layout, costs, job, DEFAULT_RUNTIME, last)[0]
                     )
                 if held:
                     changes.append(((i, 0, 1), task.start, held))

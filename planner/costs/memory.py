@@ -154,6 +154,10 @@ class StageMemory(BaseModel):
         return self.peak_bytes - self.buckets["context"] - self.nccl_bytes
 
 
+# How the pipeline runtime holds its tensors unless said (``stage_memory``): Megatron-LM's.
+DEFAULT_RUNTIME: Runtime = "megatron"
+
+
 def ring_buffer_bytes(cp: int, costs: Sequence[BlockCost]) -> float:
     """The context-parallel ring's receive buffers on a rank holding blocks ``costs``: a
     block's keys and values and their gradients, in use and arriving (4 times its K and V,
@@ -295,7 +299,7 @@ def stage_memory(
     layout: Layout,
     *,
     num_microbatches: int,
-    runtime: Runtime = "megatron",
+    runtime: Runtime = DEFAULT_RUNTIME,
 ) -> list[StageMemory]:
     """Memory of every pipeline rank of ``layout`` (one entry per pipeline position).
 
@@ -372,7 +376,7 @@ def _rank_memory(
     shard: Shard,
     costs: dict[str, BlockCost],
     num_microbatches: int,
-    runtime: Runtime = "megatron",
+    runtime: Runtime = DEFAULT_RUNTIME,
 ) -> StageMemory:
     chunks = layout.chunks_of_rank(rank)
     params: dict[str, Param] = {}
