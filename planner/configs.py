@@ -3,7 +3,10 @@ into ``ModelSpec`` fields, and the fields that would change the cost refused whe
 does not cost them (``model_from_config``).
 
 Reads the Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V2/V3, Kimi K2,
-gpt-oss, GPT-2 and GPT-NeoX formats.
+gpt-oss, GPT-2, GPT-NeoX, Phi-3/Phi-4, Nemotron, Gemma 2, Gemma 3, GLM-4.5 (glm4_moe) and Llama 4
+formats. A multimodal config (Gemma 3's gemma3, Llama 4's llama4) is read for its language model,
+its ``text_config``: the vision tower is not costed (it is not trained with the language model
+in the jobs planned here, and its parameters are left out of every count).
 """
 
 from __future__ import annotations
@@ -30,6 +33,15 @@ def model_from_config(cfg: dict[str, Any], *, name: str) -> ModelSpec:
     if "model_type" not in cfg and "attention" in cfg:
         return ModelSpec(**cfg)
     kind = cfg.get("model_type")
+    if kind in _TEXT_MODEL:  # a multimodal config: its language model's own config
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise PlannerError(
+                f"model config {name}: model_type={kind!r} needs a text_config object (the "
+                "language model's config)"
+            )
+        kind = _TEXT_MODEL[str(kind)]
+        cfg = {**text, "model_type": kind}
     reader = _READERS.get(str(kind))
     if reader is None:
         raise PlannerError(
@@ -99,6 +111,10 @@ _COST_FIELDS = {
     "num_nextn_predict_layers": "multi-token-prediction modules",
     "final_logit_softcapping": "a tanh soft cap on the logits",
     "attn_logit_softcapping": "a tanh soft cap on the attention scores",
+    "partial_rotary_factor": "a rotary embedding over part of each head",
+    "no_rope_layers": "layers without a rotary embedding",
+    "interleave_moe_layer_step": "which layers are MoE",
+    "moe_layers": "which layers are MoE",
 }
 
 
@@ -129,8 +145,12 @@ def _inert(field: str, value: Any) -> bool:
     """Whether ``value`` leaves the cost as the plain field's absence would."""
     if value is None or value is False or value == 0 or value == [] or value == {}:
         return True
-    if field in ("decoder_sparse_step", "moe_layer_freq"):
+    if field in ("decoder_sparse_step", "moe_layer_freq", "interleave_moe_layer_step"):
         return bool(value == 1)
+    if field == "partial_rotary_factor":
+        return bool(value == 1)
+    if field == "no_rope_layers" and isinstance(value, list):
+        return all(v == 1 for v in value)  # 1: the layer has RoPE (Llama4TextConfig)
     if field == "layer_types" and isinstance(value, list):
         return all(t == "full_attention" for t in value)
     return False
@@ -467,6 +487,249 @@ def _gpt_oss(cfg: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
+def _activation(cfg: dict[str, Any], allowed: dict[str, str], *keys: str) -> str:
+    """The MLP kind of the config's activation under the first of ``keys`` present (refused
+    where ``allowed`` does not list it)."""
+    for key in keys:
+        if key in cfg and cfg[key] is not None:
+            act = cfg[key]
+            if act not in allowed:
+                raise _Refused(key, act, f"one of {', '.join(sorted(allowed))}")
+            return allowed[act]
+    return next(iter(allowed.values()))
+
+
+def _phi3(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3 and Phi-4 (transformers' Phi3 modeling): Llama's shape with q, k and v in one
+    ``qkv_proj`` and gate and up in one ``gate_up_proj`` (the same parameters as apart), no
+    biases, SwiGLU. Costed: ``sliding_window`` on every layer (Phi3Attention hands the
+    config's window to every layer; Phi-3-mini-4k: 2047, Phi-4: null),
+    ``partial_rotary_factor`` (Phi-4-mini: 0.75), ``resid_pdrop`` and ``embd_pdrop`` as the
+    residual dropout (0 in the released configs). Refused: ``embd_pdrop`` other than 0 or
+    ``resid_pdrop`` (one dropout probability is costed), an activation other than SiLU."""
+    cfg = {"rope_theta": 10000.0, **cfg}  # Phi3Config's default
+    _activation(cfg, {"silu": "swiglu"}, "hidden_act")
+    resid, embd = cfg.get("resid_pdrop", 0.0) or 0.0, cfg.get("embd_pdrop", 0.0) or 0.0
+    if embd not in (0, resid):
+        raise _Refused("embd_pdrop", embd, f"must be 0 or resid_pdrop={resid}")
+    fields = _llama({**cfg, "attention_bias": False, "mlp_bias": False})
+    fields.update(_window(cfg))
+    fields.update(
+        hidden_dropout=float(resid),
+        rotary_percent=float(cfg.get("partial_rotary_factor", 1.0) or 1.0),
+    )
+    return fields
+
+
+def _nemotron(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Nemotron (transformers' Nemotron modeling; Nemotron-4 340B report, arXiv 2406.11704,
+    section 2.2): a plain MLP of up and down projections with squared ReLU (``hidden_act``
+    relu2), LayerNorm1P (a weight stored about zero, and a bias), GQA, a rotary embedding over
+    ``partial_rotary_factor`` of each head (NemotronConfig's default 0.5), untied embeddings
+    by default. Costed: ``attention_bias`` (q, k, v and o), ``mlp_bias``, ``head_dim``.
+    Refused: any other activation."""
+    cfg = {"rope_theta": 10000.0, **cfg}  # NemotronConfig's default
+    mlp = _activation(cfg, {"relu2": "relu2"}, "hidden_act")
+    fields = _llama(cfg)
+    fields.update(
+        mlp=mlp,
+        norm="layernorm",
+        norm_zero_centered=True,
+        norm_eps=cfg.get("norm_eps"),
+        rotary_percent=float(cfg.get("partial_rotary_factor", 0.5)),
+    )
+    return fields
+
+
+# Gemma's activation: tanh-approximated GeLU, gated (transformers' Gemma2MLP, Gemma3MLP)
+_GEGLU = {"gelu_pytorch_tanh": "geglu", "gelu_tanh": "geglu"}
+
+
+def _gemma_windows(
+    cfg: dict[str, Any], n: int, sliding: Any, *, default_window: int
+) -> dict[str, Any]:
+    """Gemma's per-layer attention: ``layer_types`` where the config lists them, else
+    ``sliding`` (the layers the model's config class makes sliding); the window counts the
+    query itself (transformers' sliding-window mask keeps keys q - w < k <= q)."""
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if sliding(i) else "full_attention" for i in range(n)
+    ]
+    known = {"sliding_attention", "full_attention"}
+    if len(types) != n or not set(types) <= known:
+        rule = f"{n} entries of sliding_attention or full_attention, one per layer"
+        raise _Refused("layer_types", types, rule)
+    windowed = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if not windowed:
+        return {}
+    window = _window({"sliding_window": cfg.get("sliding_window", default_window)})
+    return {**window, "sliding_window_layers": windowed}
+
+
+def _gemma(cfg: dict[str, Any]) -> dict[str, Any]:
+    """What Gemma 2 and 3 share: GeGLU, four RMSNorms a layer (before and after the
+    attention and the MLP) scaling by (1 + weight), tied embeddings by default, biases on
+    q, k, v and o with ``attention_bias``. ``cfg`` carries the config class's defaults for
+    the keys a released config leaves out (Gemma 3's nested text configs state only what
+    differs from them); a key stated null stays null."""
+    mlp = _activation(cfg, _GEGLU, "hidden_activation", "hidden_act")
+    fields = _llama({**cfg, "mlp_bias": False})
+    fields.update(
+        mlp=mlp,
+        post_norms=True,
+        norm_zero_centered=True,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+    )
+    return fields
+
+
+# transformers' Gemma2Config defaults (configuration_gemma2.py) for what a config leaves out
+_GEMMA2 = {
+    "vocab_size": 256000, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "attention_bias": False,
+    "sliding_window": 4096, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+}  # fmt: skip
+# transformers' Gemma3TextConfig defaults (configuration_gemma3.py): the released Gemma 3
+# configs' text_config lists only the keys that differ from them
+_GEMMA3 = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0, "attention_bias": False, "sliding_window": 4096,
+    "sliding_window_pattern": 6, "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+}  # fmt: skip
+
+
+def _gemma2(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 (transformers' Gemma2 modeling; Gemma 2 report, arXiv 2408.00118, section 2):
+    ``_gemma``'s layers; every other layer, from the first, attends to a window of
+    ``sliding_window`` keys (Gemma2Config: layer i slides when (i + 1) % 2), the rest fully;
+    the logits soft-capped (``final_logit_softcapping``, costed: a tanh over the logits and
+    its output kept) and the attention scores (``attn_logit_softcapping``, inside the kernel:
+    not priced). Harmless: ``query_pre_attn_scalar`` (the attention's scale)."""
+    cfg = {**_GEMMA2, **cfg}
+    fields = _gemma(cfg)
+    n = cfg["num_hidden_layers"]
+    fields.update(_gemma_windows(cfg, n, lambda i: (i + 1) % 2, default_window=4096))
+    fields.update(_softcaps(cfg))
+    return fields
+
+
+def _gemma3(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's language model (``gemma3_text``, or the ``text_config`` of a ``gemma3``
+    config; transformers' Gemma3 modeling; Gemma 3 report, arXiv 2503.19786, section 2):
+    ``_gemma``'s layers with an RMSNorm over each head's query and key (q_norm, k_norm); five
+    local layers to one global (Gemma3TextConfig: layer i slides unless (i + 1) %
+    ``sliding_window_pattern`` is 0, or as ``layer_types`` lists); soft caps where set (none
+    in the released configs). Harmless: ``query_pre_attn_scalar``, ``rope_local_base_freq``
+    (the local layers' RoPE base)."""
+    cfg = {**_GEMMA3, **cfg}
+    fields = _gemma(cfg)
+    n, pattern = cfg["num_hidden_layers"], cfg["sliding_window_pattern"]
+    windows = _gemma_windows(cfg, n, lambda i: (i + 1) % pattern, default_window=4096)
+    fields.update(windows, qk_norm=True)
+    fields.update(_softcaps(cfg))
+    return fields
+
+
+def _softcaps(cfg: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, field in (
+        ("final_logit_softcapping", "final_logit_softcap"),
+        ("attn_logit_softcapping", "attention_logit_softcap"),
+    ):
+        cap = cfg.get(key)
+        if cap is not None:
+            if isinstance(cap, bool) or not isinstance(cap, int | float) or cap <= 0:
+                raise _Refused(key, cap, "must be a positive number or null")
+            out[field] = float(cap)
+    return out
+
+
+def _glm4_moe(cfg: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5 and GLM-4.5-Air (transformers' Glm4Moe modeling; arXiv 2508.06471): GQA with
+    biases on q, k and v (``attention_bias``; never on o), an RMSNorm over each head's query
+    and key with ``use_qk_norm``, a rotary embedding over ``partial_rotary_factor`` of each
+    head (default 0.5); ``first_k_dense_replace`` dense layers, then every layer routes to
+    ``num_experts_per_tok`` of ``n_routed_experts`` by sigmoid scores with a correction bias
+    buffer and ``n_shared_experts`` shared experts (DeepSeek-V3's router and MoE block);
+    ``num_nextn_predict_layers`` MTP modules (DeepSeek-V3's). Defaults where a key is absent:
+    Glm4MoeConfig's."""
+    cfg = {"rope_theta": 10000.0, **cfg}
+    fields = _llama({**cfg, "attention_bias": False, "mlp_bias": False})
+    groups, topk_group = cfg.get("n_group", 1) or 1, cfg.get("topk_group", 1) or 1
+    fields.update(
+        qkv_bias=bool(cfg.get("attention_bias", False)),
+        qk_norm=bool(cfg.get("use_qk_norm", False)),
+        rotary_percent=float(cfg.get("partial_rotary_factor", 0.5)),
+        num_experts=cfg["n_routed_experts"],
+        experts_per_token=cfg["num_experts_per_tok"],
+        moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+        num_shared_experts=cfg.get("n_shared_experts", 1),
+        shared_expert_ffn_hidden_size=cfg["moe_intermediate_size"],
+        router_expert_bias=True,  # Glm4MoeTopkRouter's e_score_correction_bias buffer
+        expert_groups=groups,
+        groups_per_token=topk_group,
+        group_score_experts=2 if groups > 1 else None,  # DeepseekV3TopkRouter's group score
+        first_dense_layers=cfg.get("first_k_dense_replace", 1),
+        num_mtp_layers=cfg.get("num_nextn_predict_layers", 1) or 0,
+        router_score="sigmoid",
+        router_renormalize=bool(cfg.get("norm_topk_prob", True)),
+        router_scale=float(cfg.get("routed_scaling_factor", 1.0) or 1.0),
+    )
+    return fields
+
+
+def _llama4(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Llama 4's language model (``llama4_text``, or the ``text_config`` of a ``llama4``
+    config; transformers' Llama4 modeling): GQA; ``no_rope_layers`` marks each layer 1 with
+    RoPE, 0 without (default: every fourth layer without, ``no_rope_layer_interval``); the
+    RoPE layers attend within chunks of ``attention_chunk_size`` tokens and the others
+    globally (Llama4TextConfig's layer_types; or as ``layer_types`` lists), and carry a
+    parameter-free L2 norm over queries and keys with ``use_qk_norm``; ``moe_layers`` (default
+    every ``interleave_moe_layer_step``-th layer from step - 1) route each token to
+    ``num_experts_per_tok`` of ``num_local_experts`` experts of ``intermediate_size`` by a
+    sigmoid of the top logits, beside one shared expert of ``intermediate_size``; the other
+    layers are dense MLPs of ``intermediate_size_mlp``. Harmless: ``attn_temperature_tuning``,
+    ``floor_scale``, ``attn_scale`` (the NoPE layers' query scaling). Defaults where a key is
+    absent: Llama4TextConfig's."""
+    cfg = {"rope_theta": 500000.0, **cfg}
+    n = cfg["num_hidden_layers"]
+    _activation(cfg, {"silu": "swiglu"}, "hidden_act")
+    interval = cfg.get("no_rope_layer_interval", 4)
+    rope = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
+    if len(rope) != n or not set(rope) <= {0, 1}:
+        raise _Refused("no_rope_layers", rope, f"{n} entries of 0 or 1, one per layer")
+    types = cfg.get("layer_types") or ["chunked_attention" if r else "full_attention" for r in rope]
+    if len(types) != n or not set(types) <= {"chunked_attention", "full_attention"}:
+        rule = f"{n} entries of chunked_attention or full_attention, one per layer"
+        raise _Refused("layer_types", types, rule)
+    step = cfg.get("interleave_moe_layer_step", 1)
+    moe_layers = cfg.get("moe_layers")
+    if moe_layers is None:
+        moe_layers = list(range(step - 1, n, step))
+    fields = _llama({**cfg, "attention_bias": False, "mlp_bias": False})
+    width = cfg.get("intermediate_size", 8192)
+    fields.update(
+        ffn_hidden_size=cfg.get("intermediate_size_mlp", 16384),
+        nope_layers=tuple(i for i, r in enumerate(rope) if not r) or None,
+        qk_l2_norm=bool(cfg.get("use_qk_norm", True)),
+        num_experts=cfg.get("num_local_experts", 16),
+        experts_per_token=cfg.get("num_experts_per_tok", 1),
+        moe_ffn_hidden_size=width,
+        num_shared_experts=1,  # Llama4TextMoe.shared_expert
+        shared_expert_ffn_hidden_size=width,
+        moe_layers=tuple(moe_layers),
+        router_score="sigmoid",
+        router_renormalize=False,  # Llama4Router: sigmoid of the top-k logits, as they are
+    )
+    chunked = tuple(i for i, t in enumerate(types) if t == "chunked_attention")
+    chunk = cfg.get("attention_chunk_size", 8192)
+    if chunked and chunk:
+        fields.update(attention_chunk_size=chunk, chunked_attention_layers=chunked)
+    return fields
+
+
 # The ``_COST_FIELDS`` each reader costs (or rules on itself); the rest are refused unless inert.
 _MLA_MOE = frozenset(
     {
@@ -495,7 +758,44 @@ _COSTED: dict[str, frozenset[str]] = {
     "gpt2": frozenset(),
     "gpt_neox": frozenset({"attention_bias"}),
     "gpt_oss": frozenset({"attention_bias", "sliding_window", "layer_types", "num_local_experts"}),
+    "phi3": frozenset({"sliding_window", "partial_rotary_factor"}),
+    "nemotron": frozenset({"attention_bias", "mlp_bias", "partial_rotary_factor"}),
+    "gemma2": frozenset(
+        {
+            "attention_bias",
+            "sliding_window",
+            "layer_types",
+            "final_logit_softcapping",
+            "attn_logit_softcapping",
+        }
+    ),
+    "gemma3_text": frozenset(
+        {
+            "attention_bias",
+            "sliding_window",
+            "layer_types",
+            "sliding_window_pattern",
+            "final_logit_softcapping",
+            "attn_logit_softcapping",
+        }
+    ),
+    "glm4_moe": _MLA_MOE - {"q_lora_rank", "kv_lora_rank", "moe_layer_freq"}
+    | {"attention_bias", "use_qk_norm", "partial_rotary_factor"},
+    "llama4_text": frozenset(
+        {
+            "attention_chunk_size",
+            "layer_types",
+            "use_qk_norm",
+            "num_local_experts",
+            "no_rope_layers",
+            "interleave_moe_layer_step",
+            "moe_layers",
+        }
+    ),
 }
+
+# Multimodal configs whose language model is read: the model_type of their text_config
+_TEXT_MODEL = {"gemma3": "gemma3_text", "llama4": "llama4_text"}
 
 _READERS = {
     "llama": _llama,
@@ -514,4 +814,10 @@ _READERS = {
     "gpt2": _gpt2,
     "gpt_neox": _gpt_neox,
     "gpt_oss": _gpt_oss,
+    "phi3": _phi3,
+    "nemotron": _nemotron,
+    "gemma2": _gemma2,
+    "gemma3_text": _gemma3,
+    "glm4_moe": _glm4_moe,
+    "llama4_text": _llama4,
 }

@@ -64,7 +64,10 @@ class ModelSpec(Spec):
     )
     qk_rope_head_dim: int = Field(default=0, ge=0, description="MLA per-head q/k RoPE width.")
     v_head_dim: int = Field(default=0, ge=0, description="MLA per-head value width.")
-    mlp: Literal["swiglu", "gelu"] = Field(description="Dense MLP kind (gated SiLU or plain GeLU).")
+    mlp: Literal["swiglu", "geglu", "gelu", "relu2"] = Field(
+        description="MLP kind: gated (SiLU: swiglu; tanh GeLU: geglu, Gemma) with gate and up "
+        "projections, or plain (GeLU; squared ReLU: relu2, Nemotron) with one."
+    )
     ffn_hidden_size: int = Field(gt=0, description="Dense MLP intermediate width (elements).")
     num_experts: int = Field(
         default=0, ge=0, description="Routed experts per MoE layer (0: dense)."
@@ -174,6 +177,64 @@ class ModelSpec(Spec):
         description="Main-model layers (0-based, increasing) with the window; None: every "
         "layer when sliding_window is set (Mistral).",
     )
+    post_norms: bool = Field(
+        default=False,
+        description="A norm over the attention's and the MLP's outputs before each residual "
+        "add, beside the pre-norms (Gemma 2/3's post_attention_layernorm and "
+        "post_feedforward_layernorm): two more norms a layer.",
+    )
+    norm_zero_centered: bool = Field(
+        default=False,
+        description="Norms scale by (1 + weight) with the weight stored about zero (Gemma's "
+        "RMSNorm, Nemotron's LayerNorm1P); costs as any norm.",
+    )
+    rotary_percent: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="Share of each head's q/k width the rotary embedding turns (config "
+        "partial_rotary_factor: Nemotron, GLM-4.5 0.5).",
+    )
+    nope_layers: tuple[int, ...] | None = Field(
+        default=None,
+        description="Main-model layers (0-based, increasing) with no rotary embedding (Llama "
+        "4's global layers); None: every layer has it.",
+    )
+    qk_l2_norm: bool = Field(
+        default=False,
+        description="A parameter-free L2 norm over each head's query and key on the layers "
+        "with a rotary embedding (Llama 4's use_qk_norm).",
+    )
+    attention_chunk_size: int | None = Field(
+        default=None,
+        gt=0,
+        description="Tokens per chunk in a chunked-attention layer: a query attends to the "
+        "keys of its own chunk up to itself (Llama 4's attention_chunk_size; None: no chunks).",
+    )
+    chunked_attention_layers: tuple[int, ...] | None = Field(
+        default=None,
+        description="Main-model layers (0-based, increasing) with chunked attention; None: "
+        "every layer when attention_chunk_size is set.",
+    )
+    moe_layers: tuple[int, ...] | None = Field(
+        default=None,
+        description="Main-model layers (0-based, increasing) with an MoE MLP, where a config "
+        "lists them (Llama 4's interleave_moe_layer_step); None: first_dense_layers and "
+        "moe_layer_freq decide.",
+    )
+    final_logit_softcap: float | None = Field(
+        default=None,
+        gt=0,
+        description="The logits pass through cap * tanh(logits / cap) before the loss (Gemma "
+        "2's final_logit_softcapping; None: no cap).",
+    )
+    attention_logit_softcap: float | None = Field(
+        default=None,
+        gt=0,
+        description="The attention scores pass through cap * tanh(score / cap) inside the "
+        "fused kernel (Gemma 2's attn_logit_softcapping; None: no cap). One tanh a score "
+        "beside the softmax's exponential: not priced.",
+    )
     swiglu_limit: float | None = Field(
         default=None,
         gt=0,
@@ -219,6 +280,28 @@ class ModelSpec(Spec):
                     f"ModelSpec.sliding_window_layers={list(layers)}: must be increasing layer "
                     f"indices in 0..{self.num_layers - 1}"
                 )
+        for key in ("nope_layers", "chunked_attention_layers", "moe_layers"):
+            layers = getattr(self, key)
+            if layers is not None and (
+                list(layers) != sorted(set(layers))
+                or not all(0 <= i < self.num_layers for i in layers)
+            ):
+                raise PlannerError(
+                    f"ModelSpec.{key}={list(layers)}: must be increasing layer indices in "
+                    f"0..{self.num_layers - 1}"
+                )
+        if self.chunked_attention_layers is not None and self.attention_chunk_size is None:
+            raise PlannerError(
+                "ModelSpec.chunked_attention_layers: set without attention_chunk_size (the "
+                "chunk's tokens)"
+            )
+        if self.attention_chunk_size is not None and self.sliding_window is not None:
+            raise PlannerError(
+                f"ModelSpec.attention_chunk_size={self.attention_chunk_size}: chunked attention "
+                "beside a sliding window is not represented; set one of them"
+            )
+        if self.moe_layers is not None and not self.num_experts:
+            raise PlannerError("ModelSpec.moe_layers: set on a model without routed experts")
         if self.groups_per_token is not None and self.groups_per_token > self.expert_groups:
             raise PlannerError(
                 f"ModelSpec.groups_per_token={self.groups_per_token}: must be at most "
@@ -226,11 +309,34 @@ class ModelSpec(Spec):
             )
         return self
 
+    @property
+    def gated_mlp(self) -> bool:
+        """Whether the MLP has a gate projection beside the up projection (SwiGLU, GeGLU)."""
+        return self.mlp in ("swiglu", "geglu")
+
     def is_moe_layer(self, index: int) -> bool:
-        """Whether main-model layer ``index`` (0-based) has an MoE MLP."""
+        """Whether main-model layer ``index`` (0-based) has an MoE MLP. MTP layers
+        (``index >= num_layers``) follow the first_dense_layers/moe_layer_freq rule."""
         if not self.num_experts or index < self.first_dense_layers:
             return False
+        if self.moe_layers is not None and index < self.num_layers:
+            return index in self.moe_layers
         return index % self.moe_layer_freq == 0
+
+    def attention_chunk(self, index: int) -> int | None:
+        """Tokens per attention chunk of main-model layer ``index`` (None: no chunks). MTP
+        layers attend fully."""
+        if self.attention_chunk_size is None or index >= self.num_layers:
+            return None
+        layers = self.chunked_attention_layers
+        return self.attention_chunk_size if layers is None or index in layers else None
+
+    def has_rope(self, index: int) -> bool:
+        """Whether layer ``index`` turns q and k by a rotary embedding (not with learned
+        positions, nor on ``nope_layers``)."""
+        if self.learned_positions:
+            return False
+        return self.nope_layers is None or index >= self.num_layers or index not in self.nope_layers
 
     def attention_window(self, index: int) -> int | None:
         """Keys a query of main-model layer ``index`` (0-based) attends to at most (None: all

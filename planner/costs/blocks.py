@@ -508,7 +508,8 @@ def _block_cost(model: ModelSpec, name: str, shard: Shard) -> BlockCost:
         index = _index(name, model.num_layers)
         prefix = f"layer.{index}."
         moe, window = model.is_moe_layer(index), model.attention_window(index)
-        _layer(cost, model, shard, prefix, moe=moe, window=window)
+        chunk, rope = model.attention_chunk(index), model.has_rope(index)
+        _layer(cost, model, shard, prefix, moe=moe, window=window, chunk=chunk, rope=rope)
         # Group names are local to the block; parameter keys stay model-wide.
         cost.saved = [replace(g, name=g.name.removeprefix(prefix)) for g in cost.saved]
     elif name.startswith("mtp."):
@@ -664,6 +665,8 @@ def _head(cost: BlockBuilder, model: ModelSpec, shard: Shard, *, prefix: str = "
     cost.gemm(Gemm(shard.tokens, v / shard.tp, h), quantized=False)
     elements = shard.tokens * v / shard.tp
     logits = elements * LOGIT_BYTES
+    if model.final_logit_softcap:
+        _softcap(cost, shard, elements, prefix)
     if shard.loss_chunks > 1:
         _chunked_loss(cost, shard, h, elements, prefix)
         return
@@ -720,6 +723,21 @@ def _head(cost: BlockBuilder, model: ModelSpec, shard: Shard, *, prefix: str = "
     cost.elementwise(2 * logits)  # fp32 softmax cross-entropy: read and write the logits
     if shard.eager_passes:
         _eager(cost, elements, "loss", shard.act_bytes)
+
+
+def _softcap(cost: BlockBuilder, shard: Shard, elements: float, prefix: str) -> None:
+    """cap * tanh(logits / cap) before the loss (Gemma 2's final_logit_softcapping, as
+    transformers' Gemma2ForCausalLM writes it: divide, tanh, multiply, three kernels over the
+    logits in their dtype each way). The tanh's output is kept for its backward; the divide
+    and the multiply by a constant keep nothing. Under a chunked loss it lives with its
+    chunk's logits and is left out of that chunk's peak."""
+    a = shard.act_bytes
+    cost.add(
+        Work(memory=3 * 2 * elements * a, kernels=3),
+        Work(memory=(2 + 3 + 2) * elements * a, kernels=3),  # the tanh's reads its output too
+    )
+    if shard.loss_chunks == 1:
+        cost.save(prefix + "softcap_tanh", elements * a)
 
 
 def _widen(a: int) -> int:
@@ -832,6 +850,8 @@ def _layer(
     moe: bool,
     keep: bool = True,
     window: int | None = None,
+    chunk: int | None = None,
+    rope: bool = True,
 ) -> None:
     h, a, sp = model.hidden_size, shard.act_bytes, shard.sp_tokens
     cost.save(prefix + "block_input", sp * h * a, keep=keep)
@@ -839,9 +859,11 @@ def _layer(
         cost, model, shard, prefix + "input_norm", prefix + "input_norm_out", quantized=True
     )
     if model.attention == "mla":
-        _mla(cost, model, shard, prefix, window)
+        _mla(cost, model, shard, prefix, window, chunk)
     else:
-        _gqa(cost, model, shard, prefix, window)
+        _gqa(cost, model, shard, prefix, window, chunk, rope=rope)
+    if model.post_norms:
+        _post_norm(cost, model, shard, prefix + "post_attention_norm")
     _residual(cost, model, shard, prefix + "attn_dropout_mask")
     cost.save(prefix + "residual_mid", sp * h * a, OFFLOAD_TAG + "mlp_norm", *_op(shard))
     # An MoE layer's router (BF16) keeps the norm output; its FP8 copies are the experts'.
@@ -852,8 +874,21 @@ def _layer(
         _moe(cost, model, shard, prefix)
     else:
         _dense_mlp(cost, model, shard, prefix)
+    if model.post_norms:
+        _post_norm(cost, model, shard, prefix + "post_mlp_norm")
     _residual(cost, model, shard, prefix + "mlp_dropout_mask")
     cost.tp_collectives += 2  # attention and MLP outputs: one all-reduce (or RS + AG) each
+
+
+def _post_norm(cost: BlockBuilder, model: ModelSpec, shard: Shard, key: str) -> None:
+    """A norm over a branch's output before the residual add (Gemma's post-attention and
+    post-feedforward norms). Its backward needs its input, the branch's output, which nothing
+    else keeps (the residual add does not): kept until the backward; only full recompute
+    drops it."""
+    elements = shard.sp_tokens * model.hidden_size
+    cost.norm(key, model.hidden_size, model.norm)
+    cost.save(key + "_in", elements * shard.act_bytes, *_op(shard))
+    cost.elementwise(2 * elements * shard.act_bytes, *_op(shard))  # read + write
 
 
 def _residual(cost: BlockBuilder, model: ModelSpec, shard: Shard, mask: str) -> None:
@@ -886,12 +921,19 @@ def _mtp(cost: BlockBuilder, model: ModelSpec, shard: Shard, index: int) -> None
     _head(cost, model, shard, prefix=prefix)
 
 
-def attended_share(seq_len: int, window: int | None) -> float:
+def attended_share(seq_len: int, window: int | None, chunk: int | None = None) -> float:
     """Share of a sequence's s x s score matrix that causal flash attention computes: half
     (``CAUSAL``), or with a sliding window w < s, where query p attends to min(p+1, w) keys,
     (s*w - w^2/2) / s^2. The exact count of attended pairs is s*w - w^2/2 + w/2; like the
     causal half (s^2/2 of s(s+1)/2 pairs), the half diagonal is left out, so the share is
-    continuous at w = s and never above the causal one."""
+    continuous at w = s and never above the causal one.
+
+    With chunks of c < s tokens (Llama 4's chunked attention) a query attends causally within
+    its own chunk: floor(s/c) causal c x c blocks and one of the remainder r, (s//c * c^2 +
+    r^2) / 2 / s^2 (c/2s where c divides s), the half diagonals left out as above."""
+    if chunk is not None and chunk < seq_len:
+        full, rest = divmod(seq_len, chunk)
+        return CAUSAL * (full * chunk * chunk + rest * rest) / seq_len**2
     if window is None or window >= seq_len:
         return CAUSAL
     return (seq_len * window - window * window / 2) / seq_len**2
@@ -905,9 +947,10 @@ def _core_attention(
     d_qk: int,
     d_v: int,
     window: int | None = None,
+    chunk: int | None = None,
 ) -> None:
     """Softmax(QK^T)V over the rank's heads; causal, so half the score matrix is computed
-    (less with a sliding ``window``: ``attended_share``).
+    (less with a sliding ``window`` or in ``chunk``s: ``attended_share``).
 
     With context parallelism the rank holds tokens / cp queries of each sequence and sees
     every key as the ring passes them (``cp_kv_bytes`` per step); the load-balanced split
@@ -922,13 +965,15 @@ def _core_attention(
     # sliding window); unfused attention computes the whole matrix and masks it (FLOPs here
     # are those executed), so a window changes neither its FLOPs nor its saved s x s tensors.
     # Flash attention saves no score matrix: a window changes its FLOPs only.
-    share = attended_share(s, window) if shard.flash_attention else 1.0
+    share = attended_share(s, window, chunk) if shard.flash_attention else 1.0
     qk = 2.0 * queries * s * heads * d_qk * share
     av = 2.0 * queries * s * heads * d_v * share
     # Backward: dQ, dK (from QK^T) and dV, dP (from PV) are 2x forward; flash attention also
     # recomputes the scores QK^T in backward instead of saving them.
     if shard.flash_attention:
         block = s * shard.cp_a2a // shard.cp
+        if chunk is not None and chunk < block:  # independent causal problems of a chunk each
+            block, window = chunk, None
         extra = flash_overhead(block, (d_qk + d_v) / 2, causal=True, window=window)
         fwd_flops, bwd_flops = qk + av, 2 * (qk + av) + qk
         fwd = Work(attention=fwd_flops, kernels=1, attention_overhead=fwd_flops * extra)
@@ -960,7 +1005,14 @@ def _core_attention(
 
 
 def _gqa(
-    cost: BlockBuilder, model: ModelSpec, shard: Shard, prefix: str, window: int | None = None
+    cost: BlockBuilder,
+    model: ModelSpec,
+    shard: Shard,
+    prefix: str,
+    window: int | None = None,
+    chunk: int | None = None,
+    *,
+    rope: bool = True,
 ) -> None:
     h, d, t = model.hidden_size, model.head_dim, shard.tp
     nq, nkv = model.num_attention_heads, model.num_kv_heads
@@ -977,12 +1029,13 @@ def _gqa(
     cost.save(prefix + "q", tokens * nq * d * a / t, attn_in)
     cost.save(prefix + "k", tokens * nkv * d * a / t, attn_in, *_op(shard))
     cost.save(prefix + "v", tokens * nkv * d * a / t, attn_in)
-    if model.qk_norm:
-        _qk_norm(cost, model, shard, prefix)
-    if not model.learned_positions:  # rotary embedding of q and k: read + write
-        cost.elementwise(2 * tokens * (nq + nkv) * d * a / t, *_op(shard))
+    if model.qk_norm or (model.qk_l2_norm and rope):
+        _qk_norm(cost, model, shard, prefix, weights=model.qk_norm)
+    if rope and not model.learned_positions:  # rotary embedding of q and k: read + write
+        turned = (nq + nkv) * d * model.rotary_percent  # the share partial_rotary_factor turns
+        cost.elementwise(2 * tokens * turned * a / t, *_op(shard))
         if shard.eager_passes:
-            _eager(cost, tokens * (nq + nkv) * d / t, "rotary", a, *_op(shard))
+            _eager(cost, tokens * turned / t, "rotary", a, *_op(shard))
     if shard.cp_a2a > 1:  # q, k and v to the head split, the output back
         cost.cp_a2a_bytes += 2 * tokens * (nq + nkv) * d * a / t
     if shard.cp_a2a < shard.cp:  # the K and V the context ring passes (as many bytes a step
@@ -991,7 +1044,7 @@ def _gqa(
         # One learned logit per query head joins each softmax (gpt-oss): parameters, and
         # work too small to count (one exponential per query and head).
         cost.params.append(Param(prefix + "sinks", nq, tp_split=True))
-    _core_attention(cost, model, shard, d_qk=d, d_v=d, window=window)
+    _core_attention(cost, model, shard, d_qk=d, d_v=d, window=window, chunk=chunk)
     cost.save(
         prefix + "attn_proj_in",
         tokens * nq * d * shard.linear_input_bytes / t,
@@ -1008,24 +1061,33 @@ def _gqa(
     )
 
 
-def _qk_norm(cost: BlockBuilder, model: ModelSpec, shard: Shard, prefix: str) -> None:
+def _qk_norm(
+    cost: BlockBuilder, model: ModelSpec, shard: Shard, prefix: str, *, weights: bool = True
+) -> None:
     """RMSNorm over each head's query and key before the rotary embedding (Qwen3's q_norm and
     k_norm: head_dim weights each, shared by the heads, so replicated over tp). Its backward
     needs its inputs, the q and k projections' outputs, which nothing else keeps: Megatron's
     ``layernorm`` recompute module covers the two layer norms only, so only full recompute
     drops them. Per-op checkpointing keeps the q projection's output (its ``q`` group
-    stands for it) and recomputes the k projection, so it drops both copies here."""
+    stands for it) and recomputes the k projection, so it drops both copies here. Without
+    ``weights`` it is Llama 4's parameter-free L2 norm: the same passes, no parameters."""
     d, t, tokens, a = model.head_dim, shard.tp, shard.tokens, shard.act_bytes
     nq, nkv = model.num_attention_heads, model.num_kv_heads
-    cost.norm(prefix + "q_norm", d, model.norm)
-    cost.norm(prefix + "k_norm", d, model.norm)
+    if weights:
+        cost.norm(prefix + "q_norm", d, model.norm)
+        cost.norm(prefix + "k_norm", d, model.norm)
     cost.save(prefix + "q_norm_in", tokens * nq * d * a / t, *_op(shard))
     cost.save(prefix + "k_norm_in", tokens * nkv * d * a / t, *_op(shard))
     cost.elementwise(2 * tokens * (nq + nkv) * d * a / t, *_op(shard))  # read + write
 
 
 def _mla(
-    cost: BlockBuilder, model: ModelSpec, shard: Shard, prefix: str, window: int | None = None
+    cost: BlockBuilder,
+    model: ModelSpec,
+    shard: Shard,
+    prefix: str,
+    window: int | None = None,
+    chunk: int | None = None,
 ) -> None:
     """Multi-head latent attention (DeepSeek-V2/V3). Down projections are replicated on every
     tp rank and run on all tokens (Megatron-LM's ``parallel_mode='duplicated'``); the up
@@ -1061,7 +1123,7 @@ def _mla(
         cost.cp_a2a_bytes += 2 * tokens * n * (dq + dv) * a / t
     if shard.cp_a2a < shard.cp:  # per-head K and V, as the ring passes
         cost.cp_kv_bytes += tokens * n * (dq + dv) * a / t
-    _core_attention(cost, model, shard, d_qk=dq, d_v=dv, window=window)
+    _core_attention(cost, model, shard, d_qk=dq, d_v=dv, window=window, chunk=chunk)
     cost.save(
         prefix + "attn_proj_in",
         tokens * n * dv * shard.linear_input_bytes / t,
@@ -1086,7 +1148,7 @@ def _ffn(
     tokens on this rank at ``width`` (already divided by tp where split). Checkpointing the
     module (``modules``) re-runs all of it; ``act_modules`` re-run only the activation."""
     h, a = model.hidden_size, shard.act_bytes
-    fc1_out = 2 * width if model.mlp == "swiglu" else width
+    fc1_out = 2 * width if model.gated_mlp else width
     # Routed experts: one grouped GEMM over the rank's experts, each with its own tokens.
     routed = kind == "expert"
     rows = cost.tokens_per_expert if routed else tokens
@@ -1097,7 +1159,7 @@ def _ffn(
     # "moe" tag already covers its experts.
     op = _op(shard) if "moe" not in modules else ()
     cost.elementwise(tokens * (fc1_out + width) * a, *modules, *act_only, *op)
-    gated = model.mlp == "swiglu"
+    gated = model.gated_mlp
     if gated and shard.eager_passes:
         _eager(cost, tokens * width, "swiglu", a, *modules, *act_only, *op)
     # Per-op checkpointing keeps w1's output and w2's; recomputes w3 (gated) or fc2 (not).
@@ -1123,7 +1185,7 @@ def _ffn(
 
 
 def _fc_params(model: ModelSpec, width: int) -> int:
-    gate_up = 2 * width if model.mlp == "swiglu" else width
+    gate_up = 2 * width if model.gated_mlp else width
     bias = (gate_up + model.hidden_size) if model.linear_bias or model.mlp_bias else 0
     return model.hidden_size * gate_up + width * model.hidden_size + bias
 

@@ -124,6 +124,9 @@ def finish(
     )
 
 
+_MLP_NAMES = {"swiglu": "SwiGLU", "geglu": "GeGLU", "gelu": "GeLU", "relu2": "squared-ReLU"}
+
+
 def describe(model: ModelSpec) -> str:
     """The model's architecture in one line: what model code must build."""
     if model.attention == "mla":
@@ -141,7 +144,7 @@ def describe(model: ModelSpec) -> str:
         f"{model.num_layers} layers",
         f"hidden {model.hidden_size}",
         attention,
-        f"{'SwiGLU' if model.mlp == 'swiglu' else 'GeLU'} MLP of {model.ffn_hidden_size}",
+        f"{_MLP_NAMES[model.mlp]} MLP of {model.ffn_hidden_size}",
         f"{'RMSNorm' if model.norm == 'rmsnorm' else 'LayerNorm'} (epsilon {model.norm_eps})",
     ]
     if model.num_experts:
@@ -169,6 +172,14 @@ def describe(model: ModelSpec) -> str:
         parts.append("attention sinks")
     if model.sliding_window:
         parts.append(f"{model.sliding_window}-token windows")
+    if model.attention_chunk_size:
+        parts.append(f"{model.attention_chunk_size}-token attention chunks")
+    if model.nope_layers:
+        parts.append(f"{len(model.nope_layers)} layers without RoPE")
+    if model.post_norms:
+        parts.append("norms after the attention and the MLP")
+    if model.final_logit_softcap:
+        parts.append(f"logits soft-capped at {model.final_logit_softcap}")
     parts.append(f"vocabulary {model.vocab_size}")
     parts.append("tied embeddings" if model.tie_word_embeddings else "untied embeddings")
     if model.num_mtp_layers:

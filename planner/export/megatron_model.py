@@ -58,7 +58,9 @@ HANDLED = frozenset({
     "attention_dropout", "hidden_dropout", "rope_theta", "rope_scaling", "norm_eps",
     "router_score", "router_renormalize", "router_scale", "group_score_experts", "o_proj_bias",
     "mlp_bias", "router_bias", "qk_norm", "attention_sinks", "sliding_window",
-    "sliding_window_layers", "swiglu_limit"
+    "sliding_window_layers", "swiglu_limit", "post_norms", "norm_zero_centered",
+    "rotary_percent", "nope_layers", "qk_l2_norm", "attention_chunk_size",
+    "chunked_attention_layers", "moe_layers", "final_logit_softcap", "attention_logit_softcap",
 })
 # fmt: on
 
@@ -77,7 +79,18 @@ def model_args(model: ModelSpec, *, tp: int, seq_len: int) -> tuple[list[str], l
         args += ["--activation-func-clamp-value", repr(model.swiglu_limit)]
     elif model.mlp == "swiglu":
         args += ["--swiglu"]  # else Megatron's GeLU (F.gelu)
+    elif model.mlp == "relu2":
+        args += ["--squared-relu"]
+    elif model.mlp == "geglu":
+        args += ["--swiglu"]
+        differences.append(
+            "GeGLU (gated tanh GeLU): Megatron-LM's arguments gate by SiLU only; builds SwiGLU "
+            "(the same shapes and cost)"
+        )
     args += ["--normalization", "RMSNorm" if model.norm == "rmsnorm" else "LayerNorm"]
+    if model.norm_zero_centered:  # weights stored about zero, scaled by 1 + w
+        args += ["--apply-layernorm-1p"]
+    differences += _unstated_layers(model)
     if model.norm_eps is None:
         differences.append("norm epsilon not recorded in the model; Megatron-LM uses 1e-5")
     else:
@@ -102,7 +115,9 @@ def _attention(model: ModelSpec, differences: list[str]) -> list[str]:
         args = ["--kv-channels", str(model.head_dim)]
         if model.attention == "gqa":
             args += ["--group-query-attention", "--num-query-groups", str(model.num_kv_heads)]
-        return [*args, *(["--qk-layernorm"] if model.qk_norm else []), *_sinks_and_windows(model)]
+        args += ["--qk-layernorm"] if model.qk_norm else []
+        args += ["--qk-l2-norm"] if model.qk_l2_norm else []  # Llama 4's, on the RoPE layers
+        return [*args, *_sinks_and_windows(model)]
     if model.qk_norm:
         differences.append("per-head q/k norms with MLA: Megatron-LM's MLA has none")
     args = ["--multi-latent-attention"]
@@ -129,6 +144,25 @@ def _sinks_and_windows(model: ModelSpec) -> list[str]:
             flags = [int(i in windowed) for i in range(model.num_layers)]
             args += ["--window-attn-skip-freq", _pattern(flags)]
     return args
+
+
+def _unstated_layers(model: ModelSpec) -> list[str]:
+    """Layer features no Megatron-LM argument states: what the export cannot build."""
+    out = []
+    if model.post_norms:
+        out.append("norms after the attention and the MLP (Gemma's): no argument; builds none")
+    if model.attention_chunk_size is not None:
+        out.append(
+            f"chunked attention ({model.attention_chunk_size} tokens): no argument; builds "
+            "full causal attention on those layers"
+        )
+    for cap, what in (
+        (model.final_logit_softcap, "logits"),
+        (model.attention_logit_softcap, "attention scores"),
+    ):
+        if cap is not None:
+            out.append(f"soft cap {cap} on the {what}: no argument; builds none")
+    return out
 
 
 def _biases(model: ModelSpec, differences: list[str]) -> list[str]:
@@ -163,6 +197,11 @@ def _positions(model: ModelSpec, seq_len: int, differences: list[str]) -> list[s
     kind = kind if kind is None or factor is not None else "(no factor)"
     args = ["--position-embedding-type", "yarn" if kind == "yarn" and not mla else "rope"]
     args += ["--max-position-embeddings", str(seq_len)]
+    if model.rotary_percent != 1.0:
+        args += ["--rotary-percent", repr(model.rotary_percent)]
+    if model.nope_layers is not None:  # a 1 marks a layer without RoPE (arguments.py)
+        nope = set(model.nope_layers)
+        args += ["--no-rope-freq", _pattern([int(i in nope) for i in range(model.num_layers)])]
     if model.rope_theta is None:
         differences.append("RoPE base not recorded in the model; Megatron-LM uses 10000")
     else:

@@ -66,7 +66,6 @@ UNSTATED = {
     "--decoder-last-pipeline-num-layers": "uneven pipeline split",
     "--account-for-embedding-in-pipeline-split": "uneven pipeline split",
     "--account-for-loss-in-pipeline-split": "uneven pipeline split",
-    "--squared-relu": "squared-ReLU MLP (no GPT spec key)",
     "--quick-geglu": "quick-GeGLU MLP (no GPT spec key)",
     "--window-size": "sliding-window attention (no GPT spec key)",
     "--attention-output-gate": "attention output gate (no GPT spec key)",
@@ -178,6 +177,8 @@ def model_spec(args: Args, tp: int, notes: list[str]) -> str:
         spec.append(f"ffn={ffn}")
     if swiglu:
         spec.append("swiglu=1")
+    elif args.get("--squared-relu"):  # Megatron-LM's squared_relu, ungated
+        spec.append("relu2=1")
     if args.stated("--normalization", "LayerNorm") == "RMSNorm":
         spec.append("rmsnorm=1")
     position = args.stated("--position-embedding-type", "learned_absolute")

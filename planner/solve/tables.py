@@ -469,10 +469,15 @@ def _kinds(
 
 def layer_kind(model: ModelSpec, index: int) -> str:
     """The kind of transformer layer ``index``: layers of one kind cost the same (``moe`` or
-    ``dense``, with the attention window where the layer has one, e.g. ``moe-window128``)."""
+    ``dense``, with the attention window or chunk where the layer has one and ``nope`` where
+    it has no rotary embedding, e.g. ``moe-window128``, ``moe-chunk8192``, ``dense-nope``)."""
     base = "moe" if model.is_moe_layer(index) else "dense"
-    window = model.attention_window(index)
-    return base if window is None else f"{base}-window{window}"
+    window, chunk = model.attention_window(index), model.attention_chunk(index)
+    if window is not None:
+        base += f"-window{window}"
+    if chunk is not None:
+        base += f"-chunk{chunk}"
+    return base if model.has_rope(index) or model.learned_positions else f"{base}-nope"
 
 
 def even_counts(model: ModelSpec, config: Config) -> list[int]:
