@@ -11,7 +11,9 @@ from the DeepSeek-V3 report, the source of the deepseek-v3-report row, but it is
 count, not a timing; the MAMF GEMM fractions come from stas00/ml-engineering's matmul table
 and the attention shape constants from FlashAttention-2's kernel table (see
 ``benchmarks/kernel_fidelity.py``), neither from any run here; the 1.04 expert load
-imbalance is from Wang et al. 2024.
+imbalance is from Wang et al. 2024; the GB200 rows' NVLink domains (64 GPUs per rack at 64,
+128 and 256 GPUs) follow the Slurm segments NVIDIA's performance scripts ask for
+(``hardware/gb200.yaml``, ``nvlink_domain_gpus``), a placement, not a timing.
 
 A measured figure becomes seconds per step:
 

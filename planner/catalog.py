@@ -83,6 +83,7 @@ def load_model(source: str | Path | dict[str, Any]) -> ModelSpec:
 # peak, say), so anything else is refused. The measured figures, each with a source:
 MACHINE_FIELDS = (
     "gpus_per_node",
+    "nvlink_domain_gpus",
     "hbm_GiB",
     "usable_hbm_GiB",
     "hbm_bandwidth_GBps",
@@ -91,10 +92,12 @@ MACHINE_FIELDS = (
     "fp8_dense_tflops",
     "fp32_tflops",
     "nvlink_GBps_per_direction",
+    "nvlink_peer_GBps_per_direction",
     "nics_per_node",
     "nic_Gbps",
     "host_ram_GiB",
     "pcie_GBps_per_direction",
+    "gpu_nic_GBps_per_direction",
     "host_memory_GBps",
     "nvlink_latency_us",
     "ib_latency_us",
@@ -198,6 +201,7 @@ def load_cluster(source: str | Path, *, gpus: int) -> ClusterSpec:
             name=str(data["name"]),
             num_gpus=gpus,
             gpus_per_node=data["gpus_per_node"],
+            nvlink_domain_gpus=data.get("nvlink_domain_gpus"),
             hbm_bytes=round(data["hbm_GiB"] * GiB),
             hbm_bandwidth_Bps=data["hbm_bandwidth_GBps"] * 1e9,
             sm_count=data.get("sm_count"),
@@ -205,10 +209,20 @@ def load_cluster(source: str | Path, *, gpus: int) -> ClusterSpec:
             fp8_flops=(data["fp8_dense_tflops"] * 1e12) if data.get("fp8_dense_tflops") else None,
             fp32_flops=data["fp32_tflops"] * 1e12,
             nvlink_Bps=data["nvlink_GBps_per_direction"] * 1e9,
+            nvlink_peer_Bps=(
+                data["nvlink_peer_GBps_per_direction"] * 1e9
+                if data.get("nvlink_peer_GBps_per_direction") is not None
+                else None
+            ),
             nics_per_node=data["nics_per_node"],
             nic_Bps=data["nic_Gbps"] * 1e9 / 8,
             host_ram_bytes=round(data["host_ram_GiB"] * GiB),
             pcie_Bps=data["pcie_GBps_per_direction"] * 1e9,
+            gpu_nic_Bps=(
+                data["gpu_nic_GBps_per_direction"] * 1e9
+                if data.get("gpu_nic_GBps_per_direction") is not None
+                else None
+            ),
             host_memory_Bps=(
                 data["host_memory_GBps"] * 1e9 if data.get("host_memory_GBps") else None
             ),
@@ -253,6 +267,11 @@ def cluster_yaml(cluster: ClusterSpec, *, sources: dict[str, str] | None = None)
     data: dict[str, Any] = {
         "name": cluster.name,
         "gpus_per_node": cluster.gpus_per_node,
+        **(
+            {"nvlink_domain_gpus": cluster.nvlink_domain_gpus}
+            if cluster.nvlink_domain_gpus is not None
+            else {}
+        ),
         "hbm_GiB": cluster.hbm_bytes / GiB,
         "usable_hbm_GiB": (cluster.hbm_bytes - cluster.hbm_reserved_bytes) / GiB,
         "hbm_bandwidth_GBps": cluster.hbm_bandwidth_Bps / 1e9,
@@ -261,10 +280,20 @@ def cluster_yaml(cluster: ClusterSpec, *, sources: dict[str, str] | None = None)
         "fp8_dense_tflops": cluster.fp8_flops / 1e12 if cluster.fp8_flops else None,
         "fp32_tflops": cluster.fp32_flops / 1e12,
         "nvlink_GBps_per_direction": cluster.nvlink_Bps / 1e9,
+        **(
+            {"nvlink_peer_GBps_per_direction": cluster.nvlink_peer_Bps / 1e9}
+            if cluster.nvlink_peer_Bps is not None
+            else {}
+        ),
         "nics_per_node": cluster.nics_per_node,
         "nic_Gbps": cluster.nic_Bps * 8 / 1e9,
         "host_ram_GiB": cluster.host_ram_bytes / GiB,
         "pcie_GBps_per_direction": cluster.pcie_Bps / 1e9,
+        **(
+            {"gpu_nic_GBps_per_direction": cluster.gpu_nic_Bps / 1e9}
+            if cluster.gpu_nic_Bps is not None
+            else {}
+        ),
         "host_memory_GBps": cluster.host_memory_Bps / 1e9 if cluster.host_memory_Bps else None,
         "nvlink_latency_us": cluster.nvlink_latency_s * 1e6,
         "ib_latency_us": cluster.ib_latency_s * 1e6,

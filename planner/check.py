@@ -81,8 +81,9 @@ def check_degrees(
         problems.append(
             f"world size tp*cp*pp*dp={layout.world_size} != cluster GPUs {cluster.num_gpus}"
         )
-    if layout.tp > cluster.gpus_per_node:
-        problems.append(f"tp={layout.tp} spans more than a node of {cluster.gpus_per_node} GPUs")
+    if layout.tp > cluster.domain_gpus:
+        where = "a node" if cluster.domain_gpus == cluster.gpus_per_node else "an NVLink domain"
+        problems.append(f"tp={layout.tp} spans more than {where} of {cluster.domain_gpus} GPUs")
     if model.num_attention_heads % layout.tp:
         problems.append(f"tp={layout.tp} does not divide {model.num_attention_heads} heads")
     if model.attention != "mla" and model.num_kv_heads % layout.tp:

@@ -335,7 +335,8 @@ def check_layout(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layou
             f"{layout.world_size} must equal the cluster's GPU count {cluster.num_gpus}"
         )
     # Tensor parallelism across nodes is costed (its collectives go hierarchically over
-    # NVLink and InfiniBand, planner.costs.comm) though the search keeps it within a node:
+    # NVLink and InfiniBand, planner.costs.comm) though the search keeps it within an NVLink
+    # domain (ClusterSpec.domain_gpus):
     # teams have run it (vTrain's multi-node set has TP16 on 8-GPU nodes).
     per_step = layout.dp * layout.micro_batch
     if job.global_batch % per_step:

@@ -362,7 +362,9 @@ MAX_GPUS = 2**24  # ClusterSpec.num_gpus: the enumeration of degrees takes O(sqr
 
 
 class ClusterSpec(Spec):
-    """A homogeneous GPU cluster: ``num_nodes`` nodes of ``gpus_per_node`` identical GPUs."""
+    """A homogeneous GPU cluster: ``num_nodes`` nodes of ``gpus_per_node`` identical GPUs,
+    joined by NVLink within each NVLink domain (a node, or ``nvlink_domain_gpus`` GPUs of
+    several nodes on a rack-scale fabric) and by the nodes' NICs across domains."""
 
     name: str = Field(description="Machine type name (catalog name or a label).")
     num_gpus: int = Field(
@@ -371,7 +373,29 @@ class ClusterSpec(Spec):
         description=f"Total GPUs in the job (at most {MAX_GPUS:,}, a hundred times the largest "
         "clusters built).",
     )
-    gpus_per_node: int = Field(gt=0, description="GPUs sharing one NVLink domain.")
+    gpus_per_node: int = Field(
+        gt=0,
+        description="GPUs of one node: one host (its CPUs, host RAM and NICs), launched as one "
+        "machine. On an HGX/DGX node they are also its NVLink domain; on a rack-scale NVLink "
+        "system a node is a compute tray (GB200 NVL72: 4 GPUs) and nvlink_domain_gpus joins "
+        "trays.",
+    )
+    nvlink_domain_gpus: int | None = Field(
+        default=None,
+        gt=0,
+        description="GPUs one NVLink switch fabric joins across nodes, a whole number of nodes "
+        "(GB200 NVL72: 72, 18 trays of 4). None: the node's gpus_per_node (an HGX/DGX node). A "
+        "job is placed in domains of domain_gpus GPUs (the largest whole number of nodes, at "
+        "most this, that divides the job); a group inside one is priced at NVLink bandwidth.",
+    )
+    nvlink_peer_Bps: float | None = Field(
+        default=None,
+        gt=0,
+        description="Bandwidth of the one direct link between two GPUs of a full-mesh node (no "
+        "switch: AMD Infinity Fabric), per direction (B/s): a GPU talking to k peers at once "
+        "uses k links, min(k x this, nvlink_Bps). None: a switched fabric, where any group "
+        "reaches nvlink_Bps.",
+    )
     hbm_bytes: int = Field(gt=0, description="Nominal HBM capacity per GPU (bytes).")
     hbm_reserved_bytes: int = Field(
         default=0,
@@ -394,11 +418,22 @@ class ClusterSpec(Spec):
         default=None, gt=0, description="Dense FP8 peak per GPU (FLOP/s); None without FP8."
     )
     fp32_flops: float = Field(gt=0, description="Non-tensor FP32 peak per GPU (FLOP/s).")
-    nvlink_Bps: float = Field(gt=0, description="NVLink bandwidth per GPU per direction (B/s).")
+    nvlink_Bps: float = Field(
+        gt=0,
+        description="NVLink (or Infinity Fabric) bandwidth per GPU per direction (B/s): all of "
+        "its links together.",
+    )
     nics_per_node: int = Field(gt=0, description="Compute-fabric NICs per node.")
     nic_Bps: float = Field(gt=0, description="Bandwidth per NIC per direction (bytes/s).")
     host_ram_bytes: int = Field(gt=0, description="Host memory per node (bytes).")
     pcie_Bps: float = Field(gt=0, description="GPU-host bandwidth per GPU per direction (B/s).")
+    gpu_nic_Bps: float | None = Field(
+        default=None,
+        gt=0,
+        description="Bandwidth of the path from a GPU to its NIC per direction (B/s), where it "
+        "is not the host link (HGX B300: PCIe Gen6 to a ConnectX-8 on the GPU board, while the "
+        "host is reached at Gen5). None: pcie_Bps.",
+    )
     host_memory_Bps: float | None = Field(
         default=None,
         gt=0,
@@ -460,6 +495,25 @@ class ClusterSpec(Spec):
                 f"ClusterSpec.num_gpus={self.num_gpus}: above one node it must be a whole "
                 f"number of nodes (a multiple of gpus_per_node={self.gpus_per_node})"
             )
+        domain = self.nvlink_domain_gpus
+        if domain is not None and domain % self.gpus_per_node:
+            raise PlannerError(
+                f"ClusterSpec.nvlink_domain_gpus={domain}: must be a whole number of nodes (a "
+                f"multiple of gpus_per_node={self.gpus_per_node})"
+            )
+        peer = self.nvlink_peer_Bps
+        if peer is not None:
+            if domain not in (None, self.gpus_per_node) or self.gpus_per_node < 2:
+                raise PlannerError(
+                    f"ClusterSpec.nvlink_peer_Bps={peer:g}: a full mesh links the GPUs of one "
+                    f"node (at least 2, and no nvlink_domain_gpus beyond it); this cluster has "
+                    f"gpus_per_node={self.gpus_per_node}, nvlink_domain_gpus={domain}"
+                )
+            if peer > self.nvlink_Bps:
+                raise PlannerError(
+                    f"ClusterSpec.nvlink_peer_Bps={peer:g}: one link cannot carry more than "
+                    f"all of a GPU's links, nvlink_Bps={self.nvlink_Bps:g} B/s"
+                )
         for key, value in self.achieved.items():
             if not 0 < value <= 1:
                 raise PlannerError(f"ClusterSpec.achieved.{key}={value}: must be in (0, 1]")
@@ -510,6 +564,23 @@ class ClusterSpec(Spec):
     def num_nodes(self) -> int:
         """Nodes the job spans (a partial node counts as one)."""
         return max(1, self.num_gpus // self.gpus_per_node)
+
+    @property
+    def domain_gpus(self) -> int:
+        """GPUs of this job that share one NVLink domain, as the job is placed: the node's
+        GPUs where NVLink stays in the node; on a rack-scale fabric the whole job when it
+        fits one domain, else the largest whole number of nodes, at most
+        ``nvlink_domain_gpus``, that divides the job (NVIDIA's GB200 performance runs ask
+        Slurm for that segment: 16 trays of 4 per rack for 64, 128 or 256 GPUs; see
+        ``hardware/gb200.yaml``). The job's ranks fill one domain after another."""
+        per_node, domain = self.gpus_per_node, self.nvlink_domain_gpus
+        if domain is None or domain == per_node or self.num_gpus <= per_node:
+            return per_node
+        if self.num_gpus <= domain:
+            return self.num_gpus
+        nodes = self.num_gpus // per_node
+        most = domain // per_node
+        return per_node * max(k for k in range(1, most + 1) if nodes % k == 0)
 
     def topology(self) -> Any:
         """The cluster as a networkx graph (see ``planner.topology``), built on each call."""

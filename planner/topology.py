@@ -1,10 +1,15 @@
-"""The cluster as a networkx graph: GPUs, each node's NVLink switch, NIC rails, the fabric.
+"""The cluster as a networkx graph: GPUs, each NVLink domain's switch, NIC rails, the fabric.
 
 Nodes carry a ``kind`` (gpu, nvswitch, nic, leaf, spine); edges carry ``bandwidth_Bps`` (per
-direction) and ``latency_s``. The layout is rail-optimised, as in DGX SuperPODs and
-DeepSeek-V3's fat-tree: NIC ``k`` of every node connects to rail leaf switch ``k``, and the
-leaves to one spine layer, so GPU ``k`` of node A reaches GPU ``k`` of node B through one leaf.
-A path's bottleneck bandwidth is what the communication model reads.
+direction) and ``latency_s``. An NVLink domain is a node's GPUs on an HGX/DGX node, and
+``ClusterSpec.domain_gpus`` GPUs (several nodes, each with its own NICs) on a rack-scale
+NVLink fabric such as GB200 NVL72, whose NVLink switch trays join every GPU of the rack at
+full bandwidth (one switch here). A full-mesh node (``ClusterSpec.nvlink_peer_Bps``, AMD
+Infinity Fabric) has no switch: each pair of its GPUs shares one direct link. The layout is
+rail-optimised, as in DGX SuperPODs and DeepSeek-V3's fat-tree: NIC ``k`` of every node
+connects to rail leaf switch ``k``, and the leaves to one spine layer, so GPU ``k`` of node A
+reaches GPU ``k`` of node B through one leaf. A path's bottleneck bandwidth is what the
+communication model reads.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ def build_topology(cluster: ClusterSpec) -> nx.Graph:
     """The cluster's graph (see the module docstring)."""
     g = nx.Graph()
     per_node = min(cluster.gpus_per_node, cluster.num_gpus)
+    domain = min(cluster.domain_gpus, cluster.num_gpus)
     nics = cluster.nics_per_node
-    multi_node = cluster.num_gpus > cluster.gpus_per_node
+    multi_node = cluster.num_gpus > cluster.domain_gpus  # traffic leaves the NVLink domain
+    mesh = cluster.nvlink_peer_Bps
     if multi_node:
         g.add_node("spine", kind="spine")
         for rail in range(nics):
@@ -40,17 +47,27 @@ def build_topology(cluster: ClusterSpec) -> nx.Graph:
                 latency_s=cluster.ib_latency_s / 2,
             )
     for node in range(cluster.num_nodes):
-        switch = f"nvswitch{node}"
-        g.add_node(switch, kind="nvswitch", node=node)
         for local in range(per_node):
             index = node * per_node + local
             g.add_node(gpu(index), kind="gpu", node=node, local_rank=local)
-            g.add_edge(
-                gpu(index),
-                switch,
-                bandwidth_Bps=cluster.nvlink_Bps,
-                latency_s=cluster.nvlink_latency_s / 2,
-            )
+            if mesh is not None:  # a direct link to each GPU of the node already placed
+                for peer in range(node * per_node, index):
+                    g.add_edge(
+                        gpu(peer),
+                        gpu(index),
+                        bandwidth_Bps=mesh,
+                        latency_s=cluster.nvlink_latency_s,
+                    )
+            else:
+                switch = f"nvswitch{index // domain}"
+                if switch not in g:
+                    g.add_node(switch, kind="nvswitch", node=node, domain=index // domain)
+                g.add_edge(
+                    gpu(index),
+                    switch,
+                    bandwidth_Bps=cluster.nvlink_Bps,
+                    latency_s=cluster.nvlink_latency_s / 2,
+                )
             if not multi_node:
                 continue
             rail = local * nics // per_node  # GPUs share a NIC when there are fewer NICs
@@ -63,7 +80,8 @@ def build_topology(cluster: ClusterSpec) -> nx.Graph:
                     bandwidth_Bps=cluster.nic_Bps,
                     latency_s=cluster.ib_latency_s / 2,
                 )
-            g.add_edge(gpu(index), nic, bandwidth_Bps=cluster.pcie_Bps, latency_s=0.0)
+            to_nic = cluster.gpu_nic_Bps if cluster.gpu_nic_Bps is not None else cluster.pcie_Bps
+            g.add_edge(gpu(index), nic, bandwidth_Bps=to_nic, latency_s=0.0)
     return g
 
 

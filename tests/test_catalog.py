@@ -52,8 +52,8 @@ def test_every_cluster_loads_with_sources(name: str) -> None:
     import yaml
 
     cluster = planner.load_cluster(name, gpus=16)
-    assert cluster.num_nodes == 2
     raw = yaml.safe_load((HARDWARE_DIR / f"{name}.yaml").read_text())
+    assert cluster.num_nodes == 16 // raw["gpus_per_node"]
     numeric = [k for k, v in raw.items() if isinstance(v, int | float) and not isinstance(v, bool)]
     numeric += [f"achieved.{k}" for k in raw["achieved"]]
     missing = [k for k in numeric if k not in raw["sources"]]
@@ -132,6 +132,11 @@ USABLE_GIB = {
     "h200": 139.80,
     "b200": 178.35,
     "h100-96gb": 96 - (80 - 79.15),  # a convention: the 80GB part's runtime reserve
+    "gb200": 184.31,
+    "b300": 267.69,
+    "gb300": 277.55 - (268.59 - 267.69),  # a convention: nvidia-smi's total less the B300's gap
+    "mi300x": 191.98,  # the HIP runtime's total, as PyTorch's OOM message prints it
+    "mi355x": 287.98,
 }
 
 

@@ -180,11 +180,15 @@ def test_p2p_inside_and_across_nodes() -> None:
 
 NETWORKS = {name: network(name, 512) for name in planner.cluster_names()}
 COLLECTIVES = ("all_reduce_time", "reduce_scatter_time", "all_gather_time", "all_to_all_time")
+# Through a switch a larger group is never faster. On a full-mesh node (MI300X) it can be: 8
+# GPUs use 7 links each where 2 use one (all-reduce bus bandwidth 312.9 against 47.7 GB/s,
+# stas00/ml-engineering network/README.md); tests/test_machines.py prices that.
+SWITCHED = [name for name in planner.cluster_names() if NETWORKS[name].nvlink_peer_Bps is None]
 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    name=st.sampled_from(planner.cluster_names()),
+    name=st.sampled_from(SWITCHED),
     op=st.sampled_from(COLLECTIVES),
     stride=st.sampled_from([1, 2, 4, 8]),
     sizes=st.tuples(*[st.sampled_from([1, 2, 4, 8, 16, 32, 64])] * 2),

@@ -44,6 +44,7 @@ def catalog_command(args: argparse.Namespace) -> None:
                     "hbm_gib": c.hbm_bytes / GiB,
                     "usable_hbm_gib": c.usable_hbm_bytes / GiB,
                     "gpus_per_node": c.gpus_per_node,
+                    "nvlink_domain_gpus": c.nvlink_domain_gpus or c.gpus_per_node,
                     "nvlink_GBps": c.nvlink_Bps / 1e9,
                     "nic_GBps": c.nic_Bps / 1e9,
                 }
@@ -53,6 +54,7 @@ def catalog_command(args: argparse.Namespace) -> None:
             "hbm_gib": "HBM (GiB)",
             "usable_hbm_gib": "usable (GiB)",
             "gpus_per_node": "GPUs/node",
+            "nvlink_domain_gpus": "NVLink domain (GPUs)",
             "nvlink_GBps": "NVLink (GB/s/dir)",
             "nic_GBps": "NIC (GB/s/dir)",
         }

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from planner.cli.inputs import build, writable_file
-from planner.cli.render import GiB, plot_estimate, print_memory, print_time
+from planner.cli.render import GiB, plot_estimate, print_groups, print_memory, print_time
 from planner.estimate import evaluate
 from planner.simulate import simulate
 
@@ -28,6 +28,7 @@ def evaluate_command(args: argparse.Namespace) -> bool:
         print_memory(model.name, layout, est, job.memory_margin)
         if args.command == "evaluate":
             print_time(est, job)
+            print_groups(layout, cluster)
     if not est.fits:  # exit 3: the reason on stderr too, where scripts look
         over = (est.peak_bytes - est.cap_bytes) / 2**30
         print(

@@ -12,6 +12,7 @@ from planner.cli.render import (
     cli_words,
     plot_estimate,
     print_decisions,
+    print_groups,
     print_memory,
     print_runners_up,
     print_time,
@@ -182,6 +183,8 @@ def _print_plan(result: Plan, model: ModelSpec, job: TrainingJob) -> None:
         )
         + f", layers per stage {layers}."
     )
+    if result.cluster is not None:
+        print_groups(lay, result.cluster)
     runs = (result.job or job).framework
     out.print(f"Run by {runs}: only layouts it runs, priced as it runs them.")
     sim = result.simulation

@@ -1,6 +1,7 @@
 """Text the commands share: the per-rank memory table and its summary, the step-time table, a
-plan's decisions and runners-up, an explanation's fixes in the CLI's own flags, short layout and
-catalog cells, and the memory and step-time pictures (--plot)."""
+plan's decisions and runners-up, where each parallel group runs (NVLink or the network), an
+explanation's fixes in the CLI's own flags, short layout and catalog cells, and the memory and
+step-time pictures (--plot)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from rich.console import Console
 from rich.table import Table
 
 from planner.cli.arguments import SPACE_FLAGS
+from planner.costs.comm import placements
 from planner.costs.memory import BUCKETS
 from planner.errors import PlannerError
 from planner.estimate import Estimate
 from planner.layout import Layout
 from planner.plots import picture_paths
 from planner.solve.result import Plan
-from planner.specs import TrainingJob
+from planner.specs import ClusterSpec, TrainingJob
 
 GiB = 2**30
 SHORT = {"optimizer": "optim", "activations": "activ", "fragmentation": "frag", "context": "ctx"}
@@ -146,6 +148,26 @@ def print_time(est: Estimate, job: TrainingJob) -> None:
     )
     if est.mfu_note:
         console.print(f"[bold yellow]Warning[/]: {est.mfu_note}.")
+
+
+def groups_line(layout: Layout, cluster: ClusterSpec) -> str:
+    """Where each parallel group of ``layout`` runs: inside one NVLink domain (NVLink) or
+    across domains (InfiniBand), e.g. ``ep 64: inside one NVLink domain of 64 GPUs``."""
+    domain, node = cluster.domain_gpus, cluster.gpus_per_node
+    if domain == node:
+        where = f"NVLink domain: one node of {min(node, cluster.num_gpus)} GPUs"
+    else:
+        where = (
+            f"NVLink domain: {domain} GPUs as placed, {domain // node} nodes of {node} (the "
+            f"machine's domain holds {cluster.nvlink_domain_gpus})"
+        )
+    parts = "; ".join(p.describe(domain) for p in placements(layout, cluster))
+    return f"Groups ({where}): {parts}."
+
+
+def print_groups(layout: Layout, cluster: ClusterSpec) -> None:
+    """``groups_line``, printed."""
+    Console(width=max(Console().width, 132)).print(groups_line(layout, cluster))
 
 
 def print_decisions(layout: Layout, est: Estimate, job: TrainingJob) -> None:

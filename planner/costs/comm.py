@@ -3,9 +3,12 @@
 Rank order (Megatron-LM's default ``order="tp-cp-ep-dp-pp"`` in
 ``megatron/core/parallel_state.py``): tp is innermost, then cp, then dp, and pp outermost, so
 global rank ``g = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))`` and GPU ``g``
-sits on node ``g // gpus_per_node``. The "dp" group is the one gradients are reduced and
-ZeRO state sharded over: the data-parallel ranks with the context-parallel ones (Megatron-LM's
-data-parallel group with context parallelism). Experts see the whole ``tp * cp * dp`` plane of
+sits in NVLink domain ``g // domain_gpus`` (``ClusterSpec.domain_gpus``: a node's GPUs on an
+HGX/DGX node; on GB200 NVL72 up to 72 GPUs of 18 trays, each tray with its own NICs). Below,
+"node" is that NVLink domain: what decides whether a group's traffic stays on NVLink. The
+"dp" group is the one gradients are reduced and ZeRO state sharded over: the data-parallel
+ranks with the context-parallel ones (Megatron-LM's data-parallel group with context
+parallelism). Experts see the whole ``tp * cp * dp`` plane of
 each pipeline stage (MoE parallel folding), ordered etp-ep-edp: local index
 ``l = tp_rank + tp * (cp_rank + cp * dp_rank)``, ``etp_rank = l % etp``,
 ``ep_rank = (l // etp) % ep`` and expert-data-parallel index ``l // (etp * ep)``, so an ETP
@@ -28,6 +31,12 @@ Every group of one kind is assumed to run its collective at the same time (all d
 reduce gradients together, all EP groups dispatch together), so each GPU gets its own share
 of the node's NICs rather than the whole node's bandwidth. A group on one node never touches
 IB; a single-member group costs nothing.
+
+A full-mesh node (AMD Infinity Fabric, ``ClusterSpec.nvlink_peer_Bps``) has one link per pair
+of GPUs and no switch: a GPU sending to k peers at once uses k links, so a collective over m
+GPUs of the node runs at ``min(nvlink_Bps, (m - 1) * peer)`` and a send to one GPU at one
+link's rate (RCCL builds its rings over the mesh's links; on MI300X 2 GPUs reach 47.7 GB/s of
+all-reduce bus bandwidth where 8 reach 312.9, stas00/ml-engineering network/README.md).
 """
 
 from __future__ import annotations
@@ -140,7 +149,9 @@ class Network:
 
     ``nvlink_Bps`` and ``ib_Bps`` are per GPU per direction at line rate; ``ib_Bps`` is the
     GPU's share of the fabric when every GPU of a node talks off-node at once. Collectives
-    use them times the achieved fractions (``*_bus_Bps``).
+    use them times the achieved fractions (``*_bus_Bps``). ``gpus_per_node`` is the GPUs of
+    one NVLink domain as the job is placed (``ClusterSpec.domain_gpus``); ``nvlink_peer_Bps``
+    one link of a full-mesh node (None: a switch, every group at ``nvlink_Bps``).
     """
 
     gpus_per_node: int
@@ -150,11 +161,16 @@ class Network:
     ib_latency_s: float
     nvlink_achieved: float
     ib_achieved: float
+    nvlink_peer_Bps: float | None = None
 
     @classmethod
     def of(cls, cluster: ClusterSpec) -> Network:
-        """Figures of ``cluster`` (cached per machine type; see ``_read``)."""
-        return _network(cluster.model_copy(update={"num_gpus": 2 * cluster.gpus_per_node}))
+        """Figures of ``cluster`` (cached per machine type and NVLink domain; see ``_read``)."""
+        domain = cluster.domain_gpus
+        update: dict[str, Any] = {"num_gpus": 2 * domain}
+        if cluster.nvlink_domain_gpus is not None:
+            update["nvlink_domain_gpus"] = domain  # two domains of the job's placement
+        return _network(cluster.model_copy(update=update))
 
     @classmethod
     def _read(cls, cluster: ClusterSpec) -> Network:
@@ -172,7 +188,7 @@ class Network:
         where 2,048 nodes take a quarter of a second (a one-node job's IB figures are never
         used: its groups stay on the node).
         """
-        per_node = cluster.gpus_per_node
+        per_node = cluster.domain_gpus  # every GPU of NVLink domain 0
         graph = cluster.topology()
         if per_node > 1:
             ring = [_path(graph, i, (i + 1) % per_node) for i in range(per_node)]
@@ -180,6 +196,10 @@ class Network:
             ring = [[(gpu(0), "nvswitch0"), ("nvswitch0", gpu(0))]]
         nvlink = _concurrent_paths(graph, ring)
         ib = _concurrent_paths(graph, [_path(graph, i, i + per_node) for i in range(per_node)])
+        peer = None
+        if cluster.nvlink_peer_Bps is not None:  # the ring's hop is one link of the mesh
+            peer = nvlink[0]
+            nvlink = (min(cluster.nvlink_Bps, (per_node - 1) * peer), nvlink[1])
         return cls(
             gpus_per_node=per_node,
             nvlink_Bps=nvlink[0],
@@ -188,6 +208,7 @@ class Network:
             ib_latency_s=ib[1],
             nvlink_achieved=_achieved(cluster, "nvlink"),
             ib_achieved=_achieved(cluster, "ib"),
+            nvlink_peer_Bps=peer,
         )
 
     @property
@@ -199,6 +220,14 @@ class Network:
     def ib_bus_Bps(self) -> float:
         """Achieved IB bus bandwidth per GPU per direction (B/s)."""
         return self.ib_Bps * self.ib_achieved
+
+    def nvlink_bus_to(self, peers: int) -> float:
+        """Achieved NVLink bus bandwidth per GPU per direction (B/s) while it sends to
+        ``peers`` GPUs of its node at once: ``nvlink_bus_Bps`` through a switch; on a full
+        mesh one link per peer, up to all of them."""
+        if self.nvlink_peer_Bps is None or peers < 1:
+            return self.nvlink_bus_Bps
+        return min(self.nvlink_Bps, peers * self.nvlink_peer_Bps) * self.nvlink_achieved
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node
@@ -213,7 +242,7 @@ class Network:
         if src == dst or nbytes <= 0:
             return NO_TRANSFER
         if self.node_of(src) == self.node_of(dst):
-            t = self.nvlink_latency_s + nbytes / self.nvlink_bus_Bps
+            t = self.nvlink_latency_s + nbytes / self.nvlink_bus_to(1)
             return Transfer(t, 0.0, t)
         t = self.ib_latency_s + nbytes / self.ib_bus_Bps
         return Transfer(t, t, 0.0)
@@ -272,7 +301,7 @@ class Network:
         counts = Counter(self.node_of(r) for r in members)
         on = off = 0.0
         for here in set(counts.values()):
-            on = max(on, nbytes * (here - 1) / n / self.nvlink_bus_Bps)
+            on = max(on, nbytes * (here - 1) / n / self.nvlink_bus_to(here - 1))
             off = max(off, nbytes * (n - here) / n / self.ib_bus_Bps)
         # All peers are posted at once, so one path latency, the slowest kind in use.
         latency = self.ib_latency_s if len(counts) > 1 else self.nvlink_latency_s
@@ -310,7 +339,7 @@ class Network:
                 return NO_TRANSFER
             one_copy = nbytes / model.experts_per_token
             return self.all_gather(one_copy * len(members), ranks)
-        _, nodes = self._spread(members)
+        here, nodes = self._spread(members)
         if dispatcher != "deepep" or nbytes <= 0 or nodes == 1:
             return self.all_to_all(nbytes, ranks)
         groups, limit = model.expert_groups, model.groups_per_token
@@ -324,7 +353,7 @@ class Network:
         other_nodes = (nodes - 1) * (1 - missed)  # expected other nodes one token visits
         one_copy = nbytes / model.experts_per_token
         ib = one_copy * other_nodes / self.ib_bus_Bps
-        nvlink = nbytes * (1 - 1 / len(members)) / self.nvlink_bus_Bps
+        nvlink = nbytes * (1 - 1 / len(members)) / self.nvlink_bus_to(here - 1)
         return Transfer(max(ib, nvlink) + self.ib_latency_s, ib, nvlink)
 
     # -- helpers --------------------------------------------------------------------------
@@ -339,7 +368,7 @@ class Network:
     def _intra(self, nbytes: float, members: int) -> float:
         """Ring reduce-scatter (or all-gather) of ``nbytes`` over ``members`` GPUs of a node."""
         steps = members - 1
-        return steps / members * nbytes / self.nvlink_bus_Bps + steps * self.nvlink_latency_s
+        return steps / members * nbytes / self.nvlink_bus_to(steps) + steps * self.nvlink_latency_s
 
     def _inter(self, nbytes: float, nodes: int, ring_per_node: int | None = None) -> float:
         """Reduce-scatter (or all-gather) of ``nbytes`` per GPU over ``nodes`` nodes, each
@@ -386,6 +415,61 @@ _NETWORKS: Memo[Network] = Memo("comm.networks", limit=256)
 
 def _network(cluster: ClusterSpec) -> Network:
     return _NETWORKS.get(cluster.model_dump_json(), lambda: Network._read(cluster))
+
+
+# -- where each group runs ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one kind of group of a layout runs: its ``size`` (GPUs), the NVLink domains it
+    spans (``domains``) and the most of its members one domain holds (``per_domain``), read
+    off the group of global rank 0 (domains hold whole groups or groups whole domains when
+    the degrees divide the domain, as the search's do)."""
+
+    kind: GroupKind
+    size: int
+    domains: int
+    per_domain: int
+    name: str = ""  # how it is printed: the kind, or "dp*cp" for the gradients' group with cp
+
+    @property
+    def link(self) -> str:
+        """What its collectives cross: "none" (one GPU), "NVLink" or "InfiniBand"."""
+        if self.size == 1:
+            return "none"
+        return "NVLink" if self.domains == 1 else "InfiniBand"
+
+    def describe(self, domain_gpus: int) -> str:
+        """``ep 64: inside one NVLink domain of 64 GPUs (NVLink)``."""
+        name = self.name or self.kind
+        if self.size == 1:
+            return f"{name} 1"
+        if self.domains == 1:
+            return f"{name} {self.size}: inside one NVLink domain of {domain_gpus} GPUs (NVLink)"
+        return (
+            f"{name} {self.size}: across {self.domains} NVLink domains, {self.per_domain} "
+            f"in each (InfiniBand{', NVLink inside each' if self.per_domain > 1 else ''})"
+        )
+
+
+PLACED_KINDS: tuple[GroupKind, ...] = ("tp", "cp", "ep", "etp", "dp", "edp", "pp")
+
+
+def placements(layout: Layout, cluster: ClusterSpec) -> list[Placement]:
+    """Where each kind of group of ``layout`` runs on ``cluster`` (``Placement``): tp, cp, ep,
+    etp, dp (data and context parallel, the gradients' group), edp and pp; the expert kinds
+    only for a layout with expert parallelism."""
+    domain = cluster.domain_gpus
+    out = []
+    for kind in PLACED_KINDS:
+        if kind in ("ep", "etp", "edp") and layout.ep == 1 and layout.etp == 1:
+            continue
+        ranks = group(layout, kind, 0)
+        counts = Counter(r // domain for r in ranks)
+        name = "dp*cp" if kind == "dp" and layout.cp > 1 else kind
+        out.append(Placement(kind, len(ranks), len(counts), max(counts.values()), name))
+    return out
 
 
 # -- MoE traffic --------------------------------------------------------------------------

@@ -430,11 +430,12 @@ class TpComm:
         ring = ranks[::a2a]
         hops = list(zip(ring, ring[1:] + ring[:1], strict=True))
         # Every rank sends to the next at once: a step lasts as long as its slowest hop, and
-        # a ring that leaves its node crosses InfiniBand at each GPU's share of the NICs.
+        # a ring that leaves its NVLink domain crosses InfiniBand at each GPU's share of the
+        # NICs (on a full-mesh node each hop is one link).
         if any(network.node_of(a) != network.node_of(b) for a, b in hops):
             latency, Bps = network.ib_latency_s, network.ib_bus_Bps
         else:
-            latency, Bps = network.nvlink_latency_s, network.nvlink_bus_Bps
+            latency, Bps = network.nvlink_latency_s, network.nvlink_bus_to(1)
         one, two = (network.all_to_all_time(n * GB, ranks[:a2a]) for n in (1, 2))
         return cls(
             seconds,

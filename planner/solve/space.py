@@ -92,10 +92,13 @@ def enumerate_configs(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, 
     rules = target_rules(space)
     pipeline_zero = rules.pipeline_zero if rules is not None else None
     tensor_zero = rules.tensor_zero if rules is not None else None
-    tps = space.tp or [t for t in _divisors(cluster.gpus_per_node) if n % t == 0]
+    # Tensor parallelism stays inside one NVLink domain: a node's GPUs on an HGX/DGX node, a
+    # rack's placed share on GB200 NVL72 (ClusterSpec.domain_gpus).
+    domain = cluster.domain_gpus
+    tps = space.tp or [t for t in _divisors(domain) if n % t == 0]
     cps = space.cp or context_parallel_degrees(job.seq_len, n)
     for tp, cp in itertools.product(tps, cps):
-        if tp > cluster.gpus_per_node or n % (tp * cp) or not _tp_fits(model, tp):
+        if tp > domain or n % (tp * cp) or not _tp_fits(model, tp):
             continue
         if cp > 1 and (job.seq_len % (2 * cp) or not job.flash_attention):
             continue  # the load-balanced split needs 2 * cp chunks, and fused attention
@@ -244,7 +247,7 @@ def zero_hpz_choices(cluster: ClusterSpec, space: SearchSpace, others: int, dp: 
     nodes, a secondary shard over each node's GPUs (DeepSpeed's ZeRO++ tutorial sets it to
     the GPUs a node has); ``SearchSpace.zero_hpz`` pins them."""
     rules = target_rules(space)
-    node = cluster.gpus_per_node
+    node = cluster.domain_gpus  # the GPUs that reach each other over NVLink
     if space.zero_hpz is not None:
         _launched(space, "zero_hpz", max(space.zero_hpz) > 1)
         return [h for h in dict.fromkeys(space.zero_hpz) if h == 1 or not dp % h]
@@ -263,7 +266,7 @@ def cp_comm_choices(
     holds (NVLink) and its ring across the nodes: it is searched where cp spans nodes."""
     if cp == 1:
         return [("p2p", None)]
-    node = min(cp, max(1, cluster.gpus_per_node // tp))
+    node = min(cp, max(1, cluster.domain_gpus // tp))  # cp ranks of one NVLink domain
     out: list[tuple[str, int | None]] = []
     for comm in dict.fromkeys(space.cp_comm_type or ["p2p", "a2a", "a2a+p2p"]):
         if comm == "p2p":

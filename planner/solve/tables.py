@@ -294,9 +294,10 @@ def build(
         lambda: stage_sends(model, proto, network, shard),
     )
     plane = proto.plane  # ranks of one pipeline position
-    # Every position's groups sit on nodes the same way when a node holds whole positions or
-    # a position whole nodes: then one position's collective costs serve them all.
-    same = cluster.gpus_per_node % plane == 0 or plane % cluster.gpus_per_node == 0
+    # Every position's groups sit on NVLink domains the same way when a domain holds whole
+    # positions or a position whole domains: then one position's collective costs serve all.
+    domain = network.gpus_per_node  # GPUs of one NVLink domain (ClusterSpec.domain_gpus)
+    same = domain % plane == 0 or plane % domain == 0
     comm = []
     comm_key = config.key(ignoring=_COMM_IGNORE)
     if config.zero_hpz > 1:  # its gathers' mix depends on the micro-batches (_hpz_gather)
