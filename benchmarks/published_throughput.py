@@ -22,7 +22,8 @@ A measured figure becomes seconds per step:
 - ``tflops_per_gpu`` and ``mfu``: by the source's own FLOP count per token. Megatron-LM's
   SC'21 paper counts 96 B s l h^2 (1 + s/6h + V/16lh) per step, with the recomputed forward
   (its eq. 3); Megatron-LM's README table counts 72 B s l h^2 (1 + s/6h) + 6 B s h V (no
-  recompute, the full s x s score matrix); other sources count the forward and backward
+  recompute, the full s x s score matrix); Megatron-LM's MoE recipes log Megatron-Core's
+  count (``megatron_core_flops_per_token``); other sources count the forward and backward
   only, which is the planner's ``model_flops_per_token`` (6 x active matmul parameters +
   causal attention), and MFU is against the dense BF16 peak.
 
@@ -70,6 +71,7 @@ from planner.export.megatron_model import hf_repo
 from planner.fit import Run, fit_runs, gpt_model, run_from_row
 from planner.frameworks import framework as framework_of
 from planner.layout import model_modules
+from planner.schedules import schedule_of
 
 DATA = Path(__file__).resolve().parent / "published_runs.csv"
 SCHEDULES = {"1f1b": "1f1b", "interleaved": "interleaved", "dualpipe": "dualpipe", "zb": "zb-h1"}
@@ -104,8 +106,45 @@ def source_flops_per_token(row: dict[str, str], model: planner.ModelSpec, seq: i
     if row["id"].startswith("megatron-readme"):  # Megatron-LM: no recompute, full s x s
         return 72 * layers * h * h * (1 + seq / (6 * h)) + 6 * h * vocab
     if row["id"].startswith("megatron-moerecipe"):
-        raise PlannerError("FLOP count of Megatron-Core's MoE/MLA formula not reproduced here")
+        return megatron_core_flops_per_token(model, seq, tp=int(row["tp"]))
     return model_flops_per_token(model, seq)
+
+
+def megatron_core_flops_per_token(model: planner.ModelSpec, seq: int, *, tp: int) -> float:
+    """Megatron-Core's own count, as its training loop logs TFLOP/s
+    (``num_floating_point_operations``, ``transformer_flops``, in megatron/training/
+    training.py of NVIDIA/Megatron-LM at 001b00c2): 3 (forward, two backward GEMMs) x 2 (FMA)
+    per weight a token passes through, with every routed expert it visits and the shared
+    experts in each MoE layer, the MTP layers counted as layers of the last layer's kind;
+    MLA's projections as its q and kv ranks give them (each rank + 1 for its norm) and the
+    core attention over half the s x s scores; the MTP modules' norms (3h) and projection
+    (2h^2); the output layer over the padded vocabulary once per MTP module and for the main
+    model. The vocabulary is padded to a multiple of 128 x tp (Megatron-LM's
+    --make-vocab-size-divisible-by default)."""
+    h, mtp = model.hidden_size, model.num_mtp_layers
+    kinds = [model.is_moe_layer(i) for i in range(model.num_layers)]
+    moe_layers = sum(kinds) + (mtp if kinds[-1] else 0)
+    dense_layers = model.num_layers + mtp - moe_layers
+    glu = 3 if model.gated_mlp else 2
+    shared = model.num_shared_experts * (
+        model.shared_expert_ffn_hidden_size or model.moe_ffn_hidden_size
+    )
+    mlp = h * glu * (
+        model.ffn_hidden_size * dense_layers
+        + (model.moe_ffn_hidden_size * model.experts_per_token + shared) * moe_layers
+    )
+    n, layers = model.num_attention_heads, model.num_layers + mtp
+    if model.attention == "mla":
+        dq, dr, dv = model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
+        rank = model.q_lora_rank
+        q = rank * (h + n * (dq + dr) + 1) if rank else h * n * (dq + dr)
+        kv = model.kv_lora_rank * (h + n * (dq + dv) + 1) + h * dr
+        attention = q + kv + n * dv * h + seq * n * (dq + dr) / 2 + seq * n * dv / 2
+    else:
+        d, g = model.head_dim, model.num_kv_heads
+        attention = h * (n * d + 2 * g * d) + n * d * seq / 2 * 2 + n * d * h
+    padded = -(-model.vocab_size // (128 * tp)) * 128 * tp
+    return 6 * (mlp + layers * attention + mtp * (3 * h + 2 * h * h) + h * padded * (mtp + 1))
 
 
 def measured_step(row: dict[str, str], model: planner.ModelSpec, peak: float) -> float:
@@ -209,9 +248,10 @@ def cost(row: dict[str, str]) -> tuple[float, float, Costed]:
     if not row["micro_batch"]:
         fields["micro_batch"] = "1"
         assumed.append("micro-batch 1")
-    if fields["schedule"] != "interleaved" or not row["vp"]:
-        fields["vp"] = "" if fields["schedule"] == "interleaved" else "1"
-        if fields["schedule"] == "interleaved" and not row["vp"]:
+    interleaved = schedule_of(fields["schedule"]).virtual_stages is None  # any >= 2 chunks
+    if not interleaved or not row["vp"]:
+        fields["vp"] = "" if interleaved else "1"
+        if interleaved and not row["vp"]:
             assumed.append("2 virtual stages")
     model = (
         gpt_model(row["model"])
