@@ -129,10 +129,8 @@ def megatron_core_flops_per_token(model: planner.ModelSpec, seq: int, *, tp: int
     shared = model.num_shared_experts * (
         model.shared_expert_ffn_hidden_size or model.moe_ffn_hidden_size
     )
-    mlp = h * glu * (
-        model.ffn_hidden_size * dense_layers
-        + (model.moe_ffn_hidden_size * model.experts_per_token + shared) * moe_layers
-    )
+    routed = model.moe_ffn_hidden_size * model.experts_per_token
+    mlp = h * glu * (model.ffn_hidden_size * dense_layers + (routed + shared) * moe_layers)
     n, layers = model.num_attention_heads, model.num_layers + mtp
     if model.attention == "mla":
         dq, dr, dv = model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
