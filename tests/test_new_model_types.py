@@ -404,3 +404,50 @@ def test_a_megatron_log_with_squared_relu_reads_as_an_ungated_mlp(tmp_path: Path
     assert (gated.mlp, ungated.mlp) == ("swiglu", "relu2")
     h, f, n = gated.hidden_size, gated.ffn_hidden_size, gated.num_layers
     assert gated.num_params() - ungated.num_params() == n * h * f
+
+
+def test_torchtitan_llama4_flavors_differ_from_the_checkpoints_where_their_code_does() -> None:
+    """torchtitan v0.2.2's llama4_args (torchtitan/models/llama4, 73a0e697): the same widths,
+    experts and MoE layers as the Hugging Face configs, but layer i has no RoPE where i % 4 is
+    0 (transformers: where (i + 1) % 4 is 0), no q/k norm (Scout's config has
+    use_qk_norm true; Maverick's false), and an expert bias buffer (load_balance_coeff). The
+    iRoPE flavors run FlexAttention, which its context parallelism refuses: the export runs
+    cp 1 and says so."""
+    import tomllib
+
+    from planner.export.torchtitan import model_flavor
+
+    expected = {
+        "llama4-scout": (
+            "17bx16e_irope",
+            {"router_expert_bias", "nope_layers", "chunked_attention_layers", "qk_l2_norm"},
+        ),
+        "llama4-maverick": (
+            "17bx128e_irope",
+            {"router_expert_bias", "nope_layers", "chunked_attention_layers"},
+        ),
+    }
+    for name, (flavor, fields) in expected.items():
+        model = planner.load_model(name)
+        got_name, got_flavor, unmatched = model_flavor(model, 8192)
+        assert (got_name, got_flavor) == ("llama4", flavor)
+        assert unmatched is not None
+        listed = {
+            f
+            for f in planner.ModelSpec.model_fields
+            if f"({f} " in unmatched or f"; {f} " in unmatched
+        }
+        assert listed == fields, name
+    scout = planner.load_model("llama4-scout")
+    cluster = planner.load_cluster("h100", gpus=64)
+    job = planner.TrainingJob(seq_len=32768, global_batch=64, framework="torchtitan")
+    layout = planner.Layout.uniform(scout, cp=2, dp=32, ep=8, zero=3, recompute="full")
+    est = planner.evaluate(scout, cluster, job, layout)
+    plan = planner.Plan(
+        status="feasible", layout=layout, estimate=est, solve_time_s=0.0,
+        model=scout, cluster=cluster, job=job,
+    )  # fmt: skip
+    out = planner.export.torchtitan(plan)
+    parallelism = tomllib.loads(out.files["torchtitan.toml"])["parallelism"]
+    assert parallelism.get("context_parallel_degree", 1) == 1
+    assert any("runs FlexAttention" in d for d in out.differences)

@@ -14,7 +14,16 @@ Sources, all at tag v0.2.2 (commit 73a0e697) of pytorch/torchtitan:
   final norm built without ``eps``: torch's default, the dtype's machine epsilon; layers from
   ``n_dense_layers`` on are MoE; no MTP);
 - ``torchtitan/models/moe/moe.py`` (``MoEArgs``: a group scored by the sum of its best two
-  experts; an expert bias buffer while ``load_balance_coeff`` is set, default 1e-3).
+  experts; an expert bias buffer while ``load_balance_coeff`` is set, default 1e-3; sigmoid
+  scores, not renormalised, top 1 and one shared expert by default);
+- ``torchtitan/models/llama4/__init__.py`` (``llama4_args``), ``model/args.py``
+  (``TransformerModelArgs``: vocabulary 202048, norm_eps 1e-5, MoE every second layer by
+  default, chunks of 8192 tokens, ``RoPEScalingArgs`` factor 16, low and high frequency
+  factors 1, original context 8192), ``model/model.py`` (the dense MLP as llama3's at 4 * dim;
+  the experts' width the same divided by top-k + shared experts, rounded up to
+  ``multiple_of``; layer i is MoE where (i + 1) % ``interleave_moe_layer_step`` is 0; with
+  ``every_n_layers_nope`` layer i has no RoPE where i % n is 0, and the others attend within
+  ``fixed_attn_block_size`` chunks; no q/k norm).
 """
 
 from __future__ import annotations
@@ -61,6 +70,23 @@ DEEPSEEK_V3: dict[str, dict[str, Any]] = {
     ),
 }
 # fmt: on
+# llama4_args: flavor -> (experts, interleave_moe_layer_step, RoPE scaled, iRoPE)
+LLAMA4 = {
+    "17bx16e": (16, 1, True, False),
+    "17bx128e": (128, 2, False, False),
+    "17bx16e_irope": (16, 1, True, True),
+    "17bx128e_irope": (128, 2, False, True),
+}
+# the flavors whose attention is FlexAttention (attn_type "flex"), which torchtitan v0.2.2's
+# context parallelism refuses (TransformerModelArgs.update_from_config)
+FLEX_FLAVORS = frozenset({("llama4", f) for f, (_, _, _, irope) in LLAMA4.items() if irope})
+LLAMA4_SCALING = (
+    ("factor", 16.0),
+    ("high_freq_factor", 1.0),
+    ("low_freq_factor", 1.0),
+    ("original_max_position_embeddings", 8192.0),
+    ("rope_type", "llama3"),
+)
 YARN_ORIGINAL = 4096  # DeepSeekV3ModelArgs.original_seq_len
 DEEPSEEK_QUIRK = (
     "torchtitan's DeepSeek-V3 final norm takes torch's default epsilon (the dtype's machine "
@@ -86,6 +112,46 @@ def _llama3(flavor: str) -> dict[str, Any]:
         "rope_theta": theta,
         "rope_scaling": LLAMA3_SCALING,
     }
+
+
+def _llama4(flavor: str) -> dict[str, Any]:
+    experts, step, scaled, irope = LLAMA4[flavor]
+    dim, layers, multiple_of = 5120, 48, 2048
+    hidden = int(1.2 * int(2 * 4 * dim / 3))  # ffn_dim_multiplier 1.2
+    moe = int(hidden / 2)  # top_k 1 + one shared expert
+    moe += -moe % multiple_of
+    fields: dict[str, Any] = {
+        "hidden_size": dim,
+        "num_layers": layers,
+        "vocab_size": 202048,
+        "num_attention_heads": 40,
+        "num_kv_heads": 8,
+        "head_dim": dim // 40,
+        "attention": "gqa",
+        "mlp": "swiglu",
+        "ffn_hidden_size": multiple_of * math.ceil(hidden / multiple_of),
+        "num_experts": experts,
+        "experts_per_token": 1,
+        "moe_ffn_hidden_size": moe,
+        "num_shared_experts": 1,
+        "shared_expert_ffn_hidden_size": moe,
+        "router_expert_bias": True,  # load_balance_coeff 1e-3
+        "moe_layers": tuple(i for i in range(layers) if (i + 1) % step == 0),
+        "router_score": "sigmoid",
+        "router_renormalize": False,
+        "tie_word_embeddings": False,
+        "norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": LLAMA4_SCALING if scaled else (),
+    }
+    if irope:  # every_n_layers_nope 4, fixed_attn_block_size 8192
+        nope = tuple(range(0, layers, 4))
+        fields.update(
+            nope_layers=nope,
+            attention_chunk_size=8192,
+            chunked_attention_layers=tuple(i for i in range(layers) if i not in nope),
+        )
+    return fields
 
 
 def _deepseek_v3(flavor: str, seq_len: int) -> dict[str, Any]:
@@ -140,8 +206,10 @@ def _deepseek_v3(flavor: str, seq_len: int) -> dict[str, Any]:
 
 
 def flavors(seq_len: int) -> dict[tuple[str, str], ModelSpec]:
-    """Every llama3 and deepseek_v3 flavor as the model it builds at ``seq_len``."""
+    """Every llama3, llama4 and deepseek_v3 flavor as the model it builds at ``seq_len``."""
     out = {("llama3", f): ModelSpec(name=f"llama3 {f}", **_llama3(f)) for f in LLAMA3}
+    for f in LLAMA4:
+        out["llama4", f] = ModelSpec(name=f"llama4 {f}", **_llama4(f))
     for f in DEEPSEEK_V3:
         out["deepseek_v3", f] = ModelSpec(name=f"deepseek_v3 {f}", **_deepseek_v3(f, seq_len))
     return out

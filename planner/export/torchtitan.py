@@ -14,7 +14,8 @@ GPipe and DualPipeV schedules, micro-batch (``pipeline_parallel_microbatch_size`
 batch sizes, no or full recompute of every layer.
 
 The model: ``[model]`` names the flavor that builds the planned model field for field
-(``planner.export.flavors``: llama3 8B/70B/405B, deepseek_v3 16B/236B/671B); where none does,
+(``planner.export.flavors``: llama3 8B/70B/405B, llama4 17bx16e/17bx128e with and without
+iRoPE, deepseek_v3 16B/236B/671B); where none does,
 the one named after the model (or a placeholder) is written and the export lists what differs,
 so a flavor with the model's values must be added to torchtitan first.
 
@@ -43,7 +44,7 @@ from planner.export import (
     without_param_offload,
 )
 from planner.export import with_recompute as _with_recompute
-from planner.export.flavors import flavors, mismatches
+from planner.export.flavors import FLEX_FLAVORS, flavors, mismatches
 from planner.frameworks import target
 from planner.layout import Layout
 from planner.solve.result import Plan
@@ -58,6 +59,8 @@ FLAVORS = {  # catalog name -> the torchtitan (model name, flavor) named after i
     "llama3-405b": ("llama3", "405B"),
     "deepseek-v2": ("deepseek_v3", "236B"),
     "deepseek-v3": ("deepseek_v3", "671B"),
+    "llama4-scout": ("llama4", "17bx16e_irope"),
+    "llama4-maverick": ("llama4", "17bx128e_irope"),
 }
 
 
@@ -127,6 +130,13 @@ def torchtitan(plan: Plan) -> Export:
     name, flavor, unmatched = model_flavor(model, job.seq_len)
     if unmatched:
         differences.append(unmatched)
+    if runs.cp > 1 and (name, flavor) in FLEX_FLAVORS:
+        differences.append(
+            f"context parallelism {runs.cp}: torchtitan runs it on SDPA only and {name} "
+            f"{flavor} runs FlexAttention (its model/args.py refuses the pair); runs cp 1, "
+            "those ranks data parallel"
+        )
+        runs = runs.model_copy(update={"cp": 1, "dp": runs.dp * runs.cp})
     m = job.global_batch // (runs.dp * runs.micro_batch)
     local = runs.micro_batch * m if runs.pp > 1 else runs.micro_batch
     sections: dict[str, dict[str, Any]] = {
