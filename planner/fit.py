@@ -517,6 +517,10 @@ OPTIONAL_COLUMNS = {
     "framework": "a planner.frameworks name, e.g. megatron (default), torchtitan, deepspeed",
     "grad_dtype": "fp32, bf16 or fp16: the gradients' dtype where the run states it "
     "(default: the framework's; Megatron-LM's --grad-reduce-in-bf16 is bf16)",
+    "moment_dtype": "fp32, bf16 or fp16: the optimizer moments' dtype where the run states it "
+    "(default fp32)",
+    "master_dtype": "fp32, bf16 or none: the master weights' dtype where the run states it "
+    "(default fp32; bf16 also stands for a BF16 weight's 16-bit remainder, 2 bytes either way)",
     "gpu": "machine type; must match the cluster when given",
     "flash_attention": "true (default) or false: fused attention, or scores in HBM",
     "fp8_cache": "true or false (default): SwiGLU inputs kept in FP8 (Layout.fp8_cache)",
@@ -731,6 +735,12 @@ def layout_from_row(
             loss_fusion=text("loss_fusion", "none").lower(),
             moe_dispatcher=text("dispatcher", "alltoall").lower(),
             **({"grad_dtype": text("grad_dtype").lower()} if text("grad_dtype") else {}),
+            **({"moment_dtype": text("moment_dtype").lower()} if text("moment_dtype") else {}),
+            **(
+                {"master_dtype": None if master == "none" else master}
+                if (master := text("master_dtype").lower())
+                else {}
+            ),
         )
         schedule = text("schedule", "1f1b").lower()
         fields_: dict[str, Any] = {

@@ -451,3 +451,31 @@ def test_torchtitan_llama4_flavors_differ_from_the_checkpoints_where_their_code_
     parallelism = tomllib.loads(out.files["torchtitan.toml"])["parallelism"]
     assert parallelism.get("context_parallel_degree", 1) == 1
     assert any("runs FlexAttention" in d for d in out.differences)
+
+
+def test_nemotron4_340b_trained_layout_fits_with_its_stated_optimizer() -> None:
+    """NVIDIA's Nemotron-4 340B run on 128 H100 (benchmarks/published_runs.csv, NeMo 24.07:
+    TP8 PP8 VP12) with the optimizer its NeMo config states (distributed_fused_adam,
+    grad_sync_dtype and dtype bf16: 2-byte gradients, moments and master weights) fits; each
+    rank's state is its parameters x (2 weight + 2 gradient) bytes plus (2 master + 2 x 2
+    moments) / dp 2. With FP32 gradients, master and moments (Megatron-LM's defaults) it
+    would not."""
+    import csv
+
+    from planner.fit import layout_from_row
+
+    path = Path(__file__).parents[1] / "benchmarks" / "published_runs.csv"
+    with path.open(newline="") as handle:
+        row = next(r for r in csv.DictReader(handle) if r["id"].startswith("nemo2407-h100-nemo"))
+    row = {**row, "model": "nemotron4-340b"}
+    model, job, layout = layout_from_row(row, "nemotron row")
+    cluster = planner.load_cluster("h100", gpus=128)
+    est = planner.evaluate(model, cluster, job, layout)
+    assert est.peak_bytes <= est.cap_bytes
+    first = est.memory[0]
+    assert first.buckets["grads"] == 2 * first.params
+    assert first.buckets["optimizer"] == pytest.approx((2 + 2 * 2) * first.params / 2, rel=1e-9)
+    defaults = job.model_copy(
+        update={"grad_dtype": "fp32", "moment_dtype": "fp32", "master_dtype": "fp32"}
+    )
+    assert planner.evaluate(model, cluster, defaults, layout).peak_bytes > est.cap_bytes
