@@ -267,20 +267,16 @@ class ModelSpec(Spec):
                     f"ModelSpec.expert_groups={self.expert_groups}: must divide "
                     f"num_experts={self.num_experts}"
                 )
-        if self.sliding_window_layers is not None:
-            layers = self.sliding_window_layers
-            if self.sliding_window is None:
-                raise PlannerError(
-                    "ModelSpec.sliding_window_layers: set without sliding_window (the window size)"
-                )
-            if list(layers) != sorted(set(layers)) or not all(
-                0 <= i < self.num_layers for i in layers
-            ):
-                raise PlannerError(
-                    f"ModelSpec.sliding_window_layers={list(layers)}: must be increasing layer "
-                    f"indices in 0..{self.num_layers - 1}"
-                )
-        for key in ("nope_layers", "chunked_attention_layers", "moe_layers"):
+        if self.sliding_window_layers is not None and self.sliding_window is None:
+            raise PlannerError(
+                "ModelSpec.sliding_window_layers: set without sliding_window (the window size)"
+            )
+        for key in (
+            "sliding_window_layers",
+            "nope_layers",
+            "chunked_attention_layers",
+            "moe_layers",
+        ):
             layers = getattr(self, key)
             if layers is not None and (
                 list(layers) != sorted(set(layers))

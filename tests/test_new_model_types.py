@@ -479,3 +479,34 @@ def test_nemotron4_340b_trained_layout_fits_with_its_stated_optimizer() -> None:
         update={"grad_dtype": "fp32", "moment_dtype": "fp32", "master_dtype": "fp32"}
     )
     assert planner.evaluate(model, cluster, defaults, layout).peak_bytes > est.cap_bytes
+
+
+@pytest.mark.parametrize(
+    ("update", "message"),
+    [
+        (
+            {"nope_layers": (3, 48)},
+            "ModelSpec.nope_layers=[3, 48]: must be increasing layer indices in 0..47",
+        ),
+        (
+            {"attention_chunk_size": None},
+            "ModelSpec.chunked_attention_layers: set without attention_chunk_size (the chunk's "
+            "tokens)",
+        ),
+        (
+            {"sliding_window": 4096},
+            "ModelSpec.attention_chunk_size=8192: chunked attention beside a sliding window is "
+            "not represented; set one of them",
+        ),
+        (
+            {"num_experts": 0, "experts_per_token": 0, "num_shared_experts": 0},
+            "ModelSpec.moe_layers: set on a model without routed experts",
+        ),
+    ],
+    ids=["nope-range", "chunks-without-size", "chunks-and-window", "moe-layers-dense"],
+)
+def test_inconsistent_layer_lists_are_refused(update: dict[str, object], message: str) -> None:
+    fields = {**load(MAVERICK).model_dump(), **update}
+    with pytest.raises(planner.PlannerError) as info:
+        planner.ModelSpec(**fields)
+    assert str(info.value) == message

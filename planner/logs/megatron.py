@@ -352,6 +352,10 @@ def row_of(args: Args, gpus: int, notes: list[str]) -> dict[str, str]:
         "loss_fusion": args.stated("--cross-entropy-fusion-impl", "native")
         if args.get("--cross-entropy-loss-fusion")
         else "",
+        # the precision-aware optimizer's state dtypes (--exp-avg-dtype, --main-params-dtype)
+        # are not read: FP32 moments and master, Megatron-LM's defaults
+        "moment_dtype": "",
+        "master_dtype": "",
         "etp": str(etp),
         "zero": str(zero),
     }
