@@ -797,6 +797,13 @@ _COSTED: dict[str, frozenset[str]] = {
 # Multimodal configs whose language model is read: the model_type of their text_config
 _TEXT_MODEL = {"gemma3": "gemma3_text", "llama4": "llama4_text"}
 
+
+def language_model_only(cfg: dict[str, Any]) -> bool:
+    """Whether ``cfg`` is a multimodal config of which only the language model is read (its
+    vision tower is not costed)."""
+    return cfg.get("model_type") in _TEXT_MODEL
+
+
 _READERS = {
     "llama": _llama,
     "mistral": _mistral,

@@ -16,6 +16,7 @@ holds the vendored files, ``models/index.yaml``); the expected counts come from 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -510,3 +511,18 @@ def test_inconsistent_layer_lists_are_refused(update: dict[str, object], message
     with pytest.raises(planner.PlannerError) as info:
         planner.ModelSpec(**fields)
     assert str(info.value) == message
+
+
+def test_models_listing_says_which_counts_leave_a_vision_tower_out(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from planner.cli import main
+
+    assert main(["models", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["llama4-scout"]["language_model_only"] and rows["gemma3-27b"]["language_model_only"]
+    assert not rows["gemma3-1b"]["language_model_only"]  # gemma3_text: no vision tower
+    assert not rows["gemma2-9b"]["language_model_only"]
+    assert main(["models"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "gemma3-27b, llama4-maverick, llama4-scout: the language model of a multimodal" in text

@@ -9,8 +9,16 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from planner.catalog import cluster_names, load_cluster, load_model, model_names
+from planner.catalog import (
+    MODELS_DIR,
+    cluster_names,
+    load_cluster,
+    load_model,
+    model_index,
+    model_names,
+)
 from planner.cli.render import GiB, catalog_cell, degrees
+from planner.configs import language_model_only
 from planner.recipes import load_recipe, recipe_names
 
 
@@ -25,6 +33,7 @@ def catalog_command(args: argparse.Namespace) -> None:
                 "mtp_params": m.num_params() - m.num_params(include_mtp=False),
                 "layers": m.num_layers,
                 "experts": m.num_experts,
+                "language_model_only": _language_model_only(n),
             }
             for n in model_names()
         ]
@@ -62,10 +71,11 @@ def catalog_command(args: argparse.Namespace) -> None:
         print(json.dumps(rows, indent=1))
         return
     table = Table()
-    for key in rows[0]:
+    shown = [k for k in rows[0] if k != "language_model_only"]
+    for key in shown:
         table.add_column(heads.get(key, key), justify="left" if key == "name" else "right")
     for r in rows:
-        table.add_row(*(catalog_cell(k, v) for k, v in r.items()))
+        table.add_row(*(catalog_cell(k, r[k]) for k in shown))
     console = Console(width=max(Console().width, 100))
     console.print(table)
     split = []
@@ -83,6 +93,19 @@ def catalog_command(args: argparse.Namespace) -> None:
             "has them (num_nextn_predict_layers), their embedding and head being the main "
             f"model's, counted once: {'; '.join(split)}."
         )
+    text_only = [str(r["name"]) for r in rows if r.get("language_model_only")]
+    if text_only:
+        console.print(
+            f"{', '.join(text_only)}: the language model of a multimodal checkpoint (its "
+            "text_config); the vision tower is not counted, nor planned."
+        )
+
+
+def _language_model_only(name: str) -> bool:
+    """Whether catalog model ``name``'s config is multimodal, its language model alone read."""
+    entry = model_index().get(name, {})
+    path = MODELS_DIR / str(entry.get("file", ""))
+    return path.is_file() and language_model_only(json.loads(path.read_text()))
 
 
 def recipes_command(args: argparse.Namespace) -> None:
