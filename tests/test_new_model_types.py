@@ -526,3 +526,26 @@ def test_models_listing_says_which_counts_leave_a_vision_tower_out(
     assert main(["models"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "gemma3-27b, llama4-maverick, llama4-scout: the language model of a multimodal" in text
+
+
+def test_a_megatron_log_states_the_precision_aware_optimizer_s_dtypes(tmp_path: Path) -> None:
+    """Megatron-LM's --use-precision-aware-optimizer keeps the moments and master weights in
+    --exp-avg-dtype / --exp-avg-sq-dtype and --main-params-dtype, printed as torch dtypes
+    (arguments.py validate_args maps them); without the switch they stay FP32 whatever is
+    printed."""
+    text = (LOGS / "megatron-gpt-tp2-pp2-vp2.log").read_text()
+    end = "-------------------- end of arguments ---------------------"
+    lines = [
+        "  exp_avg_dtype ................................... torch.bfloat16",
+        "  exp_avg_sq_dtype ................................ torch.bfloat16",
+        "  main_params_dtype ............................... torch.float16",
+    ]
+    printed_only = text.replace(end, "\n".join(lines) + "\n" + end, 1)
+    on = printed_only.replace(
+        end, "  use_precision_aware_optimizer ................... True\n" + end, 1
+    )
+    (tmp_path / "off.log").write_text(printed_only)
+    (tmp_path / "on.log").write_text(on)
+    off_job, on_job = (read_log(tmp_path / f"{n}.log").job for n in ("off", "on"))
+    assert (off_job.moment_dtype, off_job.master_dtype) == ("fp32", "fp32")
+    assert (on_job.moment_dtype, on_job.master_dtype) == ("bf16", "fp16")

@@ -228,6 +228,25 @@ def moe_spec(args: Args, experts: int, ffn: int, layers: int) -> list[str]:
     return spec
 
 
+# torch dtypes as arguments.py's validate_args maps --main-params-dtype and --exp-avg-dtype
+# (printed as torch.float32 and so on), by the planner's names
+STATE_DTYPES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+
+def optimizer_dtypes(args: Args) -> dict[str, str]:
+    """The optimizer state's dtypes a run states: with --use-precision-aware-optimizer, the
+    moments' (--exp-avg-dtype and --exp-avg-sq-dtype, where they agree) and the master
+    weights' (--main-params-dtype); without it Megatron-LM keeps both in FP32 and the
+    columns stay empty (the defaults)."""
+    if not args.get("--use-precision-aware-optimizer"):
+        return {"moment_dtype": "", "master_dtype": ""}
+    avg, sq = (
+        STATE_DTYPES.get(str(args.get(f))) for f in ("--exp-avg-dtype", "--exp-avg-sq-dtype")
+    )
+    master = STATE_DTYPES.get(str(args.get("--main-params-dtype")))
+    return {"moment_dtype": avg if avg and avg == sq else "", "master_dtype": master or ""}
+
+
 def row_of(args: Args, gpus: int, notes: list[str]) -> dict[str, str]:
     """The columns of ``planner.fit``'s run rows (``RUN_COLUMNS``, ``OPTIONAL_COLUMNS``) that
     a Megatron-LM run's arguments state on ``gpus`` GPUs: model (a GPT spec), layout, job
@@ -352,10 +371,7 @@ def row_of(args: Args, gpus: int, notes: list[str]) -> dict[str, str]:
         "loss_fusion": args.stated("--cross-entropy-fusion-impl", "native")
         if args.get("--cross-entropy-loss-fusion")
         else "",
-        # the precision-aware optimizer's state dtypes (--exp-avg-dtype, --main-params-dtype)
-        # are not read: FP32 moments and master, Megatron-LM's defaults
-        "moment_dtype": "",
-        "master_dtype": "",
+        **optimizer_dtypes(args),
         "etp": str(etp),
         "zero": str(zero),
     }
