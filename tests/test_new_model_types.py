@@ -549,3 +549,26 @@ def test_a_megatron_log_states_the_precision_aware_optimizer_s_dtypes(tmp_path: 
     off_job, on_job = (read_log(tmp_path / f"{n}.log").job for n in ("off", "on"))
     assert (off_job.moment_dtype, off_job.master_dtype) == ("fp32", "fp32")
     assert (on_job.moment_dtype, on_job.master_dtype) == ("bf16", "fp16")
+
+
+def test_megatron_export_states_fp16_master_weights_and_names_bf16_ones() -> None:
+    """Megatron-LM's --main-params-dtype takes fp32 or fp16 (arguments.py), under
+    --use-precision-aware-optimizer with the distributed optimizer: a plan with FP16 master
+    weights states it; one with BF16 master weights (NeMo's distributed_fused_adam) cannot,
+    and says so."""
+    model = planner.load_model("llama3-8b")
+    cluster = planner.load_cluster("h100", gpus=16)
+    layout = planner.Layout.uniform(model, dp=16, zero=1)
+    for master, stated in (("fp16", True), ("bf16", False)):
+        job = planner.TrainingJob(
+            seq_len=4096, global_batch=64, moment_dtype="bf16", master_dtype=master
+        )
+        est = planner.evaluate(model, cluster, job, layout)
+        plan = planner.Plan(
+            status="feasible", layout=layout, estimate=est, solve_time_s=0.0,
+            model=model, cluster=cluster, job=job,
+        )  # fmt: skip
+        out = planner.export.megatron(plan)
+        text = "".join(out.files.values())
+        assert ("--main-params-dtype fp16" in text) is stated
+        assert any("master weights bf16" in d for d in out.differences) is not stated

@@ -115,6 +115,19 @@ def megatron(plan: Plan) -> Export:
     args += recompute_args(runs)
     args += zero_args(runs.zero)
     args += _optimizer_args(job, runs)
+    if job.master_dtype != "fp32":
+        # --main-params-dtype takes fp32 or fp16 (arguments.py), through the distributed
+        # optimizer's precision-aware path
+        if job.master_dtype == "fp16" and runs.zero == 1:
+            if "--use-precision-aware-optimizer" not in args:
+                args.append("--use-precision-aware-optimizer")
+            args += ["--main-params-dtype", "fp16"]
+        else:
+            differences.append(
+                f"master weights {job.master_dtype or 'as the parameters'}: Megatron-LM's "
+                "--main-params-dtype takes fp32 or fp16, with its distributed optimizer; "
+                "keeps FP32 master weights"
+            )
     if job.attention_kernel == "fa2":  # the flash-attn package; "auto" runs cuDNN (TE fused)
         args += ["--attention-backend", "flash"]
     if job.loss_fusion != "none":
