@@ -68,6 +68,20 @@ def load(cfg: dict[str, object]) -> planner.ModelSpec:
     return planner.load_model(cfg)
 
 
+def plan_of(
+    model: planner.ModelSpec,
+    cluster: planner.ClusterSpec,
+    job: planner.TrainingJob,
+    layout: planner.Layout,
+) -> planner.Plan:
+    """A plan of ``layout`` as it evaluates, for the exports."""
+    est = planner.evaluate(model, cluster, job, layout)
+    return planner.Plan(
+        status="feasible", layout=layout, estimate=est, solve_time_s=0.0,
+        model=model, cluster=cluster, job=job,
+    )  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------
 # the catalog's files against the published totals
 # [HF] Hugging Face safetensors-metadata totals as third parties quote them (models/index.yaml)
@@ -443,12 +457,7 @@ def test_torchtitan_llama4_flavors_differ_from_the_checkpoints_where_their_code_
     cluster = planner.load_cluster("h100", gpus=64)
     job = planner.TrainingJob(seq_len=32768, global_batch=64, framework="torchtitan")
     layout = planner.Layout.uniform(scout, cp=2, dp=32, ep=8, zero=3, recompute="full")
-    est = planner.evaluate(scout, cluster, job, layout)
-    plan = planner.Plan(
-        status="feasible", layout=layout, estimate=est, solve_time_s=0.0,
-        model=scout, cluster=cluster, job=job,
-    )  # fmt: skip
-    out = planner.export.torchtitan(plan)
+    out = planner.export.torchtitan(plan_of(scout, cluster, job, layout))
     parallelism = tomllib.loads(out.files["torchtitan.toml"])["parallelism"]
     assert parallelism.get("context_parallel_degree", 1) == 1
     assert any("runs FlexAttention" in d for d in out.differences)
@@ -563,12 +572,7 @@ def test_megatron_export_states_fp16_master_weights_and_names_bf16_ones() -> Non
         job = planner.TrainingJob(
             seq_len=4096, global_batch=64, moment_dtype="bf16", master_dtype=master
         )
-        est = planner.evaluate(model, cluster, job, layout)
-        plan = planner.Plan(
-            status="feasible", layout=layout, estimate=est, solve_time_s=0.0,
-            model=model, cluster=cluster, job=job,
-        )  # fmt: skip
-        out = planner.export.megatron(plan)
+        out = planner.export.megatron(plan_of(model, cluster, job, layout))
         text = "".join(out.files.values())
         assert ("--main-params-dtype fp16" in text) is stated
         assert any("master weights bf16" in d for d in out.differences) is not stated
