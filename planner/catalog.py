@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from planner.configs import language_model_only as _language_model_only
 from planner.configs import model_from_config
 from planner.data import catalog_dir
 from planner.errors import PlannerError, UnknownNameError
@@ -77,6 +78,13 @@ def load_model(source: str | Path | dict[str, Any]) -> ModelSpec:
     path = resolve_source(source, MODELS_DIR, ".json", "model", model_names())
     named = path == MODELS_DIR / f"{source}.json"
     return model_from_config(_read(path), name=str(source) if named else str(path))
+
+
+def language_model_only(source: str | Path) -> bool:
+    """Whether the model config ``source`` (a catalog name or a path) is multimodal, its
+    language model alone read: its vision tower is neither counted nor planned."""
+    path = resolve_source(source, MODELS_DIR, ".json", "model", model_names())
+    return _language_model_only(_read(path))
 
 
 # A machine YAML's keys: a misspelt one would leave its figure at a default (PCIe at 100% of

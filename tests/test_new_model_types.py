@@ -576,3 +576,15 @@ def test_megatron_export_states_fp16_master_weights_and_names_bf16_ones() -> Non
         text = "".join(out.files.values())
         assert ("--main-params-dtype fp16" in text) is stated
         assert any("master weights bf16" in d for d in out.differences) is not stated
+
+
+def test_the_cli_says_when_a_vision_tower_is_left_out(capsys: pytest.CaptureFixture[str]) -> None:
+    from planner.cli import main
+
+    args = ["memory", "--cluster", "h100", "--gpus", "64", "--seq-len", "8192"]
+    args += ["--global-batch", "64", "--zero", "3", "--recompute", "full"]
+    main([*args, "--model", "llama4-scout", "--ep", "8"])
+    said = capsys.readouterr().err
+    assert "llama4-scout: the language model of a multimodal config" in said
+    main([*args, "--model", "gemma2-9b"])
+    assert "multimodal" not in capsys.readouterr().err

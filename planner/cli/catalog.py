@@ -10,15 +10,13 @@ from rich.console import Console
 from rich.table import Table
 
 from planner.catalog import (
-    MODELS_DIR,
     cluster_names,
+    language_model_only,
     load_cluster,
     load_model,
-    model_index,
     model_names,
 )
 from planner.cli.render import GiB, catalog_cell, degrees
-from planner.configs import language_model_only
 from planner.recipes import load_recipe, recipe_names
 
 
@@ -33,7 +31,7 @@ def catalog_command(args: argparse.Namespace) -> None:
                 "mtp_params": m.num_params() - m.num_params(include_mtp=False),
                 "layers": m.num_layers,
                 "experts": m.num_experts,
-                "language_model_only": _language_model_only(n),
+                "language_model_only": language_model_only(n),
             }
             for n in model_names()
         ]
@@ -99,13 +97,6 @@ def catalog_command(args: argparse.Namespace) -> None:
             f"{', '.join(text_only)}: the language model of a multimodal checkpoint (its "
             "text_config); the vision tower is not counted, nor planned."
         )
-
-
-def _language_model_only(name: str) -> bool:
-    """Whether catalog model ``name``'s config is multimodal, its language model alone read."""
-    entry = model_index().get(name, {})
-    path = MODELS_DIR / str(entry.get("file", ""))
-    return path.is_file() and language_model_only(json.loads(path.read_text()))
 
 
 def recipes_command(args: argparse.Namespace) -> None:

@@ -8,9 +8,10 @@ import argparse
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
-from planner.catalog import load_cluster, load_model
+from planner.catalog import language_model_only, load_cluster, load_model
 from planner.cli.arguments import JOB_FLAGS, LAYOUT_DEFAULTS
 from planner.errors import PlannerError
 from planner.layout import Layout
@@ -84,6 +85,13 @@ def model_cluster_job(
     if recipe is not None:
         return recipe.model, recipe.cluster, with_margin(args, recipe.job)
     model = load_model(args.model)
+    if language_model_only(args.model):
+        print(
+            f"planner: {model.name}: the language model of a multimodal config (its "
+            "text_config); its vision tower is not planned: neither its parameters, its work "
+            "nor its memory are counted",
+            file=sys.stderr,
+        )
     cluster = load_cluster(args.cluster, gpus=args.gpus)
     job = training_job(args, args.seq_len, args.global_batch)
     return model, cluster, job
