@@ -65,6 +65,7 @@ from typing import Any
 import numpy as np
 
 import planner
+from planner.costs.blocks import shared_width
 from planner.errors import PlannerError
 from planner.estimate import ACCURACY, mfu_class, model_flops_per_token
 from planner.export.megatron_model import hf_repo
@@ -126,9 +127,7 @@ def megatron_core_flops_per_token(model: planner.ModelSpec, seq: int, *, tp: int
     moe_layers = sum(kinds) + (mtp if kinds[-1] else 0)
     dense_layers = model.num_layers + mtp - moe_layers
     glu = 3 if model.gated_mlp else 2
-    shared = model.num_shared_experts * (
-        model.shared_expert_ffn_hidden_size or model.moe_ffn_hidden_size
-    )
+    shared = shared_width(model)
     routed = model.moe_ffn_hidden_size * model.experts_per_token
     mlp = h * glu * (model.ffn_hidden_size * dense_layers + (routed + shared) * moe_layers)
     n, layers = model.num_attention_heads, model.num_layers + mtp

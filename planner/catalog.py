@@ -217,20 +217,12 @@ def load_cluster(source: str | Path, *, gpus: int) -> ClusterSpec:
             fp8_flops=(data["fp8_dense_tflops"] * 1e12) if data.get("fp8_dense_tflops") else None,
             fp32_flops=data["fp32_tflops"] * 1e12,
             nvlink_Bps=data["nvlink_GBps_per_direction"] * 1e9,
-            nvlink_peer_Bps=(
-                data["nvlink_peer_GBps_per_direction"] * 1e9
-                if data.get("nvlink_peer_GBps_per_direction") is not None
-                else None
-            ),
+            nvlink_peer_Bps=_scaled(data, "nvlink_peer_GBps_per_direction", 1e9),
             nics_per_node=data["nics_per_node"],
             nic_Bps=data["nic_Gbps"] * 1e9 / 8,
             host_ram_bytes=round(data["host_ram_GiB"] * GiB),
             pcie_Bps=data["pcie_GBps_per_direction"] * 1e9,
-            gpu_nic_Bps=(
-                data["gpu_nic_GBps_per_direction"] * 1e9
-                if data.get("gpu_nic_GBps_per_direction") is not None
-                else None
-            ),
+            gpu_nic_Bps=_scaled(data, "gpu_nic_GBps_per_direction", 1e9),
             host_memory_Bps=(
                 data["host_memory_GBps"] * 1e9 if data.get("host_memory_GBps") else None
             ),
@@ -269,17 +261,27 @@ def load_cluster(source: str | Path, *, gpus: int) -> ClusterSpec:
         raise PlannerError(f"cluster file {path}: malformed value ({exc})") from None
 
 
+def _scaled(data: dict[str, Any], key: str, scale: float) -> float | None:
+    """An optional machine figure in the model's units: ``data[key]`` times ``scale``, or
+    None where the file leaves it out."""
+    return None if data.get(key) is None else data[key] * scale
+
+
+def _given(key: str, value: float | None, scale: float | None = None) -> dict[str, float]:
+    """An optional machine figure as a YAML entry, times ``scale`` into the file's units
+    (None: as it is, a count): none where unset."""
+    if value is None:
+        return {}
+    return {key: value if scale is None else value * scale}
+
+
 def cluster_yaml(cluster: ClusterSpec, *, sources: dict[str, str] | None = None) -> dict[str, Any]:
     """``cluster`` as a machine YAML's fields (``load_cluster``'s inverse, without the GPU
     count): what ``planner calibrate`` writes for ``--cluster``."""
     data: dict[str, Any] = {
         "name": cluster.name,
         "gpus_per_node": cluster.gpus_per_node,
-        **(
-            {"nvlink_domain_gpus": cluster.nvlink_domain_gpus}
-            if cluster.nvlink_domain_gpus is not None
-            else {}
-        ),
+        **_given("nvlink_domain_gpus", cluster.nvlink_domain_gpus),
         "hbm_GiB": cluster.hbm_bytes / GiB,
         "usable_hbm_GiB": (cluster.hbm_bytes - cluster.hbm_reserved_bytes) / GiB,
         "hbm_bandwidth_GBps": cluster.hbm_bandwidth_Bps / 1e9,
@@ -288,20 +290,12 @@ def cluster_yaml(cluster: ClusterSpec, *, sources: dict[str, str] | None = None)
         "fp8_dense_tflops": cluster.fp8_flops / 1e12 if cluster.fp8_flops else None,
         "fp32_tflops": cluster.fp32_flops / 1e12,
         "nvlink_GBps_per_direction": cluster.nvlink_Bps / 1e9,
-        **(
-            {"nvlink_peer_GBps_per_direction": cluster.nvlink_peer_Bps / 1e9}
-            if cluster.nvlink_peer_Bps is not None
-            else {}
-        ),
+        **_given("nvlink_peer_GBps_per_direction", cluster.nvlink_peer_Bps, 1e-9),
         "nics_per_node": cluster.nics_per_node,
         "nic_Gbps": cluster.nic_Bps * 8 / 1e9,
         "host_ram_GiB": cluster.host_ram_bytes / GiB,
         "pcie_GBps_per_direction": cluster.pcie_Bps / 1e9,
-        **(
-            {"gpu_nic_GBps_per_direction": cluster.gpu_nic_Bps / 1e9}
-            if cluster.gpu_nic_Bps is not None
-            else {}
-        ),
+        **_given("gpu_nic_GBps_per_direction", cluster.gpu_nic_Bps, 1e-9),
         "host_memory_GBps": cluster.host_memory_Bps / 1e9 if cluster.host_memory_Bps else None,
         "nvlink_latency_us": cluster.nvlink_latency_s * 1e6,
         "ib_latency_us": cluster.ib_latency_s * 1e6,

@@ -458,19 +458,9 @@ def _gpt_oss(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("experts_per_token", cfg["num_experts_per_tok"]) != cfg["num_experts_per_tok"]:
         rule = f"must equal num_experts_per_tok={cfg['num_experts_per_tok']}"
         raise _Refused("experts_per_token", cfg["experts_per_token"], rule)
-    types = cfg.get("layer_types") or [
-        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)
-    ]
-    known = {"sliding_attention", "full_attention"}
-    if len(types) != n or not set(types) <= known:
-        rule = f"{n} entries of sliding_attention or full_attention, one per layer"
-        raise _Refused("layer_types", types, rule)
-    windowed = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    windows = _layer_windows(cfg, n, lambda i: i % 2 == 0)
     fields = _llama({**cfg, "mlp_bias": False})
-    if windowed:
-        fields.update(_window(cfg), sliding_window_layers=windowed)
-        if "sliding_window" not in fields:
-            raise KeyError("sliding_window")
+    fields.update(windows)
     fields.update(
         num_experts=cfg["num_local_experts"],
         experts_per_token=cfg["num_experts_per_tok"],
@@ -545,12 +535,14 @@ def _nemotron(cfg: dict[str, Any]) -> dict[str, Any]:
 _GEGLU = {"gelu_pytorch_tanh": "geglu", "gelu_tanh": "geglu"}
 
 
-def _gemma_windows(
-    cfg: dict[str, Any], n: int, sliding: Any, *, default_window: int
+def _layer_windows(
+    cfg: dict[str, Any], n: int, sliding: Any, *, default_window: int | None = None
 ) -> dict[str, Any]:
-    """Gemma's per-layer attention: ``layer_types`` where the config lists them, else
-    ``sliding`` (the layers the model's config class makes sliding); the window counts the
-    query itself (transformers' sliding-window mask keeps keys q - w < k <= q)."""
+    """Per-layer attention (gpt-oss, Gemma): ``layer_types`` where the config lists them,
+    else ``sliding`` (the layers the model's config class makes sliding); the windowed
+    layers attend to ``sliding_window`` keys (``default_window`` where the config leaves it
+    out; None: the key is required), the query itself included (transformers'
+    sliding-window mask keeps keys q - w < k <= q)."""
     types = cfg.get("layer_types") or [
         "sliding_attention" if sliding(i) else "full_attention" for i in range(n)
     ]
@@ -562,6 +554,8 @@ def _gemma_windows(
     if not windowed:
         return {}
     window = _window({"sliding_window": cfg.get("sliding_window", default_window)})
+    if not window:  # windowed layers need their window
+        raise KeyError("sliding_window")
     return {**window, "sliding_window_layers": windowed}
 
 
@@ -610,7 +604,7 @@ def _gemma2(cfg: dict[str, Any]) -> dict[str, Any]:
     cfg = {**_GEMMA2, **cfg}
     fields = _gemma(cfg)
     n = cfg["num_hidden_layers"]
-    fields.update(_gemma_windows(cfg, n, lambda i: (i + 1) % 2, default_window=4096))
+    fields.update(_layer_windows(cfg, n, lambda i: (i + 1) % 2, default_window=4096))
     fields.update(_softcaps(cfg))
     return fields
 
@@ -626,7 +620,7 @@ def _gemma3(cfg: dict[str, Any]) -> dict[str, Any]:
     cfg = {**_GEMMA3, **cfg}
     fields = _gemma(cfg)
     n, pattern = cfg["num_hidden_layers"], cfg["sliding_window_pattern"]
-    windows = _gemma_windows(cfg, n, lambda i: (i + 1) % pattern, default_window=4096)
+    windows = _layer_windows(cfg, n, lambda i: (i + 1) % pattern, default_window=4096)
     fields.update(windows, qk_norm=True)
     fields.update(_softcaps(cfg))
     return fields

@@ -570,7 +570,7 @@ def _check_shard(model: ModelSpec, shard: Shard) -> None:
     if model.attention != "mla":
         checks.append(("num_kv_heads", model.num_kv_heads))
     if model.num_shared_experts:
-        checks.append(("shared_expert_ffn_hidden_size", _shared_width(model)))
+        checks.append(("shared_expert_ffn_hidden_size", shared_width(model)))
     for key, value in checks:
         if value % t:
             raise PlannerError(f"Layout.tp={t}: tensor parallel degree must divide {key}={value}")
@@ -620,7 +620,8 @@ def a2a_rule(model: ModelSpec, tp: int, a2a: int) -> str:
     return ""
 
 
-def _shared_width(model: ModelSpec) -> int:
+def shared_width(model: ModelSpec) -> int:
+    """The shared experts' MLP width together (elements)."""
     return model.num_shared_experts * (
         model.shared_expert_ffn_hidden_size or model.moe_ffn_hidden_size
     )
@@ -1270,7 +1271,7 @@ def _moe(cost: BlockBuilder, model: ModelSpec, shard: Shard, prefix: str) -> Non
     else:  # the experts' outputs stay for the backward of the probability-weighted combine
         cost.save(prefix + "moe_expert_out", copies * h * a, "moe")
     if model.num_shared_experts:
-        width = _shared_width(model)
+        width = shared_width(model)
         shared = _fc_params(model, width)
         cost.params.append(
             Param(prefix + "shared_experts", shared, True, tensors=_fc_tensors(model))

@@ -460,15 +460,15 @@ def placements(layout: Layout, cluster: ClusterSpec) -> list[Placement]:
     """Where each kind of group of ``layout`` runs on ``cluster`` (``Placement``): tp, cp, ep,
     etp, dp (data and context parallel, the gradients' group), edp and pp; the expert kinds
     only for a layout with expert parallelism."""
-    domain = cluster.domain_gpus
+    network = Network.of(cluster)  # its nodes are the job's NVLink domains
     out = []
     for kind in PLACED_KINDS:
         if kind in ("ep", "etp", "edp") and layout.ep == 1 and layout.etp == 1:
             continue
         ranks = group(layout, kind, 0)
-        counts = Counter(r // domain for r in ranks)
+        per_domain, domains = network._spread(ranks)
         name = "dp*cp" if kind == "dp" and layout.cp > 1 else kind
-        out.append(Placement(kind, len(ranks), len(counts), max(counts.values()), name))
+        out.append(Placement(kind, len(ranks), domains, per_domain, name))
     return out
 
 
