@@ -564,16 +564,14 @@ class ClusterSpec(Spec):
     @property
     def domain_gpus(self) -> int:
         """GPUs of this job that share one NVLink domain, as the job is placed: the node's
-        GPUs where NVLink stays in the node; on a rack-scale fabric the whole job when it
-        fits one domain, else the largest whole number of nodes, at most
-        ``nvlink_domain_gpus``, that divides the job (NVIDIA's GB200 performance runs ask
-        Slurm for that segment: 16 trays of 4 per rack for 64, 128 or 256 GPUs; see
-        ``hardware/gb200.yaml``). The job's ranks fill one domain after another."""
+        GPUs where NVLink stays in the node; on a rack-scale fabric the largest whole number
+        of nodes, at most ``nvlink_domain_gpus``, that divides the job: the whole job when it
+        fits one domain (NVIDIA's GB200 performance runs ask Slurm for that segment: 16 trays
+        of 4 per rack for 64, 128 or 256 GPUs; see ``hardware/gb200.yaml``). The job's ranks
+        fill one domain after another."""
         per_node, domain = self.gpus_per_node, self.nvlink_domain_gpus
         if domain is None or domain == per_node or self.num_gpus <= per_node:
             return per_node
-        if self.num_gpus <= domain:
-            return self.num_gpus
         nodes = self.num_gpus // per_node
         most = domain // per_node
         return per_node * max(k for k in range(1, most + 1) if nodes % k == 0)
