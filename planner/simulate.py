@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from planner.costs.activations import rebuild_peak
 from planner.costs.memory import (
@@ -50,16 +51,26 @@ SIM_TOLERANCE = 0.03
 
 @dataclass(frozen=True)
 class Event:
-    """One span on one rank's track (seconds)."""
+    """One span on one rank's track (seconds). Its names are read as text on demand: a step
+    holds hundreds of thousands of spans and most are never printed."""
 
     rank: int
     # "ops" (one span per task of the schedule) or a stream: "compute", "ep", "p2p", "dp" or
     # "zero" (``executor.STREAMS``)
     track: str
-    name: str
+    label: Any  # what ran: text, or the executor's label (``executor.label_text``)
     start: float
     duration: float
-    waited_for: str = ""  # what it was last to wait for before it could start
+    waited: Any = None  # the label of what it was last to wait for before it could start
+
+    @property
+    def name(self) -> str:
+        return label_text(self.label)
+
+    @property
+    def waited_for(self) -> str:
+        """What it was last to wait for ("" where nothing held it)."""
+        return "" if self.waited is None else label_text(self.waited)
 
 
 @dataclass
@@ -131,10 +142,10 @@ def simulate(
         Event(
             item.rank,
             item.stream,
-            label_text(item.label),
+            item.label,
             item.start,
             item.end - item.start,
-            label_text(item.released_by.label) if item.released_by is not None else "",
+            item.released_by.label if item.released_by is not None else None,
         )
         for item in run.items
         if item.stream is not None and item.work > 0

@@ -144,6 +144,20 @@ def lane_step(
     return _LANE_STATE[(token, lane)].step(best, round_s, share, wall_s)
 
 
+def lane_rank(
+    token: str, lane: int, configs: list[Config]
+) -> tuple[float, list[tuple[float, float]]]:
+    """The climb's order of ``configs`` (``planner.solve.neighbours``), in the lane that owns
+    their sets: the charge, and each one's (bound, order)."""
+    return _LANE_STATE[(token, lane)].rank(configs)
+
+
+def lane_quick(token: str, lane: int, config: Config) -> tuple[float, tuple[float, Layout] | None]:
+    """The climb's quick layout of ``config`` (``first.quick_layout``), in the lane that owns
+    its set: the charge, and the layout with its step (None where none fits)."""
+    return _LANE_STATE[(token, lane)].quick(config)
+
+
 def lane_close(token: str, lane: int) -> list[tuple[float, Config]]:
     """The lane's configurations still open, and its state dropped."""
     state = _LANE_STATE.pop((token, lane), None)
@@ -247,6 +261,27 @@ class _Lane:
         for bound, _, tier, item in self.line[self.head :] + self.heap:
             out += [(bound, c) for c in item] if tier == 0 else [(bound, item)]
         return out
+
+    def rank(self, configs: list[Config]) -> tuple[float, list[tuple[float, float]]]:
+        """``lane_rank``: each configuration's own bound, and its order as the line's (the
+        bound plus the communication no schedule hides, times the fill and drain)."""
+        out: list[tuple[float, float]] = []
+        for c in configs:
+            bound = lower_bound(self.model, self.cluster, self.job, c)
+            if bound is None:
+                out.append((math.inf, math.inf))
+                continue
+            floor = communication_floor(self.model, self.cluster, self.job, c)
+            out.append((bound, (bound + floor) * _fill(c)))
+        return len(configs) * SECONDS_PER_DEGREES_BOUND, out
+
+    def quick(self, config: Config) -> tuple[float, tuple[float, Layout] | None]:
+        """``lane_quick``."""
+        tally = Budget(math.inf, math.inf)
+        even = quick_layout(
+            self.model, self.cluster, self.job, self.space, config, tally, self.programs
+        )
+        return tally.spent, even
 
     def _below(self, bound: float) -> bool:
         return bound < self.best * (1 - 1e-9)

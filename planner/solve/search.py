@@ -30,6 +30,13 @@ Dominance rules applied before solving (each says why it loses nothing):
   unless the average rank's share times the GPUs of a node exceeds the node's RAM (then the
   HBM variant is searched too; the model checks the heaviest rank's host RAM either way).
 
+Between the lanes' rounds, moves around the best layout found (``planner.solve.neighbours``):
+the sets of degrees one or two choices away from its own (a pipeline stage more for half the
+expert-parallel degree, another ZeRO stage), each costed by its quick layout in the lane that
+owns it, the faster taken, within ``neighbours.MOVE_SHARE`` of the budget. The line of
+bounds says what a set cannot beat, not what it reaches; the moves find the fast sets next
+to a fast one. They change what is found, never what is proven.
+
 Both cores: the sets of degrees (tp, pp, dp, ep, micro-batch) are split between ``LANES``
 lanes by a hash of their degrees (``planner.solve.lanes``); each lane searches its own sets
 as above (``planner.solve.lanesearch``), in rounds of a fixed deterministic length run side
@@ -65,7 +72,7 @@ from planner.estimate import Estimate, evaluate
 from planner.layout import Layout
 from planner.recipes import known_layouts
 from planner.simulate import SIM_TOLERANCE, simulate
-from planner.solve import lanes
+from planner.solve import lanes, neighbours
 from planner.solve.bounds import (
     bound_tables,
     host_fits,
@@ -87,6 +94,8 @@ from planner.solve.lanesearch import (
     degrees_key,
     lane_close,
     lane_open,
+    lane_quick,
+    lane_rank,
     lane_step,
     shard_key,
 )
@@ -184,7 +193,6 @@ def plan(
         configs += [dataclasses.replace(c, ema="hbm") for c in configs if crowded[holds(c)]]
     clock = time_limit_s if clock_limit_s is None else clock_limit_s
     budget = Budget(DETERMINISTIC_SHARE * LANES * time_limit_s, started + clock)
-    procs = default_processes() if processes is None else processes
     found: list[tuple[float, Config, Layout]] = []
 
     def best() -> float:
@@ -204,6 +212,25 @@ def plan(
             return
         found.append((step, config, layout))
         found.sort(key=lambda x: (x[0], tie_break(x[1])))
+        if not offloads_activations(layout):  # the climb's layouts offload none
+            climb.seen(step, config)
+
+    def owner(config: Config) -> int:
+        return lanes.lane_of(shard_key(config), LANES)
+
+    def rank(by_lane: dict[int, list[Config]]) -> list[Any]:
+        asked = [(lane, (lane_rank, (token, lane, cs))) for lane, cs in by_lane.items()]
+        return lanes.run_on(asked, procs)
+
+    def quick(batch: dict[int, Config]) -> list[Any]:
+        asked = [(lane, (lane_quick, (token, lane, c))) for lane, c in batch.items()]
+        return lanes.run_on(asked, procs)
+
+    token = f"{os.getpid()}:{next(TOKENS)}"
+    procs = default_processes() if processes is None else processes
+    climb = neighbours.Climb(
+        configs, neighbours.MOVE_SHARE * budget.limit, neighbours.Lanes(owner, rank, quick)
+    )
 
     for item in offloaded_layouts(model, cluster, job, space, configs, budget):
         keep(*item, host_checked=True)  # each checked as its bisection ran
@@ -234,7 +261,6 @@ def plan(
         workers=workers,
         seed=seed,
     )
-    token = f"{os.getpid()}:{next(TOKENS)}"
     round_s = settings.first_limit  # a round: about one first-pass solve per lane
 
     def on_lanes(call: Any, *rest: Any) -> list[Any]:
@@ -262,6 +288,9 @@ def plan(
                 for item in out.found:
                     keep(*item)
                 busy = busy or out.busy
+            # Moves around the best layout, within their share of the budget (``neighbours``)
+            for item in climb.climb(found[0][:2], budget) if found else []:
+                keep(*item)
             if not busy:
                 break
         for still in on_lanes(lane_close):
