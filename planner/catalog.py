@@ -347,10 +347,21 @@ def resolve_source(
     return candidate
 
 
+# libyaml's loader where PyYAML was built with it (its wheels are): the same safe subset of
+# YAML, parsed in C, about ten times faster; reading the catalog's recipes is a fifth of a
+# short re-plan with the pure-Python one.
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load``, by libyaml where it is there."""
+    return yaml.load(text, Loader=_LOADER)
+
+
 def _read(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text()
-        data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+        data = load_yaml(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
     except (OSError, UnicodeDecodeError) as exc:
         raise PlannerError(f"file {path}: unreadable ({exc.__class__.__name__})") from None
     except (json.JSONDecodeError, yaml.YAMLError) as exc:

@@ -23,7 +23,14 @@ from typing import Any
 
 import yaml
 
-from planner.catalog import MODELS_DIR, check_keys, load_cluster, load_model, resolve_source
+from planner.catalog import (
+    MODELS_DIR,
+    check_keys,
+    load_cluster,
+    load_model,
+    load_yaml,
+    resolve_source,
+)
 from planner.errors import PlannerError
 from planner.frameworks import framework
 from planner.layout import Layout
@@ -82,7 +89,7 @@ def load_recipe(source: str | Path) -> Recipe:
     """A ``Recipe`` from its name (``models/recipes/<name>.yaml``) or a path to a YAML."""
     path = resolve_source(source, RECIPES_DIR, ".yaml", "recipe", recipe_names())
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise PlannerError(f"recipe file {path}: unreadable ({exc.__class__.__name__})") from None
     if not isinstance(data, dict):
