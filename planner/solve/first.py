@@ -26,7 +26,7 @@ from planner.solve.budget import (
     costing_charge,
     program_charge,
 )
-from planner.solve.space import target_rules
+from planner.solve.space import DEFAULT_VIRTUAL, enumerate_configs, target_rules
 from planner.solve.tables import Config, Option, Tables, choice_name, even_counts, tie_break
 from planner.solve.warm import balanced
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
@@ -167,6 +167,40 @@ def offloaded_layouts(
 _HINT_FREE = frozenset(
     {"ep", "micro_batch", "num_microbatches", "recompute_extra", "ema", "fp8_cache"}
 )
+
+
+def hint_configs(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    job: TrainingJob,
+    space: SearchSpace,
+    configs: list[Config],
+    hints: Sequence[Layout],
+) -> list[Config]:
+    """Configurations for the ``hints`` whose virtual stages the space's default menu leaves
+    out (Megatron-LM's Mixtral reference runs 8 chunks a rank; the menu is
+    ``space.DEFAULT_VIRTUAL``): where the space does not state its virtual stages, each
+    such hint's degrees are searched with its own count too, so a published layout is
+    always in the search. The new ones only (none where the space states its own)."""
+    if space.virtual_stages:
+        return []
+    have = set(configs)
+    counts = sorted(
+        {h.virtual_stages for h in hints if h.virtual_stages not in DEFAULT_VIRTUAL} - {1}
+    )
+    if not counts:
+        return []
+    wanted = set()
+    for hint in hints:
+        if hint.virtual_stages in counts and hint.tp * hint.cp * hint.pp <= cluster.num_gpus:
+            dp = cluster.num_gpus // (hint.tp * hint.cp * hint.pp)
+            wanted.add(dataclasses.replace(Config.of(hint, 1), dp=dp).key(ignoring=_HINT_FREE))
+    wider = space.model_copy(update={"virtual_stages": [*DEFAULT_VIRTUAL, *counts]})
+    return [
+        c
+        for c in enumerate_configs(model, cluster, job, wider)
+        if c not in have and c.key(ignoring=_HINT_FREE) in wanted
+    ]
 
 
 def hinted_layouts(

@@ -82,6 +82,7 @@ from planner.solve.budget import DETERMINISTIC_SHARE, QUICK_SHARE, Budget
 from planner.solve.explain import Replan, explain
 from planner.solve.first import (
     first_fit,
+    hint_configs,
     hinted_layouts,
     host_ok,
     offloaded_layouts,
@@ -176,6 +177,9 @@ def plan(
     job = cluster.job_on(_framework_for(job, space))  # the machine's measured memory figures
     check_step_size(cluster, job, space)
     configs = list(enumerate_configs(model, cluster, job, space))
+    # The caller's hints, then the catalog's published layouts of this model on this machine
+    known = [*hints, *(k for k in known_layouts(model, cluster, job) if k not in hints)]
+    configs += hint_configs(model, cluster, job, space, configs, known)
     if job.ema and space.ema is None:
         # The EMA goes to host RAM (no HBM, no step time) unless the host cannot hold it;
         # what a rank keeps there depends on its degrees, ZeRO stage and DualPipe's copies.
@@ -240,8 +244,6 @@ def plan(
     first = first_fit(model, cluster, job, space, configs, budget)
     if first is not None:
         keep(*first)
-    # The caller's hints, then the catalog's published layouts of this model on this machine
-    known = [*hints, *(k for k in known_layouts(model, cluster, job) if k not in hints)]
     for item in hinted_layouts(model, cluster, job, configs, known, budget):
         keep(*item)
     # The sets of degrees (and micro-batch) go to the lanes by what their blocks' costs
