@@ -6,11 +6,15 @@ the source reports the allocator's peak allocated or peak reserved bytes, and th
 Each row is costed with ``planner.estimate.stage_memory`` under the row's framework and its
 default dtypes (``planner.specs.FRAMEWORK_DTYPES``); nothing is fitted to these rows.
 
-What is compared (column ``kind``): ``reserved``, ``torch.cuda.max_memory_reserved`` (what
-torchtitan logs as ``max_reserved_gib``), holds the allocator's segments, so it is compared
-with the predicted peak less the CUDA context; ``allocated``, ``max_memory_allocated``
-(Megatron-LM's "max allocated" and ``mem-max-allocated-bytes``), with that less the
-fragmentation too; ``device``, what nvidia-smi shows for the process, with the whole peak.
+What is compared (column ``kind``): ``oom`` and ``ran`` rows state no figure, only that the
+run ran out of memory or trained (an issue thread, a config changed to stop an out-of-memory
+error): the heaviest rank's whole predicted peak must be over the planner's cap (usable HBM
+less the job's margin) for ``oom`` and within it for ``ran``. Otherwise ``reserved``,
+``torch.cuda.max_memory_reserved`` (what torchtitan logs as ``max_reserved_gib``), holds the
+allocator's segments, so it is compared with the predicted peak less the CUDA context;
+``allocated``, ``max_memory_allocated`` (Megatron-LM's "max allocated" and
+``mem-max-allocated-bytes``), with that less the fragmentation too; ``device``, what
+nvidia-smi shows for the process, with the whole peak.
 The heaviest pipeline rank is compared, as most sources report the maximum over ranks, or
 the one in column ``pp_rank`` when the source names it (-1: the last).
 
@@ -49,7 +53,9 @@ from pathlib import Path
 
 import numpy as np
 
-from planner.costs.memory import stage_memory, workspace_bytes
+from planner.catalog import load_cluster
+from planner.costs.cap import usable_peak_bytes
+from planner.costs.memory import StageMemory, stage_memory, workspace_bytes
 from planner.errors import PlannerError
 from planner.fit import layout_from_row
 from planner.specs import ModelSpec, TrainingJob
@@ -68,6 +74,7 @@ SCHEDULES = {
 FRAMEWORKS = {"nemo": "megatron", "fsdp": "torch"}  # the planner's name for each stack
 TORCHTITAN_SELECTIVE = "op"  # see the module docstring
 KINDS = ("allocated", "reserved", "device")  # see the module docstring
+OUTCOMES = ("oom", "ran")  # a run that ran out of memory, one that trained (no figure)
 SM80 = ("a100", "a800")  # compute capability 8.0
 # Why a functional test on an A100 that leaves --attention-backend at auto and runs
 # deterministically (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0) does not state its attention: there
@@ -85,6 +92,33 @@ AUTO_ATTENTION_SM80 = (
 
 def predict(row: dict[str, str]) -> tuple[float, str, list[str]]:
     """(predicted GiB, layout text, what was assumed) of one row."""
+    kind = row["kind"]
+    if kind not in KINDS:
+        raise PlannerError(f"kind={kind!r}: not one of {', '.join(KINDS)}")
+    heaviest, _, text, assumed = _heaviest(row)
+    value = {
+        "reserved": heaviest.reserved_bytes,
+        "allocated": heaviest.allocated_bytes,
+        "device": heaviest.peak_bytes,
+    }[kind]
+    return value / GIB, text, assumed
+
+
+def outcome(row: dict[str, str]) -> tuple[float, float, str, list[str]]:
+    """(predicted peak GiB, the planner's cap GiB, layout text, what was assumed) of a row
+    whose source says only whether the run fit (``kind`` ``oom`` or ``ran``): the heaviest
+    rank's whole peak against usable HBM less the job's margin, the line ``plan`` holds
+    every layout to (``costs.cap.usable_peak_bytes``)."""
+    if row["kind"] not in OUTCOMES:
+        raise PlannerError(f"kind={row['kind']!r}: not one of {', '.join(OUTCOMES)}")
+    heaviest, job, text, assumed = _heaviest(row)
+    cluster = load_cluster(row["gpu"], gpus=int(row["num_gpus"]))
+    cap = usable_peak_bytes(cluster, cluster.job_on(job))
+    return heaviest.peak_bytes / GIB, cap / GIB, text, assumed
+
+
+def _heaviest(row: dict[str, str]) -> tuple[StageMemory, TrainingJob, str, list[str]]:
+    """The rank a row is compared on, its job, the layout as text and what was assumed."""
     assumed: list[str] = []
     fields = dict(row)
     framework = row["framework"].strip().lower()
@@ -114,19 +148,11 @@ def predict(row: dict[str, str]) -> tuple[float, str, list[str]]:
         heaviest = ranks[int(row["pp_rank"]) % layout.pp]
     else:
         heaviest = max(ranks, key=lambda r: r.peak_bytes)
-    kind = row["kind"]
-    if kind not in KINDS:
-        raise PlannerError(f"kind={kind!r}: not one of {', '.join(KINDS)}")
-    value = {
-        "reserved": heaviest.reserved_bytes,
-        "allocated": heaviest.allocated_bytes,
-        "device": heaviest.peak_bytes,
-    }[kind]
     text = (
         f"tp{layout.tp} pp{layout.pp} dp{layout.dp} ep{layout.ep} mb{layout.micro_batch} "
         f"z{layout.zero} {fields['recompute']}"
     )
-    return value / GIB, text, assumed
+    return heaviest, job, text, assumed
 
 
 def workspaces(row: dict[str, str], model: ModelSpec, job: TrainingJob) -> int:
@@ -203,6 +229,8 @@ def costed(
     for row in rows:
         if row.get("unstated"):
             yield row, row["unstated"]
+        elif row["kind"] in OUTCOMES:
+            continue  # no figure: ``outcomes`` checks them against the cap
         elif not row["measured_gib"]:
             yield row, "no measured memory"
         else:
@@ -212,6 +240,20 @@ def costed(
                 yield row, str(exc)
             else:
                 yield row, (float(row["measured_gib"]), predicted, text, assumed)
+
+
+def outcomes(
+    rows: list[dict[str, str]],
+) -> Iterator[tuple[dict[str, str], tuple[float, float, str, list[str]] | str]]:
+    """Each ``oom`` or ``ran`` row with (predicted peak GiB, cap GiB, layout text, what was
+    assumed), or why it was not costed."""
+    for row in rows:
+        if row["kind"] not in OUTCOMES:
+            continue
+        try:
+            yield row, outcome(row)
+        except PlannerError as exc:
+            yield row, str(exc)
 
 
 def accuracy_data(signed: dict[str, list[float]]) -> dict[str, object]:
@@ -278,6 +320,28 @@ def main() -> None:
             f"  {key:11} {len(e):3d} rows  {np.mean(e):6.1%} ({np.mean(s):+6.1%})  "
             f"worst {max(e):6.1%}  within 10%: {within}/{len(e)}, within 5%: {close}/{len(e)}"
         )
+    told = list(outcomes(rows))
+    if told:
+        print(
+            "\nruns that ran out of memory (oom: must be predicted over the cap) and runs that "
+            "trained (ran: must fit), the heaviest rank's whole peak against the cap:"
+        )
+        right = 0
+        for row, result in told:
+            if isinstance(result, str):
+                skipped.append((row["id"], result))
+                continue
+            peak, cap, text, assumed = result
+            over = peak > cap
+            ok = over == (row["kind"] == "oom")
+            right += ok
+            note = f"  [{'; '.join(assumed)}]" if assumed else ""
+            print(
+                f"  {row['id']:{wide}} {row['framework']:10} {row['gpu']:5} {text:40} "
+                f"{row['kind']:4} predicted {peak:6.1f}G vs cap {cap:5.1f}G: "
+                f"{'over' if over else 'fits'} ({'right' if ok else 'WRONG'}){note}"
+            )
+        print(f"  {right} of {len(told)} on the right side of the cap")
     if args.write:
         ACCURACY.write_text(json.dumps(accuracy_data(signed), indent=1) + "\n")
         print(f"\nwrote {ACCURACY}")

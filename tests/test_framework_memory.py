@@ -196,6 +196,46 @@ def test_per_op_checkpointing_keeps_what_torchtitans_policy_keeps() -> None:
     assert parse_recompute("op") not in megatron.menu()
 
 
+def test_per_op_checkpointing_keeps_the_expert_all_to_alls() -> None:
+    """torchtitan's "op" save list holds _c10d_functional.all_to_all_single: under expert
+    parallelism each MoE layer keeps its dispatched tokens and the combined expert outputs,
+    T x k x h BF16 elements each (times the load imbalance), and recomputes the rest of the
+    layer from them; with no all-to-all (ep 1) the layer keeps nothing of its experts."""
+    lite = planner.load_model("deepseek-v2-lite")
+    t, k, h = 4096, lite.experts_per_token, lite.hidden_size
+    job = planner.TrainingJob(seq_len=t, global_batch=8, framework="torchtitan")
+    op = parse_recompute("op")
+    ep8 = _layer(lite, job, dp=8, ep=8, zero=3)
+    ep1 = _layer(lite, job, dp=8, ep=1, zero=3)
+    # the busiest rank's tokens: T x k copies times the job's load imbalance
+    busiest = t * k * shard_of(job, planner.Layout.uniform(lite, dp=8, ep=8)).moe_load_imbalance
+    assert ep8.kept_bytes("moe_dispatched", op) == round(busiest * h * 2)
+    assert ep8.kept_bytes("moe_combined", op) == round(busiest * h * 2)
+    assert ep8.saved_bytes(op) - ep1.saved_bytes(op) == 2 * round(busiest * h * 2)
+    assert ep1.kept_bytes("moe_dispatched", op) == 0
+    assert not any(g.name == "moe_combined" for g in ep1.saved)
+    # Without per-op checkpointing the combined outputs are not held (the weighted sum keeps
+    # the experts' outputs instead).
+    assert ep8.kept_bytes("moe_combined", frozenset()) == 0
+
+
+def test_published_out_of_memory_runs_are_over_the_cap() -> None:
+    """benchmarks/published_memory.csv's ``oom`` rows are predicted over the planner's cap
+    and its ``ran`` rows within it: torchtitan's DeepSeek-V3 16B default config ran out of
+    memory on 8 H100 80GB at local batch 8 (torchtitan issue #1789) and was changed to 4 to
+    fit (PR #1792). Without the all-to-alls that per-op checkpointing keeps, the model put
+    the batch-8 run at 66.9 GiB, under the 75.2 GiB cap."""
+    import test_accuracy
+
+    bench = test_accuracy._memory_bench()
+    told = list(bench.outcomes(bench.read_rows()))
+    assert {row["kind"] for row, _ in told} == {"oom", "ran"}
+    for row, result in told:
+        assert not isinstance(result, str), (row["id"], result)
+        peak, cap, _, _ = result
+        assert (peak > cap) == (row["kind"] == "oom"), (row["id"], peak, cap)
+
+
 def test_torchtitan_pipelines_hold_unsharded_parameters_and_gradients() -> None:
     """With PP, torchtitan keeps FSDP2's unsharded BF16 parameters from the first forward to
     the last backward and accumulates unsharded FP32 gradients: 6 bytes per local parameter

@@ -104,6 +104,15 @@ def test_rounded_published_totals() -> None:
         12.9e9, abs=0.05e9
     )  # [MX]
     assert planner.load_model("gpt3-175b").num_params() == pytest.approx(175.0e9, rel=0.005)
+    # DeepSeek-V2 paper (arXiv 2405.04434): DeepSeek-V2-Lite has 15.7B parameters in total,
+    # 2.4B activated per token (appendix B); DeepSeek-V2 236B and 21B (sec. 3.1). DeepSeek's
+    # activated counts leave out the input embedding (a lookup): V2-Lite's 2.45B, V2's 20.85B
+    # and V3's 37.3B without it, 2.66B, 21.38B and 38.2B with it (V2-Lite's shapes give
+    # 2.451B: the paper's 2.4B is that figure cut, not rounded, to one decimal).
+    lite = planner.load_model("deepseek-v2-lite")
+    assert lite.num_params() == pytest.approx(15.7e9, abs=0.05e9)
+    embedding = lite.vocab_size * lite.hidden_size
+    assert lite.num_params(active=True) - embedding == pytest.approx(2.4e9, abs=0.06e9)
 
 
 def per_rank(params: list[Param], *, tp: int, ep: int) -> int:

@@ -114,6 +114,7 @@ class ActGroup:
     modules: tuple[str, ...] = ()  # recompute modules that drop it; () = only full; see below
     keep_always: bool = False  # the block input: kept even under full recompute
     added_by: str = ""  # kept only under this choice (a tensor other choices free at once)
+    op_keeps: bool = False  # an all-to-all's output, which per-op checkpointing keeps (OP)
 
 
 @dataclass(frozen=True)
@@ -433,9 +434,15 @@ class BlockBuilder:
         self.add(Work(memory=nbytes, kernels=1), Work(memory=2 * nbytes, kernels=1), ZERO, *modules)
 
     def save(
-        self, name: str, nbytes: float, *modules: str, keep: bool = False, added_by: str = ""
+        self,
+        name: str,
+        nbytes: float,
+        *modules: str,
+        keep: bool = False,
+        added_by: str = "",
+        op_keeps: bool = False,
     ) -> None:
-        self.saved.append(ActGroup(name, round(nbytes), tuple(modules), keep, added_by))
+        self.saved.append(ActGroup(name, round(nbytes), tuple(modules), keep, added_by, op_keeps))
 
     def rerun(self, work: Work, *modules: str) -> None:
         """Forward work a recompute of ``modules`` repeats (``add`` registers its own; alone,
@@ -455,7 +462,7 @@ def _is_dropped(group: ActGroup, dropped: frozenset[str] | str) -> bool:
         return False
     if dropped == "full":
         return True
-    if OP in dropped and "moe" in group.modules:
+    if OP in dropped and "moe" in group.modules and not group.op_keeps:
         return True
     return any(m in dropped for m in group.modules)
 
@@ -1246,12 +1253,21 @@ def _moe(cost: BlockBuilder, model: ModelSpec, shard: Shard, prefix: str) -> Non
     copies = sp * k * shard.moe_load_imbalance
     gathered = copies * shard.etp  # the tokens of the etp ranks of its experts
     cost.tokens_per_expert = gathered * shard.ep / e  # the busiest rank holds e/ep experts
+    # torchtitan's per-op checkpointing (OP) keeps the outputs of all-to-alls
+    # (_c10d_functional.all_to_all_single is on its save list, torchtitan
+    # models/deepseek_v3/infra/parallelize.py _op_sac_save_list, 82a9530f6): under expert
+    # parallelism the dispatched tokens and the combined expert outputs stay for the
+    # backward, which recomputes the rest of the MoE layer from them.
+    a2a_kept = shard.op_sac and shard.ep > 1
     cost.save(
         prefix + "moe_dispatched",
         gathered * h * shard.linear_input_bytes,
         "moe",
         OFFLOAD_TAG + "expert_fc1",
+        op_keeps=a2a_kept,
     )
+    if a2a_kept:
+        cost.save(prefix + "moe_combined", copies * h * a, "moe", added_by=OP)
     # Permute tokens into expert order before dispatch, and back (weighted) after combine.
     cost.elementwise(2 * copies * h * a, "moe")
     cost.elementwise(2 * copies * h * a, "moe")
