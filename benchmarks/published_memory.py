@@ -342,6 +342,16 @@ def main() -> None:
                 f"{'over' if over else 'fits'} ({'right' if ok else 'WRONG'}){note}"
             )
         print(f"  {right} of {len(told)} on the right side of the cap")
+    # Every run with a measured peak trained too: each must fit under the cap as well
+    measured = [
+        {**row, "kind": "ran"} for row, result in costed(rows) if not isinstance(result, str)
+    ]
+    trained = [result for _, result in outcomes(measured) if not isinstance(result, str)]
+    within = sum(peak <= cap for peak, cap, _, _ in trained)
+    print(
+        f"  runs with a measured peak (they trained): {within} of {len(trained)} within the cap"
+        f" ({len(measured) - len(trained)} on GPUs the catalog lacks)"
+    )
     if args.write:
         ACCURACY.write_text(json.dumps(accuracy_data(signed), indent=1) + "\n")
         print(f"\nwrote {ACCURACY}")

@@ -131,7 +131,7 @@ USABLE_GIB = {
     "h800": 79.15,
     "h200": 139.80,
     "b200": 178.35,
-    "h100-96gb": 96 - (80 - 79.15),  # a convention: the 80GB part's runtime reserve
+    "h100-96gb": 94.99,  # torchtitan's logged GiB over its logged share of the device total
     "gb200": 184.31,
     "b300": 267.69,
     "gb300": 277.55 - (268.59 - 267.69),  # a convention: nvidia-smi's total less the B300's gap

@@ -223,8 +223,9 @@ def test_published_out_of_memory_runs_are_over_the_cap() -> None:
     """benchmarks/published_memory.csv's ``oom`` rows are predicted over the planner's cap
     and its ``ran`` rows within it: torchtitan's DeepSeek-V3 16B default config ran out of
     memory on 8 H100 80GB at local batch 8 (torchtitan issue #1789) and was changed to 4 to
-    fit (PR #1792). Without the all-to-alls that per-op checkpointing keeps, the model put
-    the batch-8 run at 66.9 GiB, under the 75.2 GiB cap."""
+    fit (PR #1792); seven Qwen3 32B layouts of torchtitan PR #1690 ran out of memory on H100
+    96GB. Without the all-to-alls that per-op checkpointing keeps, the model put DeepSeek's
+    batch-8 run at 66.9 GiB, under the 75.2 GiB cap."""
     import test_accuracy
 
     bench = test_accuracy._memory_bench()
@@ -234,6 +235,13 @@ def test_published_out_of_memory_runs_are_over_the_cap() -> None:
         assert not isinstance(result, str), (row["id"], result)
         peak, cap, _, _ = result
         assert (peak > cap) == (row["kind"] == "oom"), (row["id"], peak, cap)
+    assert sum(row["kind"] == "oom" for row, _ in told) >= 8
+    # Every run with a measured peak trained: each fits under the cap too
+    rows = bench.read_rows()
+    measured = [{**r, "kind": "ran"} for r, res in bench.costed(rows) if not isinstance(res, str)]
+    fitted = [res for _, res in bench.outcomes(measured) if not isinstance(res, str)]
+    assert len(fitted) >= 35
+    assert all(peak <= cap for peak, cap, _, _ in fitted)
 
 
 def test_torchtitan_pipelines_hold_unsharded_parameters_and_gradients() -> None:
