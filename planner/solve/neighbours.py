@@ -146,17 +146,15 @@ class Climb:
         return sorted(out, key=lambda c: (self.ranked[c][1], tie_break(c)))
 
     def climb(
-        self, best: tuple[float, Config], budget: Budget, limit: float = math.inf
+        self, best: tuple[float, Config], budget: Budget
     ) -> list[tuple[float, Config, Layout]]:
         """From ``best`` (the incumbent's step and configuration), batch after batch, until
         no neighbour of the incumbent could be faster, ``PATIENCE`` batches in a row found
-        none, ``limit`` seconds of budget are charged here, the moves' share is spent or the
-        budget is; every layout costed."""
+        none, the moves' share is spent or the budget is; every layout costed."""
         step, config = best
-        stop = min(self.share, self.spent + limit)
         found: list[tuple[float, Config, Layout]] = []
         idle = 0  # batches since the last move
-        while config not in self.exhausted and self.spent < stop and budget.left() > 0:
+        while config not in self.exhausted and self.spent < self.share and budget.left() > 0:
             if idle >= PATIENCE:
                 self.exhausted.add(config)
                 break

@@ -64,6 +64,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from planner.costs.activations import offloads_activations
@@ -220,20 +221,20 @@ def plan(
             climb.seen(step, config)
 
     def owner(config: Config) -> int:
+        """The lane a configuration's set of degrees is searched in."""
         return lanes.lane_of(shard_key(config), LANES)
 
-    def rank(by_lane: dict[int, list[Config]]) -> list[Any]:
-        asked = [(lane, (lane_rank, (token, lane, cs))) for lane, cs in by_lane.items()]
-        return lanes.run_on(asked, procs)
-
-    def quick(batch: dict[int, Config]) -> list[Any]:
-        asked = [(lane, (lane_quick, (token, lane, c))) for lane, c in batch.items()]
+    def on_each(call: Any, by_lane: dict[int, Any]) -> list[Any]:
+        """``call(token, lane, what)`` in each lane for its own ``what``, side by side."""
+        asked = [(lane, (call, (token, lane, what))) for lane, what in by_lane.items()]
         return lanes.run_on(asked, procs)
 
     token = f"{os.getpid()}:{next(TOKENS)}"
     procs = default_processes() if processes is None else processes
     climb = neighbours.Climb(
-        configs, neighbours.MOVE_SHARE * budget.limit, neighbours.Lanes(owner, rank, quick)
+        configs,
+        neighbours.MOVE_SHARE * budget.limit,
+        neighbours.Lanes(owner, partial(on_each, lane_rank), partial(on_each, lane_quick)),
     )
 
     for item in offloaded_layouts(model, cluster, job, space, configs, budget):
@@ -253,10 +254,7 @@ def plan(
     groups: dict[tuple[int, ...], list[Config]] = {}
     for c in configs:
         groups.setdefault(degrees_key(c), []).append(c)
-    shares = [
-        [m for m in groups.values() if lanes.lane_of(shard_key(m[0]), LANES) == lane]
-        for lane in range(LANES)
-    ]
+    shares = [[m for m in groups.values() if owner(m[0]) == lane] for lane in range(LANES)]
     settings = LaneSettings(
         quick_budget=QUICK_SHARE * max(0.0, budget.limit - budget.spent) / LANES,
         first_limit=max(0.3, min(2.0, budget.limit / LANES / 10)),
