@@ -229,7 +229,7 @@ def costed(
     for row in rows:
         if row.get("unstated"):
             yield row, row["unstated"]
-        elif row["kind"] in OUTCOMES:
+        elif row.get("kind") in OUTCOMES:
             continue  # no figure: ``outcomes`` checks them against the cap
         elif not row["measured_gib"]:
             yield row, "no measured memory"
@@ -248,7 +248,7 @@ def outcomes(
     """Each ``oom`` or ``ran`` row with (predicted peak GiB, cap GiB, layout text, what was
     assumed), or why it was not costed."""
     for row in rows:
-        if row["kind"] not in OUTCOMES:
+        if row.get("kind") not in OUTCOMES:
             continue
         try:
             yield row, outcome(row)

@@ -36,7 +36,9 @@ What waits for what: a task (one op, or a paired forward and backward) starts wh
 rank's previous task is done and its inputs have arrived (a send from another rank arrives
 when its flow ends); within an op, each block's pieces run in order; a paired task runs its
 two chunks as two chains on one compute stream, so one chunk's all-to-alls hide behind the
-other's compute exactly as far as their lengths allow. Sends are synchronous (the sender's op
+other's compute exactly as far as their lengths allow, except where the framework's runtime
+runs a pair's two ops one after the other (``Overlap.pairs_in_turn``: torch's pipelining
+runtime), which then they do. Sends are synchronous (the sender's op
 ends with its send) except where the framework posts them asynchronously
 (``Overlap.async_sends``). Where the framework overlaps the data-parallel reduction
 (``Overlap.grad_sync``), each block's share of its stage's reduction is issued once the
@@ -473,10 +475,13 @@ class _Builder:
                     if prog.rank[p] != r:
                         gate.after(self.ops[d].send)
             end = self.item(r, None, 0.0, ("end", g))
+            turn = gate
             for op in prog.ops[g]:
-                built = self._op(r, g, op, gate)
+                built = self._op(r, g, op, turn)
                 self.ops[dep_key(op)] = built
                 end.after(built.last)
+                if self.overlap.pairs_in_turn:  # the pair's next op waits for this one
+                    turn = built.last
             self.task_start[g], self.task_end[g] = gate, end
             prev[r] = end
         ends = []
@@ -531,7 +536,7 @@ class _Builder:
 
     def _op(self, r: int, g: int, op: Op, gate: Item) -> _Op:
         st = self.stages[op.stage]
-        merge = len(self.prog.ops[g]) == 1
+        merge = len(self.prog.ops[g]) == 1 or self.overlap.pairs_in_turn
         if op.kind == "F":
             last = self._forward(r, op, st, gate, merge)
             to = self._receiver(op, True)

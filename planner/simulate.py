@@ -131,6 +131,15 @@ def _meta(rank: int, name: str, value: object, *, key: str = "name") -> dict[str
     return {"ph": "M", "pid": rank, "tid": 0, "name": name, "args": {key: value}}
 
 
+def simulated_step(
+    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: Layout
+) -> float:
+    """``simulate(...).step_time_s`` alone: the step executed, without the events, the
+    per-rank timelines and the memory a full ``Simulation`` gathers (what a judge of the
+    step needs and no more)."""
+    return execute(model, cluster, cluster.job_on(job), layout).step_s
+
+
 def simulate(
     model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: Layout
 ) -> Simulation:

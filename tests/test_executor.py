@@ -150,6 +150,34 @@ def test_a_pair_hides_each_chunks_transfers_behind_the_other_as_far_as_they_reac
     assert long >= moved
 
 
+def test_a_runtime_that_runs_a_pairs_halves_in_turn_hides_nothing_of_them() -> None:
+    """torch's pipelining runtime runs a paired forward and backward one after the other
+    (``Overlap.pairs_in_turn``): the same pairs that hide their all-to-alls under Megatron-LM
+    hide none, each paired task lasting its two ops' work and transfers in series, and no
+    piece of a pair's second op starting before its first op has ended."""
+    a2a = 0.3
+    t = Transfer(a2a, 0.0, 0.0)
+    stages = [stage(block(1.0, 1.0, 1.0, moe=1), dispatch=t, combine=t)]
+
+    def run_with(name: str) -> object:
+        overlap = framework(name).overlap
+        return run_stages(Shape("1f1b-ep-overlap", 1, 1), stages, [0.0], overlap, NCCL_SMS, 8)
+
+    assert framework("torchtitan").overlap.pairs_in_turn
+    assert not framework("megatron").overlap.pairs_in_turn
+    hidden, in_turn = run_with("megatron"), run_with("torchtitan")
+    work = 8 * (1.0 + 1.0 + 1.0) + 8 * 4 * a2a  # every op's compute and all-to-alls
+    assert hidden.step_s < work  # type: ignore[attr-defined]
+    assert in_turn.step_s == pytest.approx(work, rel=1e-9)  # type: ignore[attr-defined]
+    # in each paired task, the second op's pieces start after the first op's have ended
+    items = in_turn.items  # type: ignore[attr-defined]
+    for kind, mb in (("F", 1), ("F", 5)):
+        first = [i for i in items if i.stream and i.label[:2] == (kind, mb)]
+        second = [i for i in items if i.stream and i.label[:2] == ("BW", mb - 1)]
+        assert first and second
+        assert min(i.start for i in second) >= max(i.end for i in first) - 1e-12
+
+
 def test_the_first_weights_gathered_wait_and_the_last_reduced_delay_the_step() -> None:
     """ZeRO-3 on one rank: the first block's gather is exposed (nothing runs before it), and
     the optimizer waits for the last block's reduce-scatter."""

@@ -12,7 +12,7 @@ import planner
 from planner.errors import PlannerError
 from planner.layout import Layout
 from planner.run.validate import small_job, small_model
-from planner.simulate import simulate
+from planner.simulate import simulate, simulated_step
 
 DS = planner.load_model("deepseek-v3")
 
@@ -51,6 +51,15 @@ def test_trace_opens_with_16_ranks_of_stages(deepseek: planner.Simulation, tmp_p
     assert {e["pid"] for e in dispatches} == set(range(16))  # and runs its experts' all-to-alls
     assert all(e["args"]["waited for"] for e in dispatches)  # each after its own compute
     assert any(e["ph"] == "C" for e in events)  # the memory counter track
+
+
+def test_the_judges_step_alone_is_the_simulations() -> None:
+    """``simulated_step`` (what ``plan`` judges its finalists with) skips the events and the
+    memory a full simulation gathers, and gives its step."""
+    recipe = planner.load_recipe("mixtral-8x7b-megatron")
+    full = simulate(recipe.model, recipe.cluster, recipe.job, recipe.layout)
+    alone = simulated_step(recipe.model, recipe.cluster, recipe.job, recipe.layout)
+    assert alone == full.step_time_s
 
 
 def test_busy_plus_idle_is_the_step(deepseek: planner.Simulation) -> None:

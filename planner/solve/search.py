@@ -72,7 +72,7 @@ from planner.errors import PlannerError
 from planner.estimate import Estimate, evaluate
 from planner.layout import Layout
 from planner.recipes import known_layouts
-from planner.simulate import SIM_TOLERANCE, simulate
+from planner.simulate import SIM_TOLERANCE, simulated_step
 from planner.solve import lanes, neighbours
 from planner.solve.bounds import (
     bound_tables,
@@ -406,7 +406,7 @@ def _judged(
     are as many."""
     first = finalists[0]
     est = evaluate(model, cluster, job, first[2])
-    out: list[Judged] = [(first, est, simulate(model, cluster, job, first[2]).step_time_s)]
+    out: list[Judged] = [(first, est, simulated_step(model, cluster, job, first[2]))]
     agrees = _agrees(out[0])
     bar = max(est.step_time_s, out[0][2] or 0.0)
     for item in finalists[1:]:  # in the estimate's order: once one cannot win, none can
@@ -414,7 +414,7 @@ def _judged(
         if not judge and len(out) >= keep:
             break
         other = evaluate(model, cluster, job, item[2])
-        sim = simulate(model, cluster, job, item[2]).step_time_s if judge else None
+        sim = simulated_step(model, cluster, job, item[2]) if judge else None
         out.append((item, other, sim))
     if agrees:
         return out
