@@ -19,12 +19,24 @@ of a case's answer: ``CLOCK_FACTOR``); its key includes the key of the case it s
 from. Bounds are not carried over: with more GPUs a step can fall by more than the
 GPU count grows (memory freed lets recomputation go), so no bound of one count holds for
 another.
+
+Refinement (``refine``, on by default): a chain's plans come from one direction only, and a
+larger count's plan, restated for a smaller count, is often faster than what that count's
+own search found in its time (Llama 3 70B on 1,024 H800: 36.65 s planned, 33.14 s from the
+2,048-GPU plan restated; ``benchmarks/RESULTS.md``). Once a chain is finished, each case not
+proven (optimal or infeasible) gets a second case (``Case.refines``): the other counts'
+plans are restated for it (``planner.solve.search.hinted_steps``), and where one is faster
+by the estimate, the case is planned again with those as hints; its row then replaces the
+first when its step is lower. A second case whose neighbours offer nothing faster is
+recorded as ``kept`` and costs no search. It too depends only on its inputs and the plans
+it is given, so a resumed sweep gets the same rows.
 """
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -88,6 +100,8 @@ class Case:
     space: dict[str, Any]
     time_limit_s: float
     warm_from: str | None = None  # the key of the case whose plan seeds this one's search
+    refines: str | None = None  # a refinement: the key of the case it plans again
+    neighbours: tuple[str, ...] = ()  # ... and of the cases whose plans it is offered
 
     @property
     def key(self) -> str:
@@ -96,8 +110,23 @@ class Case:
         parts: list[Any] = [self.model, cluster, self.job, self.space, self.time_limit_s]
         if self.warm_from is not None:
             parts.append({"warm_from": self.warm_from})
+        if self.refines is not None:
+            parts.append({"refines": self.refines, "neighbours": list(self.neighbours)})
         blob = json.dumps(parts, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+    @property
+    def chain(self) -> str:
+        """What the cases of one chain share: all but the GPU count (and the seeding)."""
+        parts = [self.model, self.gpu, self.job, self.space, self.time_limit_s]
+        return json.dumps(parts, sort_keys=True)
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """The keys of the cases whose plans this one is given."""
+        if self.refines is not None:
+            return (self.refines, *self.neighbours)
+        return (self.warm_from,) if self.warm_from is not None else ()
 
 
 def cases(
@@ -145,7 +174,43 @@ def cases(
 
 def run_case(case: Case, hints: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """Plan one case, its search seeded with ``hints`` (layouts as JSON: the plan of the case
-    it starts from); a row for the database (never raises: errors become the row)."""
+    it starts from; for a refinement, the plan it refines and then its neighbours' plans); a
+    row for the database (never raises: errors become the row)."""
+    if case.refines is not None:
+        return _refined(case, hints)
+    return _planned(case, hints)
+
+
+def _refined(case: Case, hints: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A refinement (see the module docstring): the case planned again from those of its
+    neighbours' plans that, restated for it, the estimate puts faster than its own; a
+    ``kept`` row where none is."""
+    from planner.solve.search import hinted_steps  # workers import the solver lazily
+
+    kept = {"gpus": case.gpus, "status": "kept", "plan": None}
+    try:
+        model = ModelSpec(**case.model)
+        cluster = load_cluster(case.gpu, gpus=case.gpus)
+        job = TrainingJob(**case.job)
+        space = SearchSpace(**case.space)
+        own, *others = [Layout(**h) for h in hints]
+        mine = hinted_steps(model, cluster, job, space, [own])
+        if not mine:
+            return kept
+        faster = [
+            layout
+            for step, layout in hinted_steps(model, cluster, job, space, others)
+            if step < mine[0][0]
+        ]
+    except Exception as exc:  # no refinement beats a failed check: the first row stands
+        return {**kept, "error": f"{type(exc).__name__}: " + " ".join(str(exc).split())[:300]}
+    if not faster:
+        return kept
+    row = _planned(case, [f.model_dump(mode="json") for f in faster])
+    return {**row, "refined": True}
+
+
+def _planned(case: Case, hints: Sequence[dict[str, Any]]) -> dict[str, Any]:
     from planner.solve import plan  # workers import the solver lazily
 
     started = time.perf_counter()
@@ -254,10 +319,12 @@ def sweep(
     retry_failed: bool = False,
     progress: Progress | None = None,
     warm_start: bool = True,
+    refine: bool = True,
 ) -> list[dict[str, Any]]:
     """Plan every (model, machine type, job, GPU count) and return one row per case, in the
     cases' order; ``warm_start``: each GPU count's search starts from the plan of the next
-    smaller one (see the module docstring). Rows already in ``db`` are returned without
+    smaller one; ``refine``: then each is planned again from the other counts' plans where
+    one of them is faster (see the module docstring). Rows already in ``db`` are returned without
     planning again (failed ones are retried when ``retry_failed``). ``workers``: local
     processes (default: the CPUs);
     ``ray_address``: run on Ray instead ("auto" joins a running cluster, "local" starts one
@@ -282,6 +349,7 @@ def sweep(
         ray_address=ray_address,
         retry_failed=retry_failed,
         progress=progress,
+        refine=refine,
     )
 
 
@@ -293,8 +361,11 @@ def run(
     ray_address: str | None = None,
     retry_failed: bool = False,
     progress: Progress | None = None,
+    refine: bool = True,
 ) -> list[dict[str, Any]]:
-    """Plan the cases not yet in ``db`` (see ``sweep``); one row per case, in order."""
+    """Plan the cases not yet in ``db`` (see ``sweep``); one row per case, in order; with
+    ``refine``, then the chains' refinements (see the module docstring), each case's row the
+    faster of its own and its refinement's."""
     keys = [c.key for c in todo]
     store = Store(db)
     try:
@@ -303,12 +374,12 @@ def run(
             finished = {k: r for k, r in finished.items() if r["status"] != "failed"}
         pending = [(k, c) for k, c in zip(keys, todo, strict=True) if k not in finished]
         pending = list(dict((k, c) for k, c in pending).items())  # a case listed twice once
-        counts = {"done": len(todo) - len(pending), "failed": 0}
+        counts = {"done": len(todo) - len(pending), "failed": 0, "total": len(todo)}
         counts["failed"] = sum(1 for k in keys if finished.get(k, {}).get("status") == "failed")
 
         def report(running: int) -> None:
             if progress is not None:
-                progress(counts["done"], running, counts["failed"], len(todo))
+                progress(counts["done"], running, counts["failed"], counts["total"])
 
         def finish(key: str, row: dict[str, Any]) -> None:
             store.put(key, row)
@@ -320,9 +391,51 @@ def run(
         runner = _ray if ray_address is not None else _local
         feed = _Feed(pending, finished)
         runner(pending, finish, report, feed, workers=workers, ray_address=ray_address)
-        return [finished[k] for k in keys]
+        if not refine:
+            return [finished[k] for k in keys]
+        second = {c.refines: c for c in refinements(todo, finished)}
+        later = list({c.key: c for c in second.values() if c.key not in finished}.items())
+        counts["total"] += len(second)
+        counts["done"] += len(second) - len(later)
+        if later:
+            feed = _Feed(later, finished)
+            runner(later, finish, report, feed, workers=workers, ray_address=ray_address)
+        out = []
+        for k in keys:
+            first, other = finished[k], second.get(k)
+            again = finished.get(other.key) if other is not None else None
+            out.append(again if again is not None and _faster(again, first) else first)
+        return out
     finally:
         store.close()
+
+
+def refinements(todo: Sequence[Case], finished: dict[str, dict[str, Any]]) -> list[Case]:
+    """Each case of a chain of two or more that has a plan and no proof (optimal or
+    infeasible), planned again from the other counts' plans (see the module docstring)."""
+    chains: dict[str, dict[str, Case]] = {}
+    for c in todo:
+        if c.refines is None:
+            chains.setdefault(c.chain, {})[c.key] = c
+    out = []
+    for members in chains.values():
+        planned = [k for k in members if _hints(finished.get(k))]
+        for key, case in members.items():
+            if key not in planned or finished[key]["status"] in ("optimal", "infeasible"):
+                continue
+            others = tuple(k for k in planned if k != key)
+            if others:
+                out.append(
+                    dataclasses.replace(case, warm_from=None, refines=key, neighbours=others)
+                )
+    return out
+
+
+def _faster(again: dict[str, Any] | None, first: dict[str, Any]) -> bool:
+    """Whether a refinement's row ``again`` has a plan faster than the first row's."""
+    if again is None or again.get("step_time_s") is None:
+        return False
+    return bool(first.get("step_time_s") is None or again["step_time_s"] < first["step_time_s"])
 
 
 class _Feed:
@@ -344,11 +457,11 @@ class _Feed:
             if len(out) >= most:
                 break
             key, case = item
-            before = case.warm_from
-            if before is not None and before in self.keys and before not in self.finished:
+            if any(k in self.keys and k not in self.finished for k in case.needs):
                 continue
             self.waiting.remove(item)
-            out.append((key, case, _hints(self.finished.get(before or ""))))
+            hints = [h for k in case.needs for h in _hints(self.finished.get(k))]
+            out.append((key, case, hints))
         return out
 
 

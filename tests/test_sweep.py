@@ -22,6 +22,7 @@ import pytest
 
 import planner
 from planner.check import check_plan
+from planner.layout import Layout
 from planner.plots import plot_sweep
 from planner.solve import search
 from planner.sweep import cases, run, run_case, write
@@ -74,8 +75,10 @@ def test_every_case_is_planned_and_kept(tmp_path: Path) -> None:
         assert r["status"] == "optimal" or (plan.simulation and plan.simulation.chosen), r
     direct = planner.plan(SMALL, planner.load_cluster("h100", gpus=16), JOB, time_limit_s=10)
     assert rows[1]["step_time_s"] == pytest.approx(direct.estimate.step_time_s)  # type: ignore[union-attr]
-    assert seen[-1] == (3, 0, 0, 3)  # done, running, failed, total
-    assert len(rows_in(db)) == 3
+    # done, running, failed, total: the three cases and a refinement of each unproven one
+    unproven = sum(r["status"] not in ("optimal", "infeasible") for r in rows)
+    assert seen[-1] == (3 + unproven, 0, 0, 3 + unproven)
+    assert len(rows_in(db)) == 3 + unproven
     # A second run reads the database: no case planned again.
     again = planner.sweep([SMALL], [8, 16, 32], jobs=[JOB], time_limit_s=10, db=db, workers=2)
     assert again == rows
@@ -137,7 +140,7 @@ def test_an_interrupted_sweep_resumes_without_recomputing(tmp_path: Path) -> Non
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     after = rows_in(db)
-    assert len(after) == len(gpus)
+    assert len(after) >= len(gpus)  # the cases, and a refinement of each unproven one
     for key, (status, finished) in before.items():  # kept as they were: not planned again
         assert after[key] == (status, finished)
     printed = json.loads(done.stdout)
@@ -242,6 +245,42 @@ def test_each_gpu_count_starts_from_the_plan_of_the_one_before() -> None:
     finished[key] = {"status": "optimal", "plan": {"layout": layout}}
     [(_, case, hints)] = feed.ready(8)
     assert case.gpus == 16 and hints == [layout]
+
+
+def test_a_case_is_planned_again_from_a_faster_neighbours_plan(tmp_path: Path) -> None:
+    """The refinement pass: each unproven case of a chain gets a second case seeded with the
+    other counts' plans; where one, restated for it, is faster by the estimate, the case is
+    planned again from it and its row replaces the first; where none is, the second case is
+    recorded as kept, costs no search, and the first row stands. Proven cases (optimal,
+    infeasible) get none."""
+    from planner.sweep import _Feed, refinements
+
+    chain = cases([SMALL], [8, 16, 32], jobs=[JOB], time_limit_s=2)
+    slow = Layout.uniform(SMALL, pp=4, dp=4, recompute="full")  # what 16 GPUs "found"
+    fast = Layout.uniform(SMALL, dp=8)  # the 8-GPU plan: dp 16 on 16 GPUs
+    cluster = planner.load_cluster("h100", gpus=16)
+    slow_step = planner.evaluate(SMALL, cluster, JOB, slow).step_time_s
+
+    def row(layout: Layout | None, status: str, step: float | None = None) -> dict[str, Any]:
+        plan = {"layout": layout.model_dump(mode="json")} if layout is not None else None
+        return {"status": status, "plan": plan, "step_time_s": step, "gpus": 0}
+
+    finished = {
+        chain[0].key: row(fast, "optimal"),
+        chain[1].key: row(slow, "feasible", slow_step),
+        chain[2].key: row(None, "infeasible"),
+    }
+    [again] = refinements(chain, finished)  # the proven 8 and 32 get none
+    assert again.refines == chain[1].key and again.neighbours == (chain[0].key,)
+    assert again.key not in {c.key for c in chain}
+    [(_, case, hints)] = _Feed([(again.key, again)], finished).ready(4)
+    assert hints == [slow.model_dump(mode="json"), fast.model_dump(mode="json")]
+    refined = run_case(case, hints)
+    assert refined["refined"] and refined["step_time_s"] < slow_step
+    checked([refined])
+    # a neighbour no faster than the case's own plan: kept, no search
+    kept = run_case(case, [fast.model_dump(mode="json"), slow.model_dump(mode="json")])
+    assert kept["status"] == "kept" and kept["plan"] is None
 
 
 def test_a_ray_address_nothing_answers_at_is_one_line() -> None:

@@ -326,6 +326,12 @@ def _sweep_args(cmd: argparse.ArgumentParser) -> None:
         action="store_true",
         help="plan each GPU count on its own (default: start from the next smaller count's plan)",
     )
+    cmd.add_argument(
+        "--no-refine",
+        action="store_true",
+        help="skip the second pass (default: a case is planned again from the other GPU "
+        "counts' plans where one, restated for it, is faster)",
+    )
     cmd.add_argument("--out", default=None, help="write rows to a .csv or .json file")
     cmd.add_argument("--json", action="store_true", help="print the rows as JSON")
     cmd.add_argument(

@@ -61,6 +61,7 @@ def sweep_command(args: argparse.Namespace) -> None:
             ray_address=args.ray,
             retry_failed=args.retry_failed,
             progress=progress,
+            refine=not args.no_refine,
         )
     if args.out:
         write(rows, args.out)
@@ -98,6 +99,7 @@ def _print_rows(rows: list[dict[str, Any]], db: str) -> None:
             f"{r['mfu']:.1%}" if ok else "",
             f"{r['tokens_per_s']:,.0f}" if ok else "",
             f"{r['peak_gib']:.1f}" if ok else "",
-            r.get("layout") or (r.get("error") or "")[:80],
+            (r.get("layout") or (r.get("error") or "")[:80])
+            + (" (from another count's plan)" if r.get("refined") else ""),
         )
     Console(width=max(Console().width, 132)).print(table)

@@ -380,6 +380,30 @@ def plan(
     )
 
 
+def hinted_steps(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    job: TrainingJob,
+    space: SearchSpace | None,
+    hints: Sequence[Layout],
+) -> list[tuple[float, Layout]]:
+    """The ``hints`` restated for this job as ``plan`` restates them (``hinted_layouts``:
+    this job's data-parallel degree, the nearest micro-batch and expert-parallel degree that
+    divide), each that fits with its estimated step, fastest first; none where the space
+    holds several frameworks. What a sweep asks of its other GPU counts' plans before it
+    plans a case again from them (``planner.sweep``)."""
+    asked = space or SearchSpace()
+    if len(asked.frameworks_for(job)) > 1:
+        return []
+    space = for_target(asked, job)
+    job = cluster.job_on(_framework_for(job, space))
+    configs = list(enumerate_configs(model, cluster, job, space))
+    configs += hint_configs(model, cluster, job, space, configs, hints)
+    budget = Budget(math.inf, math.inf)  # no budget: every hint is costed
+    found = hinted_layouts(model, cluster, job, configs, hints, budget)
+    return sorted(((step, layout) for step, _, layout in found), key=lambda x: x[0])
+
+
 Judged = tuple[tuple[float, Config, Layout], Estimate, float | None]
 JUDGED = 8  # the most final candidates simulated where the search's best disagrees
 
