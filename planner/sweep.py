@@ -300,6 +300,29 @@ class Store:
         self.db.close()
 
 
+def layouts_in(db: str | Path) -> list[Layout]:
+    """The layout of every planned case in a sweep database (for ``plan``'s hints), in the
+    order the cases finished; one line of error for a file that is not one."""
+    if not Path(db).is_file():
+        raise PlannerError(f"sweep.db={str(db)!r}: no such file")
+    try:  # read-only: a file that is not a sweep's is left as it was
+        con = sqlite3.connect(f"file:{Path(db).resolve()}?mode=ro", uri=True)
+        try:
+            rows = con.execute("SELECT row FROM cases ORDER BY finished").fetchall()
+        finally:
+            con.close()
+    except sqlite3.DatabaseError as exc:
+        raise PlannerError(f"sweep.db={str(db)!r}: not a sweep database ({exc})") from None
+    out: list[Layout] = []
+    for (text,) in rows:
+        layout = (json.loads(text).get("plan") or {}).get("layout")
+        if layout:
+            found = Layout(**layout)
+            if found not in out:
+                out.append(found)
+    return out
+
+
 # -- running ---------------------------------------------------------------------------
 
 Progress = Callable[[int, int, int, int], None]  # done, running, failed, total

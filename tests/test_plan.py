@@ -677,6 +677,59 @@ def test_a_step_of_too_many_micro_batches_is_refused_before_any_work() -> None:
     assert min(c.num_microbatches for c in configs) == MAX_MICROBATCHES // 8
 
 
+def test_layouts_from_plans_and_sweep_databases_seed_the_search(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``planner plan --hints FILE ...``: a sweep database gives the layout of each of its
+    planned cases (once each, failed and infeasible ones giving none), a saved plan its own;
+    the search starts from them (the plan is at least as fast as a layout offered that
+    fits), and a file that is neither is refused in one line, the database left as it was."""
+    from planner.cli import main
+    from planner.sweep import Store, layouts_in
+
+    model = planner.load_model("llama3-8b")
+    good = planner.Layout.uniform(model, pp=1, dp=8)
+    other = planner.Layout.uniform(model, pp=2, dp=4, recompute="full")
+    db = tmp_path / "s.sqlite"
+    store = Store(db)
+    for key, layout in (("a", good), ("b", None), ("c", other), ("d", good)):
+        plan = {"layout": layout.model_dump(mode="json")} if layout else None
+        store.put(key, {"status": "feasible" if layout else "infeasible", "plan": plan})
+    store.close()
+    assert layouts_in(db) == [good, other]
+    job = ["--seq-len", "2048", "--global-batch", "32", "--time-limit", "2"]
+    args = ["plan", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "8", *job]
+    assert main([*args, "--hints", str(db), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert f"2 layouts from {db} offered" in captured.err.replace("\n", "")
+    result = planner.Plan.model_validate_json(captured.out)
+    cluster = planner.load_cluster("h100", gpus=8)
+    offered = planner.evaluate(
+        model, cluster, planner.TrainingJob(seq_len=2048, global_batch=32), good
+    )
+    assert result.estimate is not None and offered.fits
+    assert result.estimate.step_time_s <= offered.step_time_s * (1 + 1e-9)
+    saved = tmp_path / "plan.json"
+    saved.write_text(captured.out)
+    assert main([*args, "--hints", str(saved), "--json"]) == 0
+    assert "1 layouts from" in capsys.readouterr().err.replace("\n", "")
+    before = db.read_bytes()
+    for bad, why in ((tmp_path / "no.json", "cannot read"), (tmp_path / "x.txt", "neither")):
+        if bad.suffix == ".txt":
+            bad.write_text("not json")
+        assert main([*args, "--hints", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and why in err, err
+    other_db = tmp_path / "other.sqlite"
+    import sqlite3
+
+    with sqlite3.connect(other_db) as con:
+        con.execute("CREATE TABLE t (x)")
+    assert main([*args, "--hints", str(other_db)]) == 2
+    assert "not a sweep database" in capsys.readouterr().err
+    assert db.read_bytes() == before
+
+
 def test_an_earlier_plan_is_replanned_for_another_gpu_count(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

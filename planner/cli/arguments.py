@@ -226,6 +226,14 @@ def _plan_args(cmd: argparse.ArgumentParser) -> None:
         "--gpus N if given, starting from its layout; says what changed",
     )
     cmd.add_argument(
+        "--hints",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="start the search from the layouts in these plans (planner plan --json) or sweep "
+        "databases (planner sweep --db), each restated for this job where it can be",
+    )
+    cmd.add_argument(
         "--zero-hpz",
         type=int,
         nargs="+",

@@ -18,6 +18,7 @@ from planner.cli.render import (
     print_time,
 )
 from planner.errors import PlannerError
+from planner.layout import Layout
 from planner.plots import picture_paths
 from planner.solve import plan
 from planner.solve.result import Plan
@@ -42,6 +43,10 @@ def plan_command(args: argparse.Namespace) -> bool:
         space = earlier.space.model_copy(update={"dp": None})  # the degrees follow the GPUs
     hints = [earlier.layout] if earlier is not None and earlier.layout is not None else []
     console = Console(width=max(Console().width, 132), stderr=True)
+    for path in args.hints or []:
+        given = hint_layouts(path)
+        hints += [h for h in given if h not in hints]
+        console.print(f"{len(given)} layouts from {path} offered to the search")
     with console.status(f"planning {model.name} on {cluster.num_gpus} x {cluster.name} ..."):
         result = plan(model, cluster, job, space, time_limit_s=args.time_limit, hints=hints)
     if args.plot and result.estimate is not None:
@@ -57,6 +62,27 @@ def plan_command(args: argparse.Namespace) -> bool:
     if earlier is not None:
         _print_changes(earlier, result)
     return True
+
+
+def hint_layouts(path: str) -> list[Layout]:
+    """The layouts of a saved plan (``planner plan --json``) or of every planned case of a
+    sweep database (``planner sweep --db``); a one-line error for anything else."""
+    from planner.sweep import layouts_in
+
+    try:
+        head = Path(path).read_bytes()[:16]
+    except OSError as exc:
+        raise PlannerError(f"--hints={path!r}: cannot read ({exc.strerror})") from None
+    if head.startswith(b"SQLite format 3"):
+        return layouts_in(path)
+    try:
+        found = Plan.model_validate_json(Path(path).read_text())
+    except (ValueError, PlannerError) as exc:
+        first = str(exc).splitlines()[0]
+        raise PlannerError(
+            f"--hints={path!r}: neither a plan (planner plan --json) nor a sweep database: {first}"
+        ) from None
+    return [found.layout] if found.layout is not None else []
 
 
 def earlier_plan(args: argparse.Namespace) -> Plan:
