@@ -730,6 +730,30 @@ def test_layouts_from_plans_and_sweep_databases_seed_the_search(
     assert db.read_bytes() == before
 
 
+def test_an_interleaved_hint_the_job_cannot_interleave_is_tried_with_one_chunk() -> None:
+    """A hint whose interleaved schedule the job's micro-batches rule out (Megatron-LM's
+    needs a multiple of pp) is restated as its one-chunk counterpart: each rank's v
+    consecutive chunks one stage, the blocks and recompute as they were."""
+    from planner.solve.first import one_chunk
+    from planner.solve.search import hinted_steps
+
+    model = planner.load_model("llama3-8b")
+    hint = planner.Layout.uniform(
+        model, pp=4, dp=2, schedule="interleaved", virtual_stages=2, recompute="full"
+    )
+    [flat] = one_chunk(hint)
+    assert flat.schedule == "1f1b" and flat.virtual_stages == 1 and len(flat.stages) == 4
+    blocks = [b for st in hint.stages for b in st.blocks]
+    assert [b for st in flat.stages for b in st.blocks] == blocks
+    assert flat.stages[1].blocks == hint.stages[2].blocks + hint.stages[3].blocks
+    assert one_chunk(flat) == []
+    cluster = planner.load_cluster("h100", gpus=16)
+    job = planner.TrainingJob(seq_len=2048, global_batch=24)  # 6 micro-batches on 4 ranks
+    [(step, restated)] = hinted_steps(model, cluster, job, None, [hint])
+    assert restated.schedule == "1f1b" and restated.dp == 4
+    assert step == planner.evaluate(model, cluster, job, restated).step_time_s
+
+
 def test_an_earlier_plan_is_replanned_for_another_gpu_count(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -17,7 +17,7 @@ from planner.costs.memory import stage_memory
 from planner.errors import PlannerError
 from planner.estimate import Estimate, evaluate
 from planner.frameworks import framework, names_with
-from planner.layout import Layout, parse_recompute
+from planner.layout import Layout, Stage, parse_recompute
 from planner.solve.bounds import bound_tables, state_fits
 from planner.solve.budget import (
     SECONDS_PER_BOUND,
@@ -219,14 +219,17 @@ def hinted_layouts(
     outside the space is passed over."""
     out: list[tuple[float, Config, Layout]] = []
     programs: set[tuple[str, int, int, int]] = set()
-    for hint in hints:
-        layers = [b.block for s in hint.stages for b in s.blocks if b.block.startswith("layer.")]
+    for given in hints:
+        layers = [b.block for s in given.stages for b in s.blocks if b.block.startswith("layer.")]
         if len(layers) != model.num_layers:
             continue  # another model's layout
-        dp = cluster.num_gpus // (hint.tp * hint.cp * hint.pp)
-        wanted = dataclasses.replace(Config.of(hint, 1), dp=dp).key(ignoring=_HINT_FREE)
-        same = [c for c in configs if c.key(ignoring=_HINT_FREE) == wanted]
-        if not same:
+        dp = cluster.num_gpus // (given.tp * given.cp * given.pp)
+        for hint in (given, *one_chunk(given)):
+            wanted = dataclasses.replace(Config.of(hint, 1), dp=dp).key(ignoring=_HINT_FREE)
+            same = [c for c in configs if c.key(ignoring=_HINT_FREE) == wanted]
+            if same:
+                break
+        else:
             continue
 
         def near(c: Config, hint: Layout = hint) -> tuple[object, ...]:
@@ -267,6 +270,30 @@ def hinted_layouts(
         if est.fits and host_ok(job, cluster, layout, est):
             out.append((est.step_time_s, config, layout))
     return out
+
+
+# The schedule of one chunk a rank that runs as an interleaved one does, on the same ranks
+# (Megatron-LM merges a forward and a backward only on the interleaved path when pp > 1).
+ONE_CHUNK = {"interleaved": "1f1b", "interleaved-ep-overlap": "1f1b"}
+
+
+def one_chunk(hint: Layout) -> list[Layout]:
+    """An interleaved ``hint`` as its one-chunk counterpart (each v consecutive chunks one
+    stage, the same blocks and recompute), for a job whose micro-batches the interleaved
+    schedule cannot take (Megatron-LM's needs a multiple of pp); none otherwise."""
+    schedule = ONE_CHUNK.get(hint.schedule)
+    v = hint.virtual_stages
+    if schedule is None or v < 2 or len(hint.stages) != hint.pp * v:
+        return []
+    stages = [
+        Stage(blocks=[b for part in hint.stages[i : i + v] for b in part.blocks])
+        for i in range(0, len(hint.stages), v)
+    ]
+    update = {"schedule": schedule, "virtual_stages": 1, "stages": stages}
+    try:
+        return [Layout(**{**dict(hint), **update})]
+    except PlannerError:
+        return []
 
 
 def quick_layout(
