@@ -85,6 +85,7 @@ COLUMNS = (
     "layout",
     "solve_time_s",
     "error",
+    "refined",  # planned again from another GPU count's plan (see the module docstring)
 )
 
 
