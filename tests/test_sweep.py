@@ -25,7 +25,7 @@ from planner.check import check_plan
 from planner.layout import Layout
 from planner.plots import plot_sweep
 from planner.solve import search
-from planner.sweep import cases, run, run_case, write
+from planner.sweep import Store, cases, run, run_case, write
 
 PLANNER = str(Path(sys.executable).parent / "planner")
 SMALL = planner.load_model("llama3-8b").model_copy(update={"num_layers": 4, "name": "llama4l"})
@@ -281,6 +281,36 @@ def test_a_case_is_planned_again_from_a_faster_neighbours_plan(tmp_path: Path) -
     # a neighbour no faster than the case's own plan: kept, no search
     kept = run_case(case, [fast.model_dump(mode="json"), slow.model_dump(mode="json")])
     assert kept["status"] == "kept" and kept["plan"] is None
+
+
+@pytest.mark.slow
+def test_a_sweep_returns_the_faster_of_a_case_and_its_refinement(tmp_path: Path) -> None:
+    """With the first pass already in the database (one slow plan among them), ``run``
+    plans only the refinement and returns, for that case, its faster row; the others as
+    they were."""
+    chain = cases([SMALL], [8, 16], jobs=[JOB], time_limit_s=2)
+    slow = Layout.uniform(SMALL, pp=4, dp=4, recompute="full")
+    fast = Layout.uniform(SMALL, dp=8)
+    cluster = planner.load_cluster("h100", gpus=16)
+    slow_step = planner.evaluate(SMALL, cluster, JOB, slow).step_time_s
+    db = tmp_path / "r.sqlite"
+    store = Store(db)
+    first = [
+        {"gpus": 8, "status": "optimal", "plan": {"layout": fast.model_dump(mode="json")}},
+        {
+            "gpus": 16,
+            "status": "feasible",
+            "step_time_s": slow_step,
+            "plan": {"layout": slow.model_dump(mode="json")},
+        },
+    ]
+    for case, row in zip(chain, first, strict=True):
+        store.put(case.key, row)
+    store.close()
+    rows = run(chain, db=db, workers=1)
+    assert rows[0] == first[0]
+    assert rows[1]["refined"] and rows[1]["step_time_s"] < slow_step
+    assert run(chain, db=db, workers=1, refine=False)[1] == first[1]
 
 
 def test_a_ray_address_nothing_answers_at_is_one_line() -> None:
