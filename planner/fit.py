@@ -536,6 +536,8 @@ OPTIONAL_COLUMNS = {
     "(TrainingJob.loss_fusion)",
     "dispatcher": "alltoall (default), allgather or deepep: how MoE tokens reach their "
     "experts (TrainingJob.moe_dispatcher)",
+    "qk_norm_gathered": "true or false (default): q and k all-gathered over tp after their "
+    "norms (TrainingJob.qk_norm_gathered; torchtitan's Qwen3 before 8c1d1c5f)",
     "step_s": "measured seconds per step (or metric + value)",
     "metric": "step_s or tokens_per_s_per_gpu, with value",
     "value": "the measured figure in metric's unit",
@@ -734,6 +736,7 @@ def layout_from_row(
             attention_kernel=text("attention_kernel", "fused").lower(),
             loss_fusion=text("loss_fusion", "none").lower(),
             moe_dispatcher=text("dispatcher", "alltoall").lower(),
+            qk_norm_gathered=flag("qk_norm_gathered", False),
             **({"grad_dtype": text("grad_dtype").lower()} if text("grad_dtype") else {}),
             **({"moment_dtype": text("moment_dtype").lower()} if text("moment_dtype") else {}),
             **(

@@ -748,6 +748,17 @@ class TrainingJob(Spec):
         "loss keeps the logits in the activation dtype and no FP32 copy. torchtitan and torch "
         "only.",
     )
+    # torchtitan's Qwen3 tensor-parallel plan up to 8c1d1c5f (2025-10-14, PR #1870 "Remove
+    # unnecessary all-gather qwen3", after issue #1867): q_norm and k_norm ran as NoParallel
+    # with a Replicate output (torchtitan/distributed/__init__.py's NoParallel redistributes
+    # its DTensor output to it), so each layer all-gathered q and k over the tensor-parallel
+    # group, forward and backward, and the rotary embedding ran on every head on every rank.
+    qk_norm_gathered: bool = Field(
+        default=False,
+        description="q and k are all-gathered over the tensor-parallel group after their norms "
+        "and the rotary embedding runs unsharded (torchtitan's Qwen3 before commit 8c1d1c5f, "
+        "PR #1870); only where the model has q/k norms and tp > 1.",
+    )
     # torchtitan's ChunkedCELoss (torchtitan/components/loss.py; its recipes' loss since
     # 786e26f8, 2026-04-27, num_chunks 8, after v0.2.2's TOML configs): the final norm's
     # output is cut by token into chunks, and each chunk's output layer, loss and their

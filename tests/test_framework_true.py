@@ -3,6 +3,7 @@ dispatcher, Megatron-LM's expert all-to-all overlap and ZeRO-1/2's weight all-ga
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -258,3 +259,33 @@ def test_a_predicted_mfu_above_every_measured_one_at_its_scale_says_so() -> None
     assert "exceeds the best measured" in note and "likely optimistic" in note
     assert mfu_note("h100", "bf16", 8192, 0.20) == ""
     assert mfu_note("not-a-gpu", "bf16", 8, 0.99) == ""
+
+
+def test_gathered_q_and_k_cost_their_all_gathers_and_an_unsharded_rotary_embedding() -> None:
+    """torchtitan's Qwen3 tensor-parallel plan before 8c1d1c5f (PR #1870): q_norm and
+    k_norm as NoParallel gather q and k over tp after the norms, so a layer all-gathers
+    tokens x (heads + kv heads) x head_dim each pass (half an all-reduce of that many bytes,
+    the unit of ``tp_collectives``, whose region is tokens x hidden), and the rotary
+    embedding reads and writes every head on every rank: (tp - 1) / tp of it more. Nothing
+    changes at tp 1 or for a model without q/k norms."""
+    qwen = planner.load_model("qwen3-32b")
+    llama = planner.load_model("llama3-8b")
+    job = planner.TrainingJob(seq_len=4096, global_batch=64, framework="torchtitan")
+    gathered = job.model_copy(update={"qk_norm_gathered": True})
+
+    def layer(model: planner.ModelSpec, j: planner.TrainingJob, tp: int) -> object:
+        layout = planner.Layout.uniform(model, tp=tp, dp=8 // tp, zero=3)
+        return block_costs(model, layout, shard_of(j, layout))["layer.0"]
+
+    d, nq, nkv, h = qwen.head_dim, qwen.num_attention_heads, qwen.num_kv_heads, qwen.hidden_size
+    for tp in (2, 8):
+        plain, with_gather = layer(qwen, job, tp), layer(qwen, gathered, tp)
+        extra = with_gather.tp_collectives - plain.tp_collectives  # type: ignore[attr-defined]
+        assert extra == pytest.approx((nq + nkv) * d / h / 2)
+        tokens, a = 4096, 2  # one sequence a micro-batch, BF16
+        rotary = 2 * tokens * (nq + nkv) * d * a  # read + write, every head
+        more = with_gather.fwd.memory - plain.fwd.memory  # type: ignore[attr-defined]
+        assert more == pytest.approx(rotary - rotary / tp)
+    for model, tp in ((qwen, 1), (llama, 8)):
+        a, b = layer(model, gathered, tp), layer(model, job, tp)
+        assert all(getattr(a, f.name) == getattr(b, f.name) for f in dataclasses.fields(a))  # type: ignore[arg-type]

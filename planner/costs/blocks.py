@@ -158,6 +158,7 @@ class Shard:
     loss_compiled: bool = False
     loss_chunks: int = 1  # the output layer and loss over this many token chunks
     op_sac: bool = False  # per-op selective checkpointing is on the menu (torchtitan's; OP)
+    qk_gathered: bool = False  # q and k all-gathered after their norms (TrainingJob field)
     # The runtime computes norms, rotary embeddings, SwiGLU's backward and the loss in eager
     # FP32 ops, one kernel per op (Framework.eager_passes; ``eager_bytes``)
     eager_passes: bool = False
@@ -210,7 +211,7 @@ class BlockCost:
     # here), so the level then is the level at the end of that forward.
     transient: int = 0
     module_work: Mapping[str, Work] = field(default_factory=dict)  # forward work per module
-    tp_collectives: int = 0  # tensor-parallel all-reduces (or AG+RS pairs) in forward
+    tp_collectives: float = 0  # tensor-parallel all-reduces (or AG+RS pairs) in forward
     moe_layers: int = 0  # MoE layers in the block: 4 expert all-to-alls each per micro-batch
     tokens_per_expert: float = 0.0  # tokens each local expert's GEMMs see (busiest rank)
     tp: int = 1  # tensor-parallel degree the block is sharded over (GEMM shapes)
@@ -351,7 +352,7 @@ class BlockBuilder:
     saved: list[ActGroup] = field(default_factory=list)
     transient: int = 0  # see ``BlockCost.transient``
     module_work: dict[str, list[Work]] = field(default_factory=dict)
-    tp_collectives: int = 0
+    tp_collectives: float = 0
     moe_layers: int = 0
     tokens_per_expert: float = 0.0
     tp: int = 1
@@ -1039,11 +1040,19 @@ def _gqa(
     cost.save(prefix + "v", tokens * nkv * d * a / t, attn_in)
     if model.qk_norm or (model.qk_l2_norm and rope):
         _qk_norm(cost, model, shard, prefix, weights=model.qk_norm)
+    # Where q and k are gathered after their norms (TrainingJob.qk_norm_gathered), each
+    # layer all-gathers them over tp, and their gradients in backward (an all-gather of a
+    # region is half its all-reduce, the unit of tp_collectives), and the rotary embedding
+    # that follows runs on every head.
+    gathered = model.qk_norm and shard.qk_gathered and t > 1
+    if gathered:
+        cost.tp_collectives += (nq + nkv) * d / h / 2
     if rope and not model.learned_positions:  # rotary embedding of q and k: read + write
         turned = (nq + nkv) * d * model.rotary_percent  # the share partial_rotary_factor turns
-        cost.elementwise(2 * tokens * turned * a / t, *_op(shard))
+        on = 1 if gathered else t
+        cost.elementwise(2 * tokens * turned * a / on, *_op(shard))
         if shard.eager_passes:
-            _eager(cost, tokens * turned / t, "rotary", a, *_op(shard))
+            _eager(cost, tokens * turned / on, "rotary", a, *_op(shard))
     if shard.cp_a2a > 1:  # q, k and v to the head split, the output back
         cost.cp_a2a_bytes += 2 * tokens * (nq + nkv) * d * a / t
     if shard.cp_a2a < shard.cp:  # the K and V the context ring passes (as many bytes a step

@@ -205,6 +205,7 @@ def shard_of(job: TrainingJob, layout: Layout) -> Shard:
         eager_passes=fw.eager_passes,
         grad_accumulation_bytes=DTYPE_BYTES[job.grad_dtype] if fw.grad_accumulation_pass else 0,
         op_sac=fw.op_sac,
+        qk_gathered=job.qk_norm_gathered,
     )
 
 
