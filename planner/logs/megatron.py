@@ -372,6 +372,9 @@ def row_of(args: Args, gpus: int, notes: list[str]) -> dict[str, str]:
         if args.get("--cross-entropy-loss-fusion")
         else "",
         **optimizer_dtypes(args),
+        # q and k stay split with their heads through their norms (the all-gather is a
+        # torchtitan plan's: TrainingJob.qk_norm_gathered)
+        "qk_norm_gathered": "",
         "etp": str(etp),
         "zero": str(zero),
     }
