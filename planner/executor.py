@@ -36,9 +36,9 @@ What waits for what: a task (one op, or a paired forward and backward) starts wh
 rank's previous task is done and its inputs have arrived (a send from another rank arrives
 when its flow ends); within an op, each block's pieces run in order; a paired task runs its
 two chunks as two chains on one compute stream, so one chunk's all-to-alls hide behind the
-other's compute exactly as far as their lengths allow, except where the framework's runtime
-runs a pair's two ops one after the other (``Overlap.pairs_in_turn``: torch's pipelining
-runtime), which then they do. Sends are synchronous (the sender's op
+other's compute exactly as far as their lengths allow; where the framework's runtime runs a
+pair's two ops one after the other (``Overlap.pairs_in_turn``: torch's pipelining runtime),
+so does the executor. Sends are synchronous (the sender's op
 ends with its send) except where the framework posts them asynchronously
 (``Overlap.async_sends``). Where the framework overlaps the data-parallel reduction
 (``Overlap.grad_sync``), each block's share of its stage's reduction is issued once the

@@ -45,9 +45,6 @@ class Overlap:
     # where the runtime overlaps them as DeepSeek-V3's report states (section 3.2.1), 0 where
     # it runs the pair's two halves in turn (``costs.overlap``).
     pair_hidden: float = 1.0
-    # The runtime runs a pair's forward and backward one after the other (the simulator's
-    # program for a pair, ``planner.executor.pair_program``; ``pair_hidden`` 0 prices it).
-    pairs_in_turn: bool = False
     # The schedules whose pipeline sends it posts asynchronously: the sender computes on,
     # the receiver waits for the data just before the op that needs it (``planner.timeline``).
     async_send_schedules: tuple[str, ...] = ()
@@ -56,6 +53,12 @@ class Overlap:
     # The GPU's SMs: the cluster's (``costs.overlap.overlap_of``); an entry's are
     # ``UNSTATED_SM_COUNT``, as are those of a cluster that does not state its own.
     sm_count: int = UNSTATED_SM_COUNT
+
+    @property
+    def pairs_in_turn(self) -> bool:
+        """The runtime runs a pair's forward and backward one after the other (nothing of
+        either hidden: ``pair_hidden`` 0), as the simulator then does (``planner.executor``)."""
+        return self.pair_hidden == 0
 
 
 @dataclass(frozen=True)
@@ -333,9 +336,7 @@ FRAMEWORKS: dict[str, Framework] = {
         # backward in turn unless a custom function is registered for it (schedules.py,
         # _PipelineScheduleRuntime; torch 2.13), and torchtitan registers none outside its
         # experiments: DualPipeV's pairs hide nothing.
-        overlap=Overlap(
-            zero=True, grad_sync=True, param_gather=True, pair_hidden=0.0, pairs_in_turn=True
-        ),
+        overlap=Overlap(zero=True, grad_sync=True, param_gather=True, pair_hidden=0.0),
         tp_overlap="async",
         # Async TP hides 0.45 of what it could: a fit to torchtitan's five published on/off
         # pairs (benchmarks/tp_overlap_pairs.py: Llama 3 8B and 70B, BF16 and float8, June
@@ -386,7 +387,7 @@ FRAMEWORKS: dict[str, Framework] = {
         weight_dtype="bf16",
         grad_dtype="bf16",
         master_dtype="fp32",
-        overlap=Overlap(zero=True, grad_sync=True, pair_hidden=0.0, pairs_in_turn=True),
+        overlap=Overlap(zero=True, grad_sync=True, pair_hidden=0.0),
         tp_overlap="none",
         fp8_keeps_fp8_inputs=True,
         fixed_reduce_buckets=True,
@@ -429,9 +430,7 @@ FRAMEWORKS: dict[str, Framework] = {
         weight_dtype="fp32",
         grad_dtype="fp32",
         master_dtype=None,
-        overlap=Overlap(  # torch's runtime
-            zero=False, grad_sync=False, pair_hidden=0.0, pairs_in_turn=True
-        ),
+        overlap=Overlap(zero=False, grad_sync=False, pair_hidden=0.0),  # torch's runtime
         tp_overlap="none",
         compiles_loss=True,
         eager_passes=True,

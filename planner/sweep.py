@@ -194,15 +194,10 @@ def _refined(case: Case, hints: Sequence[dict[str, Any]]) -> dict[str, Any]:
         cluster = load_cluster(case.gpu, gpus=case.gpus)
         job = TrainingJob(**case.job)
         space = SearchSpace(**case.space)
-        own, *others = [Layout(**h) for h in hints]
-        mine = hinted_steps(model, cluster, job, space, [own])
-        if not mine:
+        mine, *others = hinted_steps(model, cluster, job, space, [Layout(**h) for h in hints])
+        if mine is None:
             return kept
-        faster = [
-            layout
-            for step, layout in hinted_steps(model, cluster, job, space, others)
-            if step < mine[0][0]
-        ]
+        faster = [o[1] for o in sorted(filter(None, others), key=lambda o: o[0]) if o[0] < mine[0]]
     except Exception as exc:  # no refinement beats a failed check: the first row stands
         return {**kept, "error": f"{type(exc).__name__}: " + " ".join(str(exc).split())[:300]}
     if not faster:

@@ -4,6 +4,7 @@ the space it was searched in (the ``plan_checked`` fixture, tests/conftest.py)."
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -678,7 +679,7 @@ def test_a_step_of_too_many_micro_batches_is_refused_before_any_work() -> None:
 
 
 def test_layouts_from_plans_and_sweep_databases_seed_the_search(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``planner plan --hints FILE ...``: a sweep database gives the layout of each of its
     planned cases (once each, failed and infeasible ones giving none), a saved plan its own;
@@ -687,6 +688,14 @@ def test_layouts_from_plans_and_sweep_databases_seed_the_search(
     from planner.cli import main
     from planner.sweep import Store, layouts_in
 
+    given: list[list[planner.Layout]] = []
+
+    def seen(*args: object, hints: list[planner.Layout], **kw: object) -> planner.Plan:
+        given.append(list(hints))
+        return planner.plan(*args, hints=hints, **kw)  # type: ignore[arg-type]
+
+    # the command's module (the package's attribute of that name is not the module)
+    monkeypatch.setattr(importlib.import_module("planner.cli.plan"), "plan", seen)
     model = planner.load_model("llama3-8b")
     good = planner.Layout.uniform(model, pp=1, dp=8)
     other = planner.Layout.uniform(model, pp=2, dp=4, recompute="full")
@@ -702,6 +711,7 @@ def test_layouts_from_plans_and_sweep_databases_seed_the_search(
     assert main([*args, "--hints", str(db), "--json"]) == 0
     captured = capsys.readouterr()
     assert f"2 layouts from {db} offered" in captured.err.replace("\n", "")
+    assert given[-1] == [good, other]  # what the search was handed
     result = planner.Plan.model_validate_json(captured.out)
     cluster = planner.load_cluster("h100", gpus=8)
     offered = planner.evaluate(
@@ -749,7 +759,9 @@ def test_an_interleaved_hint_the_job_cannot_interleave_is_tried_with_one_chunk()
     assert one_chunk(flat) == []
     cluster = planner.load_cluster("h100", gpus=16)
     job = planner.TrainingJob(seq_len=2048, global_batch=24)  # 6 micro-batches on 4 ranks
-    [(step, restated)] = hinted_steps(model, cluster, job, None, [hint])
+    [found] = hinted_steps(model, cluster, job, None, [hint])
+    assert found is not None
+    step, restated = found
     assert restated.schedule == "1f1b" and restated.dp == 4
     assert step == planner.evaluate(model, cluster, job, restated).step_time_s
 

@@ -70,13 +70,13 @@ def hint_layouts(path: str) -> list[Layout]:
     from planner.sweep import layouts_in
 
     try:
-        head = Path(path).read_bytes()[:16]
+        data = Path(path).read_bytes()
     except OSError as exc:
         raise PlannerError(f"--hints={path!r}: cannot read ({exc.strerror})") from None
-    if head.startswith(b"SQLite format 3"):
+    if data.startswith(b"SQLite format 3"):
         return layouts_in(path)
     try:
-        found = Plan.model_validate_json(Path(path).read_text())
+        found = Plan.model_validate_json(data)
     except (ValueError, PlannerError) as exc:
         first = str(exc).splitlines()[0]
         raise PlannerError(

@@ -174,13 +174,11 @@ def plan(
             hints=hints,
             clock_limit_s=clock_limit_s,
         )
-    space = for_target(asked, job)
-    job = cluster.job_on(_framework_for(job, space))  # the machine's measured memory figures
+    space, job = _target(asked, cluster, job)
     check_step_size(cluster, job, space)
-    configs = list(enumerate_configs(model, cluster, job, space))
     # The caller's hints, then the catalog's published layouts of this model on this machine
     known = [*hints, *(k for k in known_layouts(model, cluster, job) if k not in hints)]
-    configs += hint_configs(model, cluster, job, space, configs, known)
+    configs = _configs(model, cluster, job, space, known)
     if job.ema and space.ema is None:
         # The EMA goes to host RAM (no HBM, no step time) unless the host cannot hold it;
         # what a rank keeps there depends on its degrees, ZeRO stage and DualPipe's copies.
@@ -380,28 +378,51 @@ def plan(
     )
 
 
+def _target(
+    asked: SearchSpace, cluster: ClusterSpec, job: TrainingJob
+) -> tuple[SearchSpace, TrainingJob]:
+    """The space as the job's target launcher runs it, and the job under that framework with
+    the machine's measured memory figures (``ClusterSpec.job_on``)."""
+    space = for_target(asked, job)
+    return space, cluster.job_on(_framework_for(job, space))
+
+
+def _configs(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    job: TrainingJob,
+    space: SearchSpace,
+    hints: Sequence[Layout],
+) -> list[Config]:
+    """The configurations the search takes: the space's, and those of ``hints`` with virtual
+    stages outside its menu (``hint_configs``)."""
+    configs = list(enumerate_configs(model, cluster, job, space))
+    return configs + hint_configs(model, cluster, job, space, configs, hints)
+
+
 def hinted_steps(
     model: ModelSpec,
     cluster: ClusterSpec,
     job: TrainingJob,
     space: SearchSpace | None,
     hints: Sequence[Layout],
-) -> list[tuple[float, Layout]]:
-    """The ``hints`` restated for this job as ``plan`` restates them (``hinted_layouts``:
-    this job's data-parallel degree, the nearest micro-batch and expert-parallel degree that
-    divide), each that fits with its estimated step, fastest first; none where the space
-    holds several frameworks. What a sweep asks of its other GPU counts' plans before it
-    plans a case again from them (``planner.sweep``)."""
+) -> list[tuple[float, Layout] | None]:
+    """Each of the ``hints`` restated for this job as ``plan`` restates them
+    (``hinted_layouts``: this job's data-parallel degree, the nearest micro-batch and
+    expert-parallel degree that divide) with its estimated step, or None where it does not
+    restate or fit; all None where the space holds several frameworks. What a sweep asks of
+    its other GPU counts' plans before it plans a case again from them (``planner.sweep``)."""
     asked = space or SearchSpace()
     if len(asked.frameworks_for(job)) > 1:
-        return []
-    space = for_target(asked, job)
-    job = cluster.job_on(_framework_for(job, space))
-    configs = list(enumerate_configs(model, cluster, job, space))
-    configs += hint_configs(model, cluster, job, space, configs, hints)
+        return [None] * len(hints)
+    target, job = _target(asked, cluster, job)
+    configs = _configs(model, cluster, job, target, hints)
     budget = Budget(math.inf, math.inf)  # no budget: every hint is costed
-    found = hinted_layouts(model, cluster, job, configs, hints, budget)
-    return sorted(((step, layout) for step, _, layout in found), key=lambda x: x[0])
+    out: list[tuple[float, Layout] | None] = []
+    for hint in hints:
+        found = hinted_layouts(model, cluster, job, configs, [hint], budget)
+        out.append((found[0][0], found[0][2]) if found else None)
+    return out
 
 
 Judged = tuple[tuple[float, Config, Layout], Estimate, float | None]
