@@ -7,11 +7,14 @@
 # a step's fixed costs (gpu_step.py), the allocator's reserved-over-allocated ratio on
 # training steps under both allocator settings (gpu_memory.py), the same over a grid of
 # vocabularies, sequences, depths and recompute, two processes at a time (memgrid), a
-# collective's stand-in beside GEMMs (gpu_overlap.py), and the GPU-only tests. Every
+# collective's stand-in beside GEMMs (gpu_overlap.py) and beside a dense and an MoE layer's
+# forward and backward (overlap-layers), the allocator's every request on the project's own
+# real runs (gpu_alloc_trace.py, alloctrace), and the GPU-only tests. Every
 # step has its own time limit, so one that fails or runs long leaves the others' figures.
 # Usage: benchmarks/gpu_ground_truth.sh OUTDIR [CATALOG_MACHINE [STEP ...]], steps among
-# sweep kernels attention host graph training memory memgrid overlap tests catalog
-# (default: all but memgrid and overlap). Needs
+# sweep kernels attention host graph training memory memgrid overlap overlap-layers
+# alloctrace tests catalog (default: all but memgrid, overlap, overlap-layers and alloctrace).
+# Needs
 # python3 with torch (CUDA) and the project's dependencies importable (PYTHONPATH).
 out=${1:?usage: gpu_ground_truth.sh OUTDIR [CATALOG_MACHINE [STEP ...]]}
 machine=${2:-h200}
@@ -75,6 +78,17 @@ step 150 memory bash -c memory
 export memgrid_configs
 step 300 memgrid bash -c 'echo "$memgrid_configs" | xargs -P 2 -I{} bash -c "memgrid_one \"{}\""'
 step 120 overlap python3 benchmarks/gpu_overlap.py
+step 120 overlap-layers python3 benchmarks/gpu_overlap.py --shapes "" --blocks 1,2,4,16,32,132 \
+  --layers dense:llama3-8b,moe:qwen3-235b-a22b:16
+alloctrace() {  # the traces packed as each set ends, so a set cut short leaves the other's
+  PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 180 python3 benchmarks/gpu_alloc_trace.py "$out/alloc-dense"
+  tar -czf "$out/alloc-dense.tgz" -C "$out" alloc-dense && rm -r "$out/alloc-dense"
+  PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 100 python3 benchmarks/gpu_alloc_trace.py "$out/alloc-moe" --moe
+  tar -czf "$out/alloc-moe.tgz" -C "$out" alloc-moe && rm -r "$out/alloc-moe"
+}
+export -f alloctrace
+export out
+step 300 alloctrace bash -c alloctrace
 step 60 tests python3 -m pytest -o addopts= -q -p no:cacheprovider tests/test_device_path.py -k cuda
 step 150 catalog python3 -m planner.cli calibrate --sweep --device cuda --cluster "$machine" \
   --out "$out/sweep-catalog.json"

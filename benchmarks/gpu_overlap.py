@@ -26,6 +26,8 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -50,6 +52,44 @@ def _elapsed_ms(start: torch.cuda.Event, end: torch.cuda.Event) -> float:
     return float(start.elapsed_time(end))
 
 
+def _gemm_work(shape: str) -> tuple[str, Callable[[], None], float]:
+    m, n, k = (int(x) for x in shape.split("x"))
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+
+    def once() -> None:
+        a @ b
+
+    return shape, once, 2.0 * m * n * k
+
+
+def _layer_work(spec: str, tokens: int) -> tuple[str, Callable[[], None], float]:
+    """``dense:MODEL``: one layer of the catalog model (``planner.run.model.DenseLayer``),
+    forward and backward over ``tokens`` tokens; ``moe:MODEL:E``: the same layer with its
+    routed experts cut to the ``E`` an expert-parallel rank holds, each expert then getting
+    ``tokens * k / E`` rows, its experts run as a loop of GEMMs with the host reading the
+    counts, as ``planner.run``'s MoE does."""
+    from planner.catalog import load_model
+    from planner.run.model import DenseLayer
+
+    kind, _, rest = spec.partition(":")
+    name, _, local = rest.partition(":")
+    model = load_model(name)
+    if kind == "moe":
+        model = model.model_copy(update={"num_experts": int(local or model.num_experts)})
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        layer = DenseLayer(model, torch.bfloat16, moe=kind == "moe")
+    x = torch.randn(1, tokens, model.hidden_size, device="cuda", dtype=torch.bfloat16)
+    x.requires_grad_(True)
+    grad = torch.randn_like(x)
+
+    def once() -> None:
+        layer(x).backward(grad)
+
+    return spec, once, 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--copy-mib", type=int, default=256)
@@ -57,9 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--shapes",
         default="8192x8192x8192,8192x28672x4096,8192x4096x14336",
-        help="GEMMs as MxNxK (BF16)",
+        help="GEMMs as MxNxK (BF16); empty for none",
     )
     p.add_argument("--gemms", type=int, default=40, help="GEMMs per timing")
+    p.add_argument(
+        "--layers",
+        default="",
+        help="comma-separated layers, each dense:MODEL or moe:MODEL:LOCAL_EXPERTS, run "
+        "forward and backward beside the copy (e.g. dense:llama3-8b,moe:qwen3-235b-a22b:16)",
+    )
+    p.add_argument("--tokens", type=int, default=4096, help="tokens a layer runs on")
+    p.add_argument("--passes", type=int, default=8, help="layer passes per timing")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_overlap: needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -88,40 +136,35 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
         return moved * reps / (_elapsed_ms(e0, e1) / 1e3) / 1e9
 
-    for shape in args.shapes.split(","):
-        m, nn_, kk = (int(x) for x in shape.split("x"))
-        a = torch.randn(m, kk, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(kk, nn_, device="cuda", dtype=torch.bfloat16)
+    works = [(w, args.gemms) for w in (_gemm_work(s) for s in args.shapes.split(",") if s)]
+    works += [
+        (w, args.passes) for w in (_layer_work(s, args.tokens) for s in args.layers.split(",") if s)
+    ]
+    for (name, once, flops), count in works:
 
-        def gemms(count: int = args.gemms, a: torch.Tensor = a, b: torch.Tensor = b) -> None:
+        def run(count: int = count, once: Callable[[], None] = once) -> None:
             for _ in range(count):
-                a @ b
+                once()
 
-        gemms(5)
+        with torch.cuda.stream(s_gemm):
+            run(3)
         torch.cuda.synchronize()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        gemms()
-        e1.record()
+        with torch.cuda.stream(s_gemm):
+            e0.record()
+            run()
+            e1.record()
         torch.cuda.synchronize()
-        gemm_ms = _elapsed_ms(e0, e1) / args.gemms
-        tflops = 2 * m * nn_ * kk / (gemm_ms / 1e3) / 1e12
-        print(
-            json.dumps(
-                {
-                    "shape": shape,
-                    "gemm_alone_ms": round(gemm_ms, 4),
-                    "tflops": round(tflops, 1),
-                    "sms": sms,
-                }
-            ),
-            flush=True,
-        )
+        work_ms = _elapsed_ms(e0, e1) / count
+        head: dict[str, Any] = {"work": name, "alone_ms": round(work_ms, 4), "sms": sms}
+        if flops:
+            head["tflops"] = round(flops / (work_ms / 1e3) / 1e12, 1)
+        print(json.dumps(head), flush=True)
         for k in (int(x) for x in args.blocks.split(",")):
             bw_alone = copy_alone(k)
             pass_ms = moved / (bw_alone * 1e9) * 1e3
-            window = gemm_ms * args.gemms
-            for order in ("copy_first", "gemm_first"):
+            window = work_ms * count
+            for order in ("copy_first", "work_first"):
                 reps = max(2, math.ceil(1.5 * window / pass_ms) + 1)
                 start = torch.cuda.Event()
                 g0, g1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -141,11 +184,11 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         with torch.cuda.stream(s_gemm):
                             g0.record()
-                            gemms()
+                            run()
                             g1.record()
                 torch.cuda.synchronize()
-                together = _elapsed_ms(g0, g1) / args.gemms
-                # The copy's passes that ended inside the GEMMs' window, from the later start.
+                together = _elapsed_ms(g0, g1) / count
+                # The copy's passes that ended inside the work's window, from the later start.
                 t_start = max(0.0, _elapsed_ms(c0, g0))
                 t_end = _elapsed_ms(c0, g1)
                 done = [_elapsed_ms(c0, e) for e in ends]
@@ -156,13 +199,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     json.dumps(
                         {
-                            "shape": shape,
+                            "work": name,
                             "blocks": k,
                             "order": order,
-                            "gemm_slowdown": round(together / gemm_ms, 4),
+                            "work_slowdown": round(together / work_ms, 4),
                             "copy_alone_GBps": round(bw_alone, 1),
                             "copy_beside_GBps": None if bw is None else round(bw, 1),
-                            "copy_outlasted_gemms": done[-1] > t_end,
+                            "copy_outlasted_work": done[-1] > t_end,
                         }
                     ),
                     flush=True,

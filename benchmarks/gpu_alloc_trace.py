@@ -1,0 +1,104 @@
+"""The CUDA caching allocator's every request, release and segment on the project's own real
+runs, for replaying an allocator model on them.
+
+``planner validate --set one-gpu`` (and ``one-gpu-moe``) measure each layout's allocated and
+reserved peaks; the memory model predicts the first and adds a fraction of it for the second,
+and that fraction misses the default allocator's reserved peaks by 5-10% held out. This runs
+the same layouts (``planner.run.validate.one_gpu_set``, the same worker, ``compare``) with
+``torch.cuda.memory._record_memory_history`` on in each rank's process from its first
+allocation, and writes, per layout, the allocator's trace as gzipped JSON (``events``: action,
+address, bytes, stream; no stacks) beside the peaks ``compare`` measured. What the traces are
+for: a model of the allocator (its rounding, segment sizes and best-fit reuse) replayed on a
+real request sequence must land on the measured reserved peak before it is replayed on a
+sequence the planner writes itself.
+
+Run on a CUDA machine: ``python benchmarks/gpu_alloc_trace.py OUTDIR [--moe] [--only 3 6]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from planner.run import execute
+
+_ORIGINAL = execute._worker
+_DIR = "PLANNER_ALLOC_TRACE_DIR"  # read by the ranks' processes, set before the first starts
+
+
+def traced_worker(rank: int, model: Any, job: Any, layout: Any, *rest: Any) -> None:
+    """``planner.run.execute``'s worker with the allocator's history recorded."""
+    from planner.run.validate import describe, layout_name
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.memory._record_memory_history("all", context=None, stacks="python")
+    _ORIGINAL(rank, model, job, layout, *rest)
+    trace = (
+        torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()] if cuda else []
+    )
+    name = f"{model.name} {layout_name(describe(layout))} r{rank}".replace(" ", "_")
+    with gzip.open(Path(os.environ[_DIR]) / f"{name}.json.gz", "wt") as f:
+        json.dump(
+            {
+                "model": model.name,
+                "layout": describe(layout),
+                "rank": rank,
+                "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                "events": [
+                    [e["action"], e.get("addr", 0), e["size"], e.get("stream", 0)] for e in trace
+                ],
+            },
+            f,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from planner.run.device import Device
+    from planner.run.validate import compare, describe, layout_name, one_gpu_set
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--moe", action="store_true", help="the one-gpu-moe set")
+    p.add_argument("--only", type=int, nargs="*", help="cases by number, from 1")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--device", default="cuda", help="cpu: a dry run, no trace")
+    args = p.parse_args(argv)
+    device = Device.of(args.device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    os.environ[_DIR] = str(args.out.resolve())
+    execute._worker = traced_worker  # type: ignore[assignment]
+    job, cases = one_gpu_set(moe=args.moe)
+    for i, (model, layout) in enumerate(cases, 1):
+        if args.only and i not in args.only:
+            continue
+        entries = compare(model, job, layout, steps=args.steps, device=device)
+        for e in entries:
+            row = {
+                "case": i,
+                "model": model.name,
+                "layout": layout_name(describe(layout)),
+                "rank": e.rank,
+                "allocated_peak_bytes": e.allocated_peak_bytes,
+                "reserved_peak_bytes": e.reserved_peak_bytes,
+                "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+            }
+            print(json.dumps(row), flush=True)
+            with open(args.out / "peaks.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    # The ranks' processes find the worker by this module's name, not as __main__.
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gpu_alloc_trace
+
+    sys.exit(gpu_alloc_trace.main())
