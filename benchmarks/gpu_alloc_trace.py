@@ -12,7 +12,12 @@ for: a model of the allocator (its rounding, segment sizes and best-fit reuse) r
 real request sequence must land on the measured reserved peak before it is replayed on a
 sequence the planner writes itself.
 
-Run on a CUDA machine: ``python benchmarks/gpu_alloc_trace.py OUTDIR [--moe] [--only 3 6]``.
+With ``--caps``, each case runs instead once per cap, the allocator allowed to reserve no more
+(``torch.cuda.set_per_process_memory_fraction``), and ``caps.jsonl`` says whether it ran or
+ran out of memory: what the replay's ``planner.allocator.needed`` predicts.
+
+Run on a CUDA machine: ``python benchmarks/gpu_alloc_trace.py OUTDIR [--moe] [--only 3 6]
+[--caps GIB ...]``.
 """
 
 from __future__ import annotations
@@ -38,9 +43,16 @@ def traced_worker(rank: int, model: Any, job: Any, layout: Any, *rest: Any) -> N
     from planner.run.validate import describe, layout_name
 
     cuda = torch.cuda.is_available()
-    if cuda:
+    cap_file = Path(os.environ[_DIR]) / "cap.json"
+    cap = json.loads(cap_file.read_text())["cap_bytes"] if cap_file.exists() else None
+    if cuda and cap:  # the allocator may reserve at most this much (then: out of memory)
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(cap / total)
+    if cuda and not cap:
         torch.cuda.memory._record_memory_history("all", context=None, stacks="python")
     _ORIGINAL(rank, model, job, layout, *rest)
+    if cap:
+        return
     trace = (
         torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()] if cuda else []
     )
@@ -70,29 +82,55 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", type=int, nargs="*", help="cases by number, from 1")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--device", default="cuda", help="cpu: a dry run, no trace")
+    p.add_argument(
+        "--caps",
+        type=float,
+        nargs="*",
+        help="instead of tracing, run each case once per cap (GiB the allocator may reserve, "
+        "torch.cuda.set_per_process_memory_fraction) and say whether it ran out of memory",
+    )
     args = p.parse_args(argv)
     device = Device.of(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ[_DIR] = str(args.out.resolve())
     execute._worker = traced_worker  # type: ignore[assignment]
     job, cases = one_gpu_set(moe=args.moe)
+    cap_file = args.out / "cap.json"
     for i, (model, layout) in enumerate(cases, 1):
         if args.only and i not in args.only:
             continue
-        entries = compare(model, job, layout, steps=args.steps, device=device)
-        for e in entries:
-            row = {
+        for cap in args.caps or [None]:
+            row: dict[str, Any] = {
                 "case": i,
                 "model": model.name,
                 "layout": layout_name(describe(layout)),
-                "rank": e.rank,
-                "allocated_peak_bytes": e.allocated_peak_bytes,
-                "reserved_peak_bytes": e.reserved_peak_bytes,
                 "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
             }
-            print(json.dumps(row), flush=True)
-            with open(args.out / "peaks.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
+            if cap is None:
+                cap_file.unlink(missing_ok=True)
+            else:
+                row["cap_bytes"] = round(cap * 2**30)
+                cap_file.write_text(json.dumps(row))
+            try:
+                entries = compare(model, job, layout, steps=args.steps, device=device)
+            except Exception as exc:  # the rank's process ended: out of memory, as a rule
+                row["outcome"] = f"failed: {type(exc).__name__}: {str(exc)[-300:]}"
+                entries = []
+            rows = [
+                {
+                    **row,
+                    "rank": e.rank,
+                    "allocated_peak_bytes": e.allocated_peak_bytes,
+                    "reserved_peak_bytes": e.reserved_peak_bytes,
+                    **({"outcome": "ran"} if cap is not None else {}),
+                }
+                for e in entries
+            ] or [row]
+            for r in rows:
+                print(json.dumps(r), flush=True)
+                with open(args.out / ("caps.jsonl" if args.caps else "peaks.jsonl"), "a") as f:
+                    f.write(json.dumps(r) + "\n")
+    cap_file.unlink(missing_ok=True)
     return 0
 
 

@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from planner.cli.allocator import allocator_command
 from planner.cli.arguments import parser
 from planner.cli.calibrate import calibrate_command
 from planner.cli.catalog import catalog_command, recipes_command
@@ -30,6 +31,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], bool | None]] = {
     "memory": evaluate_command,
     "evaluate": evaluate_command,
     "simulate": simulate_command,
+    "allocator": allocator_command,
     "plan": plan_command,
     "sweep": sweep_command,
     "export": export_command,

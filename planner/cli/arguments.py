@@ -78,6 +78,30 @@ def parser() -> argparse.ArgumentParser:
             help="fit a cluster profile YAML to measured runs (--runs), or measure this machine",
         )
     )
+    alloc = sub.add_parser(
+        "allocator",
+        help="replay a PyTorch memory snapshot through the caching allocator: the least "
+        "memory the run fits in",
+    )
+    alloc.add_argument(
+        "snapshot",
+        help="a file torch.cuda.memory._dump_snapshot wrote, recorded from the run's first "
+        "allocation (torch.cuda.memory._record_memory_history)",
+    )
+    alloc.add_argument(
+        "--device",
+        type=int,
+        default=None,
+        help="the device's trace (default: the one device with a trace)",
+    )
+    alloc.add_argument(
+        "--capacity",
+        type=float,
+        nargs="+",
+        metavar="GIB",
+        help="say whether the run fits in each of these GiB (exit 3 if not in one)",
+    )
+    alloc.add_argument("--json", action="store_true", help="print JSON for machines")
     sim = sub.add_parser("simulate", help="run a stated layout's step event by event")
     _layout_args(sim)
     sim.add_argument("--trace", default=None, help="write a Perfetto/Chrome trace JSON here")
