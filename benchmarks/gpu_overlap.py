@@ -1,4 +1,4 @@
-"""What a communication-like kernel running beside a GEMM costs each of them, on one GPU.
+"""What a communication-like kernel running beside a GEMM (or a layer) costs each, on one GPU.
 
 A collective overlapped with compute is not free: its kernel holds streaming multiprocessors
 (NCCL runs one thread block per channel) and moves bytes through HBM while the GEMM runs.
@@ -13,11 +13,17 @@ each ``k``:
   GEMM frees between waves): the GEMM's time against its time alone, and the copy's
   bandwidth while the GEMM ran against its bandwidth alone.
 
+``--layers`` runs the same beside whole layers instead of GEMMs alone (``dense:MODEL``: one
+layer of a catalog model, forward and backward; ``moe:MODEL:E``: its MoE layer cut to the E
+experts an expert-parallel rank holds), whose attention, norms and elementwise kernels leave
+the copy other gaps than back-to-back GEMMs do.
+
 Prints one JSON line per measurement. What it leaves out: a real collective also waits on
 its peers and on the links (NVLink, the NIC), and reduces as it copies; the copy stands for
 its use of SMs and HBM only.
 
-Run on a CUDA machine: ``python benchmarks/gpu_overlap.py``.
+Run on a CUDA machine: ``python benchmarks/gpu_overlap.py [--shapes "" --layers
+dense:llama3-8b,moe:qwen3-235b-a22b:16]``.
 """
 
 from __future__ import annotations
@@ -108,6 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--tokens", type=int, default=4096, help="tokens a layer runs on")
     p.add_argument("--passes", type=int, default=8, help="layer passes per timing")
+    p.add_argument(
+        "--warps",
+        type=int,
+        default=8,
+        help="warps per block of the copy (NCCL_NTHREADS' default on recent GPUs, 512 threads, "
+        "is 16)",
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_overlap: needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -122,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     s_gemm, s_copy = torch.cuda.Stream(), torch.cuda.Stream()
 
     def launch_copy(k: int) -> None:
-        copy[(k,)](src, dst, n, BLOCK=block, num_warps=8)
+        copy[(k,)](src, dst, n, BLOCK=block, num_warps=args.warps)
 
     def copy_alone(k: int) -> float:
         launch_copy(k)
@@ -201,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                         {
                             "work": name,
                             "blocks": k,
+                            "warps": args.warps,
                             "order": order,
                             "work_slowdown": round(together / work_ms, 4),
                             "copy_alone_GBps": round(bw_alone, 1),

@@ -372,6 +372,7 @@ def fit_hidden(chosen: list[Pair]) -> float:
 
 def print_pairs() -> None:
     from planner.frameworks import framework
+    from planner.simulate import simulated_step
 
     shipped = framework("megatron").overlap.pair_hidden
     every = pairs()
@@ -383,11 +384,14 @@ def print_pairs() -> None:
         held = fit_hidden(rest) if rest else float("nan")
         held_ratio = _ratio(p, held)[0]
         measured = p.measured_on / p.measured_off
+        sim_off = simulated_step(p.model, p.cluster, p.job, p.off)
+        sim = simulated_step(p.model, p.cluster, p.job, p.on) / sim_off
         print(
             f"  {p.name}: measured {p.measured_off:.2f} -> {p.measured_on:.2f} s "
             f"(x{measured:.3f}); predicted {off:.2f} -> {on:.2f} s (x{ratio:.3f}, "
             f"{ratio / measured - 1:+.1%}); fitted alone {own:.2f}; fitted on the others "
-            f"{held:.2f}, which predicts x{held_ratio:.3f} ({held_ratio / measured - 1:+.1%})"
+            f"{held:.2f}, which predicts x{held_ratio:.3f} ({held_ratio / measured - 1:+.1%}); "
+            f"simulated x{sim:.3f} ({sim / measured - 1:+.1%})"
         )
         print(f"    source: {p.source}")
     print(f"  fitted on all: {fit_hidden(every):.2f}")

@@ -30,7 +30,11 @@ loads that rank's own links):
   A pipeline send loads the sender's outgoing and the receiver's incoming links.
 - **SMs.** While a collective kernel runs it holds SMs the compute cannot use: NCCL's
   ``costs.overlap.NCCL_SMS``, DeepEP's dispatch and combine ``PAIRED_COMM_SMS`` (DeepSeek-V3
-  report section 3.2.2); the compute stream runs at the share left.
+  report section 3.2.2); the compute stream runs at the share left. And while compute runs
+  beside it, the collective's own blocks get SMs only as the compute's leave them: its rate
+  drops to ``costs.overlap.beside_rate`` of its rate alone (0.30 of what its blocks move
+  alone, measured on an H200; a transfer whose link is far slower than its blocks, most
+  InfiniBand traffic, keeps its rate), and recovers when the compute stream goes idle.
 
 What waits for what: a task (one op, or a paired forward and backward) starts when the
 rank's previous task is done and its inputs have arrived (a send from another rank arrives
@@ -51,9 +55,9 @@ for its share, else it follows the optimizer step. The optimizer step runs on th
 stream after the rank's last op and its reductions.
 
 Ignored: the rendezvous of a send with its receive (a send starts when issued), the SMs of
-pipeline sends and of tensor-parallel collectives, the HBM bandwidth communication takes from
-compute beside it, the host's launch gaps between ops. A collective's latency is stretched
-with its bandwidth when it shares a link.
+pipeline sends and of tensor-parallel collectives (and their slowing beside compute), the
+HBM bandwidth communication takes from compute beside it, the host's launch gaps between
+ops. A collective's latency is stretched with its bandwidth when it shares a link.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ from planner.costs.activations import extended
 from planner.costs.comm import Network, Transfer
 from planner.costs.compute import Rates, work_time
 from planner.costs.memory import block_costs, shard_of, stage_memory
-from planner.costs.overlap import NCCL_SMS, PAIRED_COMM_SMS, overlap_of
+from planner.costs.overlap import NCCL_SMS, PAIRED_COMM_SMS, beside_rate, overlap_of
 from planner.costs.timing import (
     StageTime,
     TpComm,
@@ -190,6 +194,7 @@ class Item:
     (``stream`` None) that marks a point of the program."""
 
     __slots__ = (
+        "beside",
         "end",
         "label",
         "left",
@@ -220,6 +225,7 @@ class Item:
     ) -> None:
         self.rank, self.stream, self.work, self.label = rank, stream, work, label
         self.links, self.sms = links, sms
+        self.beside = 1.0  # a flow's rate while its rank computes (``costs.overlap.beside_rate``)
         self.succs: list[Item] = []
         self.on_start: list[Item] = []
         self.npreds = 0
@@ -257,6 +263,7 @@ class Engine:
         self.running: dict[tuple[int, str], Item | None] = {}
         self.held = [0] * ranks
         self.compute: list[Item | None] = [None] * ranks
+        self.slowed: list[set[Item]] = [set() for _ in range(ranks)]  # flows with beside < 1
         self.load: dict[Any, float] = defaultdict(float)
         self.flows: dict[Any, set[Item]] = defaultdict(set)
         self.items: list[Item] = []
@@ -304,6 +311,7 @@ class Engine:
             self.compute[item.rank] = item
             item.rate = self._compute_rate(item.rank)
             self._schedule(item)
+            self._rerate(self.slowed[item.rank])
             return
         self._flow_change(item, +1)
 
@@ -313,6 +321,8 @@ class Engine:
             key = (item.rank, item.stream)
             if item.stream == COMPUTE:
                 self.compute[item.rank] = None
+                if not self.queues[key]:  # no kernel follows at once: the flows speed up
+                    self._rerate(self.slowed[item.rank])
             else:
                 self._flow_change(item, -1)
             self._start_next(key)
@@ -326,7 +336,18 @@ class Engine:
         worst = 1.0
         for link, _ in item.links:
             worst = max(worst, self.load[link])
+        if item.beside < 1.0 and self.compute[item.rank] is not None:
+            return min(1.0 / worst, item.beside)
         return 1.0 / worst
+
+    def _rerate(self, flows: set[Item]) -> None:
+        """The rates of ``flows`` again, after their rank's compute started or stopped."""
+        for other in flows:
+            rate = self._flow_rate(other)
+            if rate != other.rate:
+                self._advance(other)
+                other.rate = rate
+                self._schedule(other)
 
     def _flow_change(self, item: Item, sign: int) -> None:
         """A transfer starts (+1) or ends (-1): its links' loads and its ranks' SMs change,
@@ -345,6 +366,8 @@ class Engine:
             c = self.compute[item.rank]
             if c is not None:
                 touched.add(c)
+        if item.beside < 1.0:
+            (self.slowed[item.rank].add if sign > 0 else self.slowed[item.rank].discard)(item)
         if sign > 0:
             touched.discard(item)
             item.rate = self._flow_rate(item)
@@ -428,8 +451,10 @@ class _Builder:
         optimizer: list[float],
         overlap: Overlap,
         a2a_sms: int,
+        payload_Bps: tuple[float, float] | None = None,
     ) -> None:
         self.e, self.prog, self.stages = engine, prog, stages
+        self.payload_Bps = payload_Bps
         self.last = len(stages) - 1  # the last stage (DualPipe's directions share the stages)
         self.links: dict[tuple[Transfer, int, int | None], tuple[tuple[Any, float], ...]] = {}
         self.optimizer, self.overlap, self.a2a_sms = optimizer, overlap, a2a_sms
@@ -455,6 +480,9 @@ class _Builder:
         if links is None:
             links = self.links[key] = _links(t, rank, to)
         made = Item(rank, stream, t.seconds, label, links, sms)
+        if self.payload_Bps is not None and sms:
+            ib, nvl = self.payload_Bps
+            made.beside = beside_rate(t.seconds, t.ib * ib + t.nvlink * nvl, sms)
         self.e.items.append(made)
         return made
 
@@ -742,18 +770,21 @@ class Inputs:
     optimizer: list[float]  # each rank's optimizer step (seconds)
     overlap: Overlap
     a2a_sms: int  # SMs an expert all-to-all holds
+    payload_Bps: tuple[float, float]  # InfiniBand's and NVLink's achieved rates, per GPU
 
 
 def inputs(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: Layout) -> Inputs:
     """The pieces, optimizer steps and framework facts a step of ``layout`` runs on."""
     m = check_layout(model, cluster, job, layout)
     memory = stage_memory(model, job, layout, num_microbatches=m)
+    network = Network.of(cluster)
     return Inputs(
         num_microbatches=m,
         stages=stage_work(model, cluster, job, layout),
         optimizer=[optimizer_time(s, cluster) for s in memory],
         overlap=overlap_of(job, cluster, layout.schedule),
         a2a_sms=PAIRED_COMM_SMS if job.moe_dispatcher == "deepep" else NCCL_SMS,
+        payload_Bps=(network.ib_bus_Bps, network.nvlink_bus_Bps),
     )
 
 
@@ -767,8 +798,8 @@ def execute(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layout: La
     common = (given.stages, given.optimizer, given.overlap, given.a2a_sms)
     lengths = steady_lengths(layout.pp, layout.virtual_stages)
     if m <= lengths[1]:
-        return run_stages(layout, *common, m)
-    a, b = (run_stages(layout, *common, n, m) for n in lengths)
+        return run_stages(layout, *common, m, payload_Bps=given.payload_Bps)
+    a, b = (run_stages(layout, *common, n, m, payload_Bps=given.payload_Bps) for n in lengths)
     b.step_s = extended(a.step_s, b.step_s, lengths, m)
     b.rank_end_s = [
         extended(x, y, lengths, m) for x, y in zip(a.rank_end_s, b.rank_end_s, strict=True)
@@ -789,14 +820,19 @@ def run_stages(
     a2a_sms: int,
     n: int,
     m: int | None = None,
+    *,
+    payload_Bps: tuple[float, float] | None = None,
 ) -> Execution:
     """Run ``n`` micro-batches of a pipeline ``shape`` (anything with ``schedule``, ``pp``
     and ``virtual_stages``: a ``Layout`` say) over its stages' pieces, each rank then taking
-    its ``optimizer`` step; ``m``: the step's micro-batches, where ``n`` is a shorter run."""
+    its ``optimizer`` step; ``m``: the step's micro-batches, where ``n`` is a shorter run;
+    ``payload_Bps``: InfiniBand's and NVLink's achieved rates per GPU, from which each
+    collective's slowing beside compute follows (``costs.overlap.beside_rate``; None: none
+    is slowed)."""
     layout = shape
     prog = program(layout.schedule, layout.pp, n, layout.virtual_stages)
     engine = Engine(layout.pp, overlap.sm_count)
-    builder = _Builder(engine, prog, stages, optimizer, overlap, a2a_sms)
+    builder = _Builder(engine, prog, stages, optimizer, overlap, a2a_sms, payload_Bps)
     ends = builder.build()
     step = engine.run()
     busy = [0.0] * layout.pp

@@ -15,8 +15,9 @@ import planner.check
 import planner.cli
 from planner.check import check_plan
 from planner.layout import Layout
+from planner.simulate import SIM_TOLERANCE, simulated_step
 from planner.solve import search
-from planner.solve.result import Explanation, Plan
+from planner.solve.result import Explanation, Plan, SimulatedStep
 from planner.specs import SearchSpace
 
 MODEL = planner.load_model("llama3-8b").model_copy(update={"num_layers": 8})
@@ -31,10 +32,28 @@ def plan_of(
     model: planner.ModelSpec = MODEL,
     cluster: planner.ClusterSpec = CLUSTER,
     job: planner.TrainingJob = JOB,
+    simulated: bool = True,
     **fields: object,
 ) -> Plan:
+    """A plan of ``layout`` as the planner states one: its estimate and (``simulated``) its
+    simulated step beside it."""
     estimate = planner.evaluate(model, cluster, job, layout)
-    return Plan(status="feasible", layout=layout, estimate=estimate, solve_time_s=0.0, **fields)
+    simulation = None
+    if simulated:
+        step = simulated_step(model, cluster, job, layout)
+        simulation = SimulatedStep(
+            step_time_s=step,
+            difference=step / estimate.step_time_s - 1,
+            tolerance=SIM_TOLERANCE,
+        )
+    return Plan(
+        status="feasible",
+        layout=layout,
+        estimate=estimate,
+        simulation=simulation,
+        solve_time_s=0.0,
+        **fields,
+    )
 
 
 def test_a_uniform_layout_checks_out() -> None:
@@ -148,7 +167,7 @@ def test_a_simulation_that_differs_from_the_estimate_is_reported(
     A simulation that differs more is stood in for the checker's: beyond the tolerance it is
     reported with both figures and the difference, within it not."""
     layout = Layout.from_counts(MODEL, counts=[1, 7], tp=2, dp=4)  # unbalanced stages
-    plan = plan_of(layout)
+    plan = plan_of(layout, simulated=False)  # the checker simulates it itself
     assert check_plan(MODEL, CLUSTER, JOB, plan) == []
     real = planner.simulate(MODEL, CLUSTER, JOB, layout)
     assert plan.estimate is not None

@@ -19,7 +19,7 @@ from test_agreement import CLOSED_FORMS, OPT, B, F, Shape, W  # the schedules' p
 
 import planner
 from planner.costs.comm import NO_TRANSFER, Transfer
-from planner.costs.overlap import NCCL_SMS
+from planner.costs.overlap import BESIDE_COMPUTE, BLOCK_PAYLOAD_BPS, NCCL_SMS, beside_rate
 from planner.costs.timing import StageTime
 from planner.executor import (
     COMPUTE,
@@ -129,6 +129,34 @@ def test_a_kernel_beside_a_collective_runs_on_the_sms_left() -> None:
     assert _engine(kernel, reduce) == pytest.approx(1.0 + 0.5 * NCCL_SMS / SM, rel=1e-12)
     # on another rank, or with no SMs held, it does not slow
     assert _engine(Item(0, COMPUTE, 1.0, "k"), Item(1, "dp", 0.5, "r", sms=NCCL_SMS)) == 1.0
+
+
+def test_a_collective_beside_compute_keeps_the_measured_share_of_its_blocks_rate() -> None:
+    """A transfer its blocks just saturate (NVLink) drops to BESIDE_COMPUTE of its rate while
+    compute runs beside it; one whose link is far slower than its blocks (InfiniBand) keeps
+    its rate until the blocks' share falls under the link."""
+    nvlink = 16 * BLOCK_PAYLOAD_BPS  # bytes a second: what NCCL's 16 blocks move alone
+    assert beside_rate(1.0, nvlink, 16) == pytest.approx(BESIDE_COMPUTE)
+    assert beside_rate(1.0, 2 * nvlink, 16) == pytest.approx(BESIDE_COMPUTE)  # links set it
+    assert beside_rate(1.0, 50e9, 16) == 1.0  # a 400 Gb/s NIC's share
+    assert beside_rate(1.0, 100e9, 16) == pytest.approx(BESIDE_COMPUTE * nvlink / 100e9)
+    assert beside_rate(1.0, nvlink, 0) == beside_rate(0.0, nvlink, 16) == 1.0
+
+
+def test_a_collective_slows_while_its_rank_computes_and_recovers_after() -> None:
+    """A 1 s collective at rate f beside a 0.5 s kernel: it moves 0.5 f of its work while the
+    kernel runs (slowed itself by the SMs held), the rest at full rate after."""
+    f = 0.25
+    kernel = Item(0, COMPUTE, 0.5, "k")
+    reduce = Item(0, "dp", 1.0, "r", sms=NCCL_SMS)
+    reduce.beside = f
+    k_end = 0.5 / (1 - NCCL_SMS / SM)  # the kernel runs on the SMs left
+    assert _engine(kernel, reduce) == pytest.approx(k_end + 1.0 - f * k_end, rel=1e-12)
+    assert kernel.end == pytest.approx(k_end, rel=1e-12)
+    # a kernel on another rank does not slow it
+    other = Item(0, "dp", 1.0, "r", sms=NCCL_SMS)
+    other.beside = f
+    assert _engine(Item(1, COMPUTE, 0.5, "k"), other) == pytest.approx(1.0)
 
 
 def test_a_pair_hides_each_chunks_transfers_behind_the_other_as_far_as_they_reach() -> None:
@@ -276,7 +304,15 @@ def test_a_long_step_runs_short_and_extends(
     short = execute(model, cluster, job, layout)
     assert short.run_microbatches < m
     given = inputs(model, cluster, job, layout)
-    whole = run_stages(layout, given.stages, given.optimizer, given.overlap, given.a2a_sms, m)
+    whole = run_stages(
+        layout,
+        given.stages,
+        given.optimizer,
+        given.overlap,
+        given.a2a_sms,
+        m,
+        payload_Bps=given.payload_Bps,
+    )
     assert short.step_s == pytest.approx(whole.step_s, rel=1e-9)
 
 

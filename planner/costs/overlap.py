@@ -47,6 +47,24 @@ PAIRED_COMM_SMS = 20
 NCCL_SMS = 16
 # Their shares come from each GPU's SM count (``overlap_of``: H100 132, A100 108, B200 148).
 
+# A communication kernel beside compute moves its bytes at a share of the rate its thread
+# blocks reach alone: its blocks get SMs only as the compute's blocks leave them. Measured on
+# one H200 with a stand-in, a grid-stride copy on a second stream beside a Llama 3 8B layer's
+# forward and backward at 4,096 tokens (benchmarks/gpu_overlap.py --layers,
+# benchmarks/logs/h200/overlap/): with 256-thread blocks, 16 to 132 of them kept 0.29-0.31 of
+# their rate alone in either launch order (layers.jsonl); with 512-thread blocks, NCCL's
+# default thread count (NCCL_NTHREADS on recent GPUs), 16 and 32 kept 0.48-0.52
+# (layers-warps16.jsonl); beside back-to-back GEMMs alone 0.20-0.38 (16 and 32 blocks),
+# beside an MoE layer's loop of small expert GEMMs 0.48-0.56. Within that measured range,
+# fitted on the published corpus with each source held out (benchmarks/beside_fit.py,
+# simulated steps): every source takes the range's low end, 0.29 (mean error 12.20% held
+# out, 12.54% at 0.52); the corpus, predicted 10% fast on average, wants all the slowing the
+# range allows, so this end of it may also stand for slowings the model lacks.
+BESIDE_COMPUTE = 0.30
+# What one such block moves alone: 16-18 GB/s of payload (32-36 GB/s read and written, 1 to
+# 32 blocks of 256 or 512 threads).
+BLOCK_PAYLOAD_BPS = 17e9
+
 TaskKey = tuple[Any, ...]  # ("F"|"B"|"W"|"BW", stage) or ("pair", f, b, "B"|"BW")
 Q = Quantity
 
@@ -70,6 +88,19 @@ def overlap_of(job: TrainingJob, cluster: ClusterSpec, schedule: str | None = No
 def nccl_share(overlap: Overlap) -> float:
     """The share of the compute NCCL's CTAs take while a collective overlaps it."""
     return NCCL_SMS / overlap.sm_count
+
+
+def beside_rate(transfer_seconds: float, payload_bytes: float, sms: int) -> float:
+    """The share of its rate alone a collective's kernel keeps while compute runs beside it
+    on its GPU: its ``sms`` blocks reach at most ``BESIDE_COMPUTE`` of what they move alone,
+    and they move alone at least the transfer's own rate (``payload_bytes`` over its
+    ``transfer_seconds``: the links' measured rates were reached with the library's own
+    blocks), so a transfer whose link is far slower than its blocks (InfiniBand) keeps its
+    rate, and one its blocks just saturate (NVLink) drops to ``BESIDE_COMPUTE``."""
+    if transfer_seconds <= 0 or payload_bytes <= 0 or sms <= 0:
+        return 1.0
+    own = payload_bytes / transfer_seconds
+    return min(1.0, BESIDE_COMPUTE * max(own, sms * BLOCK_PAYLOAD_BPS) / own)
 
 
 def paired_share(overlap: Overlap) -> float:
