@@ -121,13 +121,7 @@ def main() -> int:
         row = peaks[(trace["model"], name)]
         state, moved = exact(trace["events"])
         reqs = requests(trace["events"])
-        own = Replay()
-        addrs: list[int] = []
-        for kind, value in reqs:
-            if kind == "malloc":
-                addrs.append(own.malloc(value))
-            else:
-                own.free(addrs[value])
+        own = replay(reqs)
         need = needed(reqs)
         alloc = row["allocated_peak_bytes"]
         reserved = row["reserved_peak_bytes"]

@@ -340,10 +340,15 @@ class Engine:
             return min(1.0 / worst, item.beside)
         return 1.0 / worst
 
-    def _rerate(self, flows: set[Item]) -> None:
-        """The rates of ``flows`` again, after their rank's compute started or stopped."""
-        for other in flows:
-            rate = self._flow_rate(other)
+    def _rerate(self, items: set[Item]) -> None:
+        """The rates of ``items`` again, after what they share changed: a link's load, a
+        rank's SMs held, or whether its compute runs."""
+        for other in items:
+            rate = (
+                self._compute_rate(other.rank)
+                if other.stream == COMPUTE
+                else self._flow_rate(other)
+            )
             if rate != other.rate:
                 self._advance(other)
                 other.rate = rate
@@ -372,16 +377,7 @@ class Engine:
             touched.discard(item)
             item.rate = self._flow_rate(item)
             self._schedule(item)
-        for other in touched:
-            rate = (
-                self._compute_rate(other.rank)
-                if other.stream == COMPUTE
-                else self._flow_rate(other)
-            )
-            if rate != other.rate:
-                self._advance(other)
-                other.rate = rate
-                self._schedule(other)
+        self._rerate(touched)
 
     def _advance(self, item: Item) -> None:
         item.left = max(0.0, item.left - item.rate * (self.now - item.since))

@@ -3,6 +3,7 @@ run's recorded trace, every block of which it must place where PyTorch's allocat
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 from pathlib import Path
@@ -22,6 +23,21 @@ from planner.allocator import (
 
 MIB = 2**20
 TRACES = Path(__file__).resolve().parents[1] / "benchmarks" / "logs" / "h200" / "alloc"
+# The allocator's own trace of a real run: a 4-layer Llama 3 8B at micro-batch 8 with full
+# recompute, on an H200 (``benchmarks/gpu_alloc_trace.py``): [action, address, bytes, stream]
+RUN = TRACES / "llama3-8b-4l_pp1_dp1_ep1_z1_mb8_1f1b_full_r0.json.gz"
+
+
+@functools.cache
+def _events() -> list[list[int | str]]:
+    with gzip.open(RUN, "rt") as f:
+        events: list[list[int | str]] = json.load(f)["events"]
+    return events
+
+
+def _entries(events: list[list[int | str]]) -> list[dict[str, int | str]]:
+    """Trace entries as ``torch.cuda.memory._snapshot()`` holds them."""
+    return [dict(zip(("action", "addr", "size", "stream"), e, strict=True)) for e in events]
 
 
 def test_requests_round_to_512_bytes_and_reserve_by_pool() -> None:
@@ -76,9 +92,7 @@ def test_a_recorded_training_run_replays_block_for_block() -> None:
     where the driver put it, every block lands at the address PyTorch gave it, and the
     reserved peak is the one torch.cuda reported (benchmarks/logs/h200/alloc/peaks.jsonl:
     52,846,133,248 bytes)."""
-    path = TRACES / "llama3-8b-4l_pp1_dp1_ep1_z1_mb8_1f1b_full_r0.json.gz"
-    with gzip.open(path, "rt") as f:
-        events = json.load(f)["events"]
+    events = _events()
     state, where, prev = Replay(), {}, None
     for action, addr, size, _ in events:
         if action == "alloc":
@@ -99,10 +113,7 @@ def test_the_replay_predicts_which_capped_runs_ran_out_of_memory() -> None:
     the first two). Replayed on the first run's requests, it runs out under the same caps and
     runs under the third, which is below the 49.2 GiB it reserved with no cap; the allocated
     peak plus 10% (39.4 GiB) would have let it run in all three."""
-    with gzip.open(TRACES / "llama3-8b-4l_pp1_dp1_ep1_z1_mb8_1f1b_full_r0.json.gz", "rt") as f:
-        events = json.load(f)["events"]
-    keys = ("action", "addr", "size", "stream")
-    reqs = requests_of([dict(zip(keys, e, strict=True)) for e in events])
+    reqs = requests_of(_entries(_events()))
     rows = [json.loads(line) for line in (TRACES.parent / "caps" / "caps.jsonl").open()]
     capped = [r for r in rows if r["layout"] == "pp1 dp1 ep1 z1 mb8 1f1b full"]
     assert [r.get("outcome") == "ran" for r in capped] == [False, False, True]
@@ -115,14 +126,12 @@ def test_the_replay_predicts_which_capped_runs_ran_out_of_memory() -> None:
                 replay(reqs, row["cap_bytes"])
 
 
-def _snapshot(tmp_path: Path, events: list[list[object]]) -> Path:
+def _snapshot(tmp_path: Path, events: list[list[int | str]]) -> Path:
     """A file as torch.cuda.memory._dump_snapshot writes it, holding ``events``."""
     import pickle
 
-    keys = ("action", "addr", "size", "stream")
     path = tmp_path / "snapshot.pickle"
-    traces = [[dict(zip(keys, e, strict=True)) for e in events]]
-    path.write_bytes(pickle.dumps({"segments": [], "device_traces": traces}))
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [_entries(events)]}))
     return path
 
 
@@ -130,18 +139,22 @@ def test_planner_allocator_says_where_a_recorded_run_fits(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The recorded run as a user's snapshot: out of memory in 40 GiB (exit 3), runs in 49
-    GiB; a trace that starts after the run did, and a file that names a class, are refused
-    in one line (exit 2)."""
+    GiB; a capacity that is not a positive number, a trace that starts after the run did,
+    and a file that names a class, are refused in one line (exit 2)."""
     from planner.cli import main
 
-    with gzip.open(TRACES / "llama3-8b-4l_pp1_dp1_ep1_z1_mb8_1f1b_full_r0.json.gz", "rt") as f:
-        events = json.load(f)["events"]
+    events = _events()
     snap = _snapshot(tmp_path, events)
     assert main(["allocator", str(snap), "--capacity", "40", "49"]) == 3
     out = capsys.readouterr().out
     assert "in 40.00 GiB: out of memory" in out and "in 49.00 GiB: runs" in out
     assert main(["allocator", str(snap), "--capacity", "49", "--json"]) == 0
+    # torch.cuda's allocated peak for that run (benchmarks/logs/h200/alloc/peaks.jsonl)
     assert json.loads(capsys.readouterr().out)["allocated_peak_bytes"] == 38_435_382_784
+    for bad_cap in ("nan", "inf", "-5", "0"):
+        assert main(["allocator", str(snap), "--capacity", bad_cap]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--capacity=" in err and "positive" in err
     late = _snapshot(tmp_path, events[len(events) // 2 :])
     assert main(["allocator", str(late)]) == 2
     err = capsys.readouterr().err

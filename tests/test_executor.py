@@ -157,6 +157,14 @@ def test_a_collective_slows_while_its_rank_computes_and_recovers_after() -> None
     other = Item(0, "dp", 1.0, "r", sms=NCCL_SMS)
     other.beside = f
     assert _engine(Item(1, COMPUTE, 0.5, "k"), other) == pytest.approx(1.0)
+    # a kernel that starts while the collective runs slows it from then on: 0.5 s at full
+    # rate, f of the rate while the kernel runs, full rate again after
+    before = Item(1, COMPUTE, 0.5, "wait")
+    late = Item(0, COMPUTE, 0.5, "k").after(before)
+    running = Item(0, "dp", 1.0, "r", sms=NCCL_SMS)
+    running.beside = f
+    end = 0.5 + k_end + (0.5 - f * k_end)
+    assert _engine(before, late, running) == pytest.approx(end, rel=1e-12)
 
 
 def test_a_pair_hides_each_chunks_transfers_behind_the_other_as_far_as_they_reach() -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from planner.allocator import OutOfMemory, from_snapshot, needed, replay
+from planner.errors import PlannerError
 
 GIB = 2**30
 ASSUMES = (
@@ -19,9 +21,13 @@ ASSUMES = (
 
 def allocator_command(args: argparse.Namespace) -> bool:
     """Replay the snapshot; False (exit 3) when it runs out in a ``--capacity`` given."""
+    for cap in args.capacity or []:
+        if not (math.isfinite(cap) and cap > 0):
+            raise PlannerError(f"--capacity={cap:g}: must be a positive number of GiB")
     device, events = from_snapshot(args.snapshot, args.device)
     free = replay(events)
     need = needed(events)
+    requests = sum(e[0] == "malloc" for e in events)
     verdicts = {}
     for cap in args.capacity or []:
         try:
@@ -35,7 +41,7 @@ def allocator_command(args: argparse.Namespace) -> bool:
                 {
                     "snapshot": str(args.snapshot),
                     "device": device,
-                    "requests": sum(e[0] == "malloc" for e in events),
+                    "requests": requests,
                     "allocated_peak_bytes": free.peak_allocated,
                     "reserved_peak_bytes": free.peak_reserved,
                     "needed_bytes": need,
@@ -46,7 +52,6 @@ def allocator_command(args: argparse.Namespace) -> bool:
             )
         )
     else:
-        requests = sum(e[0] == "malloc" for e in events)
         print(f"{args.snapshot}, device {device}: {requests:,} requests")
         print(
             f"  allocated peak {free.peak_allocated / GIB:9.2f} GiB  (live tensors at their "
