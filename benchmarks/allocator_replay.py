@@ -19,7 +19,11 @@ Llama 3 8B at micro-batch 1-8 under three recompute choices, a 2-layer Mixtral 8
   (``benchmarks/gpu_caps.sh``, ``benchmarks/logs/h200/caps/caps.jsonl``): whether each ran
   or ran out of memory, against the replay's prediction for that cap and against two rules
   of thumb, the allocated peak plus 10% (the memory model's default fragmentation) and the
-  unconstrained reserved peak.
+  unconstrained reserved peak;
+- the same layouts' requests written without a GPU (``planner.run.requests``: the runtime's
+  own code on PyTorch's meta device, every storage followed from its operator to its
+  release), replayed: their allocated and reserved peaks against those measured, each row's
+  error, and the capped runs predicted from them.
 
 Run: ``.venv/bin/python benchmarks/allocator_replay.py`` (no GPU).
 """
@@ -104,6 +108,61 @@ def caps(peaks: dict[tuple[str, str], dict[str, Any]]) -> None:
     print("  right: " + ", ".join(f"{k} {v} of {len(rows)}" for k, v in right.items()))
 
 
+def written(peaks: dict[tuple[str, str], dict[str, Any]]) -> None:
+    """Each one-GPU layout's requests written on the meta device, replayed, against its
+    measured peaks; then the capped runs predicted from them."""
+    from planner.run.requests import requests as written_requests
+    from planner.run.validate import describe, one_gpu_set
+
+    gib = 2**30
+    print(
+        "\nrequests written without a GPU (planner.run.requests), replayed, against the "
+        "measured peaks"
+    )
+    print(
+        f"{'run':44s} {'allocated':>9s} {'measured':>9s} {'error':>7s} {'reserved':>9s} "
+        f"{'measured':>9s} {'error':>7s}"
+    )
+    errors: dict[str, list[tuple[float, float]]] = {}
+    streams: dict[tuple[str, str], list[Event]] = {}
+    for moe in (False, True):
+        job, cases = one_gpu_set(moe=moe)
+        for model, layout in cases:
+            name = layout_name(describe(layout))
+            events = written_requests(model, job, layout)
+            streams[(model.name, name)] = events
+            state = replay(events)
+            row = peaks[(model.name, name)]
+            alloc, reserved = row["allocated_peak_bytes"], row["reserved_peak_bytes"]
+            e_alloc = state.peak_allocated / alloc - 1
+            e_resv = state.peak_reserved / reserved - 1
+            errors.setdefault("MoE" if moe else "dense", []).append((e_alloc, e_resv))
+            print(
+                f"{model.name + ' ' + name:44s} {state.peak_allocated / gib:8.3f}G "
+                f"{alloc / gib:8.3f}G {e_alloc:+7.2%} {state.peak_reserved / gib:8.3f}G "
+                f"{reserved / gib:8.3f}G {e_resv:+7.2%}"
+            )
+    for kind, pairs in errors.items():
+        a = [abs(x) for x, _ in pairs]
+        r = [abs(y) for _, y in pairs]
+        print(
+            f"  {kind}: {len(pairs)} layouts; allocated mean |error| {statistics.mean(a):.2%} "
+            f"(max {max(a):.2%}); reserved mean |error| {statistics.mean(r):.2%} "
+            f"(max {max(r):.2%}), within 5%: {sum(x <= 0.05 for x in r)} of {len(r)}"
+        )
+    path = TRACES.parent / "caps" / "caps.jsonl"
+    right = 0
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for row in rows:
+        try:
+            replay(streams[(row["model"], row["layout"])], row["cap_bytes"])
+            predicted = "runs"
+        except OutOfMemory:
+            predicted = "OOM"
+        right += predicted == ("runs" if row.get("outcome") == "ran" else "OOM")
+    print(f"  the capped runs predicted from the written requests: {right} of {len(rows)} right")
+
+
 def main() -> int:
     peaks = {}
     for line in (TRACES / "peaks.jsonl").read_text().splitlines():
@@ -139,6 +198,7 @@ def main() -> int:
         f"{statistics.median(over_alloc):+.1%}, max {max(over_alloc):+.1%}; needed median "
         f"{statistics.median(over_need):+.1%}, max {max(over_need):+.1%}"
     )
+    written(peaks)
     return 0
 
 

@@ -1,0 +1,105 @@
+"""The caching allocator's requests of a real run, written on the meta device
+(``planner.run.requests``) and replayed (``planner.allocator``), against the peaks the same
+layout measured on an H200 (``benchmarks/logs/h200/alloc/peaks.jsonl``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from planner.allocator import replay
+from planner.errors import PlannerError
+from planner.layout import Layout
+from planner.run.validate import describe, layout_name, one_gpu_set, small_job
+
+torch = pytest.importorskip("torch")
+requests_mod = pytest.importorskip("planner.run.requests")
+
+PEAKS = (
+    Path(__file__).resolve().parents[1] / "benchmarks" / "logs" / "h200" / "alloc" / "peaks.jsonl"
+)
+
+
+def _measured(model: str, layout: str) -> dict[str, int]:
+    for line in PEAKS.read_text().splitlines():
+        row = json.loads(line)
+        if row["model"] == model and row["layout"] == layout:
+            return row  # type: ignore[no-any-return]
+    raise KeyError((model, layout))
+
+
+def test_a_dense_layout_replays_to_its_measured_peaks() -> None:
+    """A 4-layer Llama 3 8B, micro-batch 8, selective recompute: measured on one H200 at
+    51.797 GiB allocated and 62.342 GiB reserved (peaks.jsonl, case 11). Written without a
+    GPU and replayed, the allocated peak lands within 0.1% (the meta device's math-path
+    attention alone would build 16 GiB score matrices) and the reserved within 1%."""
+    job, cases = one_gpu_set()
+    model, layout = next(
+        (m, lay)
+        for m, lay in cases
+        if lay.micro_batch == 8 and "selective" in layout_name(describe(lay))
+    )
+    measured = _measured(model.name, layout_name(describe(layout)))
+    state = replay(requests_mod.requests(model, job, layout))
+    assert state.peak_allocated == pytest.approx(measured["allocated_peak_bytes"], rel=1e-3)
+    assert state.peak_reserved == pytest.approx(measured["reserved_peak_bytes"], rel=1e-2)
+
+
+def test_the_flash_backward_workspace_is_the_traced_request() -> None:
+    """At micro-batch 8, 32 query and 8 key/value heads of 128, sequence 4,096, BF16, the
+    real runs' traces hold one request of 1,077,936,384 bytes inside each attention backward:
+    the FP32 sums and query-gradient accumulator, and the key and value gradients at every
+    query head; the trace's request is 256 bytes more (one 512-byte block when rounded)."""
+    q = torch.empty(8, 32, 4096, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(8, 8, 4096, 128, dtype=torch.bfloat16, device="meta")
+    assert 0 < 1_077_936_384 - requests_mod.flash_backward_workspace(q, k) <= 512
+    # without grouped-query attention, no expanded key and value gradients
+    assert requests_mod.flash_backward_workspace(q, q) == 8 * 32 * 4096 * (4 + 4 * 128)
+
+
+def test_every_storage_is_released_that_the_step_does_not_keep() -> None:
+    """A small MoE model (routing through the meta device's even split): the requests end
+    with only the state a run keeps between steps live: weights, gradients left by the last
+    step's backward (None after zero_grad), AdamW's moments and cuBLAS's two workspaces."""
+    from planner.catalog import load_model
+
+    model = load_model("mixtral-8x7b").model_copy(
+        update={
+            "name": "tiny-moe",
+            "num_layers": 1,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "moe_ffn_hidden_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "vocab_size": 256,
+        }
+    )
+    job = small_job(seq_len=32, global_batch=2, dtype="bf16")
+    events = requests_mod.requests(model, job, Layout.uniform(model, micro_batch=1), steps=2)
+    made = [e for e in events if e[0] == "malloc"]
+    freed = {e[1] for e in events if e[0] == "free"}
+    live = sum(made[i][1] for i in range(len(made)) if i not in freed)
+    params = 2 * (model.vocab_size * model.hidden_size) + sum(
+        p.numel() for p in _layer(model).parameters()
+    )
+    # weights and two moments (BF16: 2 bytes each), the workspaces, a few norm weights
+    assert live == pytest.approx(3 * 2 * params + 2 * requests_mod.CUBLAS_WORKSPACE, rel=0.02)
+
+
+def _layer(model: object) -> torch.nn.Module:
+    from planner.run.model import DenseLayer
+
+    with torch.device("meta"):
+        return DenseLayer(model, torch.bfloat16, moe=True)  # type: ignore[arg-type]
+
+
+def test_layouts_of_several_ranks_are_refused_in_one_line() -> None:
+    job, cases = one_gpu_set()
+    model, layout = cases[0]
+    two = layout.model_copy(update={"dp": 2})
+    with pytest.raises(PlannerError, match=r"^Layout.world_size=2: .*one-GPU layouts only$"):
+        requests_mod.requests(model, job, two)
