@@ -4,6 +4,7 @@ layout measured on an H200 (``benchmarks/logs/h200/alloc/peaks.jsonl``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -103,3 +104,19 @@ def test_layouts_of_several_ranks_are_refused_in_one_line() -> None:
     two = layout.model_copy(update={"dp": 2})
     with pytest.raises(PlannerError, match=r"^Layout.world_size=2: .*one-GPU layouts only$"):
         requests_mod.requests(model, job, two)
+
+
+def test_an_own_runs_log_is_set_against_its_replayed_requests() -> None:
+    """``planner calibrate --log`` on ``planner validate``'s own logs: the log states the
+    model, job and layout, and its reserved peak (62,342 MiB logged at micro-batch 8 with
+    selective recompute on one H200) is within 1% of the replayed requests' reserved peak."""
+    from planner.cli.calibrate_logs import replayable, replayed_peaks
+    from planner.logs import runs_from_logs
+
+    logs = PEAKS.parents[1] / "one-gpu"
+    (run,) = runs_from_logs([str(logs / "11-pp1-dp1-ep1-z1-mb8-1f1b-selective.log")])
+    assert replayable(run)
+    _, reserved = replayed_peaks(run)
+    assert reserved == pytest.approx(run.reserved_peak_bytes, rel=1e-2)
+    # a Megatron-LM run's log is its own framework's requests, not this runtime's
+    assert not replayable(dataclasses.replace(run, framework="megatron"))

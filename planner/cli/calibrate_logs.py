@@ -81,6 +81,7 @@ def fit_logs(args: argparse.Namespace) -> None:
     path.write_text(yaml.safe_dump(cluster_yaml(fitted, sources={"fit": note}), sort_keys=False))
     print_time_fit(timed, args.cluster, path)
     _print_memory(memory, runs)
+    _print_replayed(runs)
     if args.plan_limit > 0:
         _plan_moves(runs[0], base.name, args.cluster, path, args.plan_limit)
 
@@ -186,6 +187,76 @@ def _print_memory(report: MemoryReport, runs: list[LoggedRun]) -> None:
     console.print(
         "Memory: " + _memory_summary(report) + ". allocated: the allocator's max_memory_allocated; "
         "reserved: max_memory_reserved (NCCL's own buffers and the CUDA context are in neither)."
+    )
+
+
+def replayable(run: LoggedRun) -> bool:
+    """Whether a log's reserved peak can be set against its requests written without a GPU:
+    the project's own runtime (``planner validate``'s logs, framework "torch") on one GPU,
+    with a reserved peak logged and PyTorch installed."""
+    import importlib.util
+
+    return (
+        run.framework == "torch"
+        and run.layout.world_size == 1
+        and bool(run.reserved_peak_bytes)
+        and importlib.util.find_spec("torch") is not None
+    )
+
+
+def replayed_peaks(run: LoggedRun) -> tuple[int, int]:
+    """The allocated and reserved peaks (bytes) of the run's layout, its caching allocator's
+    requests written on the meta device (``planner.run.requests``) and replayed
+    (``planner.allocator``): nothing fitted."""
+    from planner.allocator import replay
+    from planner.run.requests import requests
+
+    # The log names Megatron-LM's recompute modules; the runtime's "selective" is "core_attn"
+    stages = [
+        stage.model_copy(
+            update={
+                "blocks": [
+                    b.model_copy(update={"recompute": "selective"})
+                    if b.recompute == "core_attn"
+                    else b
+                    for b in stage.blocks
+                ]
+            }
+        )
+        for stage in run.layout.stages
+    ]
+    layout = run.layout.model_copy(update={"stages": stages})
+    state = replay(requests(run.model, run.job, layout))
+    return state.peak_allocated, state.peak_reserved
+
+
+def _print_replayed(runs: list[LoggedRun]) -> None:
+    """Each own one-GPU run's reserved peak against its requests replayed, where it has one."""
+    mine = [r for r in runs if replayable(r)]
+    if not mine:
+        return
+    table = Table(
+        title="reserved peaks replayed: the runtime's requests written without a GPU "
+        "(planner.run.requests) through the caching allocator; nothing fitted"
+    )
+    for col in ("log", "resv GiB", "replayed GiB", "error"):
+        table.add_column(col, justify="left" if col == "log" else "right", overflow="fold")
+    errors = []
+    with Console(stderr=True).status("replaying the runs' requests") as status:
+        for i, r in enumerate(mine, 1):
+            status.update(f"replaying the runs' requests: {r.name} ({i} of {len(mine)})")
+            _, reserved = replayed_peaks(r)
+            measured = r.reserved_peak_bytes or 1
+            errors.append(reserved / measured - 1)
+            table.add_row(
+                r.name, f"{measured / GiB:.2f}", f"{reserved / GiB:.2f}", f"{errors[-1]:+.1%}"
+            )
+    console = _console()
+    console.print(table)
+    console.print(
+        f"Reserved peaks replayed: MAPE {np.mean(np.abs(errors)):.1%} over {len(mine)} logs "
+        f"(worst {max(errors, key=abs):+.1%}). A router's tokens per expert are taken even: "
+        "the runs' own routing is not in their logs."
     )
 
 
