@@ -169,6 +169,9 @@ class Framework:
     # planner.run): eight eager kernels per parameter tensor, each a pass over its elements
     # (costs.state.SINGLE_TENSOR_ADAMW), where a fused step reads and writes each tensor once.
     single_tensor_adamw: bool = False
+    # It is the project's own runtime (planner.run): its runs' allocator requests can be
+    # written without a GPU (planner.run.requests) and replayed against their logged peaks.
+    own_runtime: bool = False
     # The fused cross-entropy implementations it offers (TrainingJob.loss_fusion).
     loss_fusions: tuple[str, ...] = ("none",)
     # Its linears and grouped experts run Transformer Engine's GEMMs, each with TE's own
@@ -438,6 +441,7 @@ FRAMEWORKS: dict[str, Framework] = {
         grad_accumulation_pass=True,
         frees_grads="unbuffered",
         single_tensor_adamw=True,
+        own_runtime=True,
     ),
 }
 

@@ -196,8 +196,10 @@ def replayable(run: LoggedRun) -> bool:
     with a reserved peak logged and PyTorch installed."""
     import importlib.util
 
+    from planner.frameworks import framework
+
     return (
-        run.framework == "torch"
+        framework(run.framework).own_runtime
         and run.layout.world_size == 1
         and bool(run.reserved_peak_bytes)
         and importlib.util.find_spec("torch") is not None
