@@ -26,7 +26,8 @@ is added from what CUDA's kernels allocate:
 - autograd sums two gradients of one tensor in place where it holds the only reference to
   one of them (``InputBuffer::accumulate``), but out of place whenever a dispatch mode is
   on (it then takes every tensor for a subclass): the sums autograd's engine asks for are
-  made in place here, as on CUDA without a mode;
+  made in place here, as on CUDA without a mode (where one gradient is also held elsewhere
+  CUDA sums out of place; not told apart);
 - a router's tokens per expert, which the meta device cannot count, are taken even (the
   real counts follow the routing of the step), and its routing map (tokens x experts) holds
   as many picks as each token's experts.
@@ -205,20 +206,11 @@ def _flash_sdpa(
 
 @dataclass(frozen=True)
 class _Meta:
-    """The device ``planner.run.execute`` builds a rank on: ``meta``, BF16, gloo."""
-
-    kind: str = "meta"
-    index: int = 0
-    is_cuda: bool = False
-    backend: str = "gloo"
+    """The device ``planner.run.execute``'s rank is built on (all it reads of one)."""
 
     @property
     def torch_device(self) -> torch.device:
         return torch.device("meta")
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.bfloat16
 
 
 @contextmanager
