@@ -511,7 +511,8 @@ def test_deepspeed_buffers_are_its_bucket_sizes() -> None:
         return stage_memory(small, job, layout, num_microbatches=1)[0].buckets["buffers"]
 
     comm = job.comm_buffer_bytes + workspace_bytes(small, job)  # NCCL's, PyTorch's cuBLAS
-    assert workspace_bytes(small, job) == 32 * 2**20  # DeepSpeed runs no Transformer Engine
+    # DeepSpeed runs no Transformer Engine: PyTorch's cuBLAS workspace, one per GEMM thread
+    assert workspace_bytes(small, job) == 2 * 32 * 2**20
     assert buffers(zero=0) == comm
     assert buffers(zero=2) == comm + 2 * 500_000_000 * 2  # two BF16 buckets
     resident = sum(
@@ -538,19 +539,22 @@ def test_torchtitan_zero2_keeps_the_gathered_copy_from_forward_to_backward() -> 
 
 def test_gemm_workspaces_are_the_libraries_sizes() -> None:
     """PyTorch's cuBLAS workspace (CublasHandlePool.cpp: 4096 KiB x 8 at compute capability
-    9.0 and up, 2 x 4096 KiB + 8 x 16 KiB below) and Transformer Engine's (module/base.py:
-    32 MiB + 256 B, or 4 MiB; four more for grouped GEMMs' streams) stay allocated all run."""
+    9.0 and up, 2 x 4096 KiB + 8 x 16 KiB below), one per thread that runs GEMMs (the
+    training loop's and autograd's: two in every recorded H200 trace), and Transformer
+    Engine's (module/base.py: 32 MiB + 256 B, or 4 MiB; four more for grouped GEMMs' streams)
+    stay allocated all run."""
     mib = 2**20
+    torch_ws = 2 * 32 * mib
     dense = LLAMA8.model_copy(update={"num_layers": 2})
     moe = planner.load_model("mixtral-8x7b")
     megatron = planner.TrainingJob(seq_len=1024, global_batch=8, framework="megatron")
     titan = megatron.model_copy(update={"framework": "torchtitan"})
     te = 32 * mib + 256
-    assert workspace_bytes(dense, megatron) == 32 * mib + te
-    assert workspace_bytes(moe, megatron) == 32 * mib + 5 * te
-    assert workspace_bytes(moe, megatron, grouped_experts=False) == 32 * mib + te
-    assert workspace_bytes(dense, megatron, sm90=False) == 8 * mib + 128 * 1024 + 4 * mib
-    assert workspace_bytes(dense, titan) == 32 * mib
+    assert workspace_bytes(dense, megatron) == torch_ws + te
+    assert workspace_bytes(moe, megatron) == torch_ws + 5 * te
+    assert workspace_bytes(moe, megatron, grouped_experts=False) == torch_ws + te
+    assert workspace_bytes(dense, megatron, sm90=False) == 2 * (8 * mib + 128 * 1024) + 4 * mib
+    assert workspace_bytes(dense, titan) == torch_ws
     assert workspace_bytes(dense, megatron, cublas_bytes=0, transformer_engine=False) == 0
     stated = megatron.model_copy(update={"workspace_bytes": 5})
     assert workspace_bytes(moe, stated) == 5
@@ -560,7 +564,7 @@ def test_gemm_workspaces_are_the_libraries_sizes() -> None:
     with_ws, without = (
         stage_memory(dense, j, layout, num_microbatches=1)[0] for j in (megatron, none)
     )
-    assert with_ws.allocated_bytes - without.allocated_bytes == 32 * mib + te
+    assert with_ws.allocated_bytes - without.allocated_bytes == torch_ws + te
 
 
 def test_hugging_face_llama_keeps_what_it_kept_on_a_gpu() -> None:

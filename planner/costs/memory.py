@@ -214,8 +214,13 @@ MIB = 2**20
 # (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize: 4096 KiB x 8 at compute
 # capability 9.0 and up, else 2 x 4096 KiB + 8 x 16 KiB; CUBLAS_WORKSPACE_CONFIG overrides;
 # cuBLASLt shares it by default, TORCH_CUBLASLT_UNIFIED_WORKSPACE). One stream runs the
-# GEMMs PyTorch issues itself.
+# GEMMs PyTorch issues itself, but handles are per thread (DeviceThreadHandlePool), and a
+# training step runs GEMMs on two: the training loop's (forward) and autograd's own device
+# thread (backward, and the forward a recompute repeats in it). Every trace of a real run
+# holds both (benchmarks/logs/h200/alloc: a 32 MiB request at the first forward GEMM and
+# one at the first backward GEMM, neither ever released).
 TORCH_CUBLAS_WORKSPACE = {True: 32 * MIB, False: 8 * MIB + 128 * 1024}
+CUBLAS_THREADS = 2
 # Transformer Engine's GEMM workspace (transformer_engine/pytorch/module/base.py,
 # get_cublas_workspace_size_bytes: 32 MiB + 256 B at compute capability 9.0 and up, else
 # 4 MiB, torch.empty on first use) and, for its grouped GEMMs, one such per stream of
@@ -234,15 +239,16 @@ def workspace_bytes(
     grouped_experts: bool | None = None,
 ) -> int:
     """Bytes the GEMM libraries hold in the caching allocator for the whole run:
-    ``job.workspace_bytes`` where stated, else PyTorch's cuBLAS workspace (``cublas_bytes``
-    where CUBLAS_WORKSPACE_CONFIG sets it) plus, where the framework runs Transformer Engine
-    (``transformer_engine`` overrides), TE's workspace and, for routed experts run as
-    grouped GEMMs (``grouped_experts``; by default whenever the model has them), its four
-    streams' workspaces. ``sm90``: the sizes at compute capability 9.0 and up (Hopper,
-    Blackwell), else Ampere's."""
+    ``job.workspace_bytes`` where stated, else PyTorch's cuBLAS workspaces, one for each
+    thread that runs GEMMs (``cublas_bytes`` each where CUBLAS_WORKSPACE_CONFIG sets it),
+    plus, where the framework runs Transformer Engine (``transformer_engine`` overrides),
+    TE's workspace and, for routed experts run as grouped GEMMs (``grouped_experts``; by
+    default whenever the model has them), its four streams' workspaces. ``sm90``: the sizes
+    at compute capability 9.0 and up (Hopper, Blackwell), else Ampere's."""
     if job.workspace_bytes is not None:
         return job.workspace_bytes
-    total = TORCH_CUBLAS_WORKSPACE[sm90] if cublas_bytes is None else cublas_bytes
+    per_handle = TORCH_CUBLAS_WORKSPACE[sm90] if cublas_bytes is None else cublas_bytes
+    total = CUBLAS_THREADS * per_handle
     te = framework(job.framework).transformer_engine
     if te if transformer_engine is None else transformer_engine:
         grouped = bool(model.num_experts) if grouped_experts is None else grouped_experts

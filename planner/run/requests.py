@@ -57,14 +57,15 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from planner.allocator import Event
+from planner.costs.memory import TORCH_CUBLAS_WORKSPACE
 from planner.errors import PlannerError
 from planner.layout import Layout
 from planner.specs import ModelSpec, TrainingJob
 
-# cuBLAS's workspace per handle and stream on Hopper GPUs (CUBLAS_WORKSPACE_CONFIG's default
-# of 8 chunks of 4,096 KiB): the two 32 MiB requests no real run's trace releases
-# (benchmarks/logs/h200/alloc).
-CUBLAS_WORKSPACE = 32 << 20
+# cuBLAS's workspace per handle and stream at compute capability 9.0 and up (the memory
+# model's, costs.memory): the two 32 MiB requests no real run's trace releases
+# (benchmarks/logs/h200/alloc), one per thread that runs GEMMs.
+CUBLAS_WORKSPACE = TORCH_CUBLAS_WORKSPACE[True]
 
 _GEMMS = frozenset(
     {
