@@ -120,3 +120,20 @@ def test_an_own_runs_log_is_set_against_its_replayed_requests() -> None:
     assert reserved == pytest.approx(run.reserved_peak_bytes, rel=1e-2)
     # a Megatron-LM run's log is its own framework's requests, not this runtime's
     assert not replayable(dataclasses.replace(run, framework="megatron"))
+
+
+def test_a_log_the_runtime_cannot_replay_is_said_not_fatal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A log's layout the runtime does not run (here an EMA, which real runs leave out) gets
+    its reason in the replay's table; the other logs are still replayed."""
+    from planner.cli.calibrate_logs import _print_replayed
+    from planner.logs import runs_from_logs
+
+    logs = PEAKS.parents[1] / "one-gpu"
+    (run,) = runs_from_logs([str(logs / "12-pp1-dp1-ep1-z1-mb8-1f1b-full.log")])
+    ema = dataclasses.replace(run, path="ema.log", job=run.job.model_copy(update={"ema": True}))
+    _print_replayed([ema, run])
+    out = capsys.readouterr().out
+    assert "not replayed" in out and "plain AdamW" in out
+    assert "over 1 logs" in out
