@@ -261,10 +261,16 @@ def _print_replayed(runs: list[LoggedRun]) -> None:
     console.print(table)
     if not errors:
         return
+    routed = any(r.model.num_experts for r in mine)
     console.print(
         f"Reserved peaks replayed: MAPE {np.mean(np.abs(errors)):.1%} over {len(errors)} logs "
-        f"(worst {max(errors, key=abs):+.1%}). A router's tokens per expert are taken even: "
-        "the runs' own routing is not in their logs."
+        f"(worst {max(errors, key=abs):+.1%})."
+        + (
+            " A router's tokens per expert are taken even: the runs' own routing is not in "
+            "their logs."
+            if routed
+            else ""
+        )
     )
 
 
