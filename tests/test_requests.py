@@ -137,3 +137,19 @@ def test_a_log_the_runtime_cannot_replay_is_said_not_fatal(
     out = capsys.readouterr().out
     assert "not replayed" in out and "plain AdamW" in out
     assert "over 1 logs" in out
+
+
+def test_a_process_group_of_several_ranks_is_refused_not_waited_on() -> None:
+    """Inside a job's process group of several ranks, the rank's own groups would wait on the
+    others: refused in one line."""
+    import torch.distributed as dist
+
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    job, cases = one_gpu_set()
+    model, layout = cases[-1]
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=2)
+    try:
+        with pytest.raises(PlannerError, match=r"^requests: a process group of 2 ranks is up"):
+            requests_mod.requests(model, job, layout)
+    finally:
+        dist.destroy_process_group()

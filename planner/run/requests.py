@@ -216,8 +216,13 @@ class _Meta:
 
 @contextmanager
 def _one_process_group() -> Iterator[None]:
-    """A gloo group of this process alone, unless one is already up."""
+    """A gloo group of this process alone, unless one of this process alone is up."""
     if dist.is_initialized():
+        if dist.get_world_size() != 1:  # the rank's groups would wait on the other ranks
+            raise PlannerError(
+                f"requests: a process group of {dist.get_world_size()} ranks is up; write "
+                "requests from a process outside it"
+            )
         yield
         return
     store = dist.HashStore()  # type: ignore[attr-defined]
