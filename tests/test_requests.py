@@ -110,13 +110,13 @@ def test_an_own_runs_log_is_set_against_its_replayed_requests() -> None:
     """``planner calibrate --log`` on ``planner validate``'s own logs: the log states the
     model, job and layout, and its reserved peak (62,342 MiB logged at micro-batch 8 with
     selective recompute on one H200) is within 1% of the replayed requests' reserved peak."""
-    from planner.cli.calibrate_logs import replayable, replayed_peaks
+    from planner.cli.calibrate_logs import replayable, replayed_reserved
     from planner.logs import runs_from_logs
 
     logs = PEAKS.parents[1] / "one-gpu"
     (run,) = runs_from_logs([str(logs / "11-pp1-dp1-ep1-z1-mb8-1f1b-selective.log")])
     assert replayable(run)
-    _, reserved = replayed_peaks(run)
+    reserved = replayed_reserved(run)
     assert reserved == pytest.approx(run.reserved_peak_bytes, rel=1e-2)
     # a Megatron-LM run's log is its own framework's requests, not this runtime's
     assert not replayable(dataclasses.replace(run, framework="megatron"))

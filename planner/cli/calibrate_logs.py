@@ -206,30 +206,14 @@ def replayable(run: LoggedRun) -> bool:
     )
 
 
-def replayed_peaks(run: LoggedRun) -> tuple[int, int]:
-    """The allocated and reserved peaks (bytes) of the run's layout, its caching allocator's
-    requests written on the meta device (``planner.run.requests``) and replayed
+def replayed_reserved(run: LoggedRun) -> int:
+    """The reserved peak (bytes) of the run's layout, its caching allocator's requests
+    written on the meta device (``planner.run.requests``) and replayed
     (``planner.allocator``): nothing fitted."""
     from planner.allocator import replay
     from planner.run.requests import requests
 
-    # The log names Megatron-LM's recompute modules; the runtime's "selective" is "core_attn"
-    stages = [
-        stage.model_copy(
-            update={
-                "blocks": [
-                    b.model_copy(update={"recompute": "selective"})
-                    if b.recompute == "core_attn"
-                    else b
-                    for b in stage.blocks
-                ]
-            }
-        )
-        for stage in run.layout.stages
-    ]
-    layout = run.layout.model_copy(update={"stages": stages})
-    state = replay(requests(run.model, run.job, layout))
-    return state.peak_allocated, state.peak_reserved
+    return replay(requests(run.model, run.job, run.layout)).peak_reserved
 
 
 def _print_replayed(runs: list[LoggedRun]) -> None:
@@ -249,7 +233,7 @@ def _print_replayed(runs: list[LoggedRun]) -> None:
             status.update(f"replaying the runs' requests: {r.name} ({i} of {len(mine)})")
             measured = r.reserved_peak_bytes or 1
             try:
-                _, reserved = replayed_peaks(r)
+                reserved = replayed_reserved(r)
             except PlannerError as exc:  # a layout the runtime does not run: said, not fatal
                 table.add_row(r.name, f"{measured / GiB:.2f}", "-", f"not replayed: {exc}")
                 continue

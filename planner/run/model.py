@@ -21,7 +21,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from planner.errors import PlannerError
+from planner.layout import parse_recompute
 from planner.specs import ModelSpec
+
+# The recompute choices a layer runs besides "full": none, core attention (Megatron-LM's
+# selective default), or one of the feed-forward modules.
+_RUNS: tuple[frozenset[str], ...] = (
+    frozenset(),
+    frozenset({"core_attn"}),
+    frozenset({"mlp"}),
+    frozenset({"moe"}),
+)
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -409,17 +419,18 @@ class DenseLayer(nn.Module):
     def forward(self, x: torch.Tensor, recompute: str = "none") -> torch.Tensor:
         from torch.utils.checkpoint import checkpoint
 
-        if recompute == "full":
+        modules = parse_recompute(recompute)  # "selective" is {core_attn}, as a log names it
+        if modules == "full":
             out: torch.Tensor = checkpoint(self._plain, x, use_reentrant=False)
             return out
-        if recompute not in ("none", "selective", "mlp", "moe"):
+        if modules not in _RUNS:
             raise PlannerError(
                 f"recompute={recompute!r}: real runs cover none, selective, mlp, moe and full"
             )
-        x = x + self.attention(x, rebuild_core=recompute == "selective")
+        x = x + self.attention(x, rebuild_core="core_attn" in modules)
         y = self.pre_mlp_norm(x)
         # Megatron-LM's modules: ``mlp`` is a dense layer's MLP, ``moe`` an MoE layer's.
-        if recompute == ("moe" if isinstance(self.ffn, MoE) else "mlp"):
+        if ("moe" if isinstance(self.ffn, MoE) else "mlp") in modules:
             return x + checkpoint(self.mlp, y, use_reentrant=False)
         return x + self.mlp(y)
 
