@@ -5,9 +5,9 @@ writes that sequence for a layout of ``planner.run`` before it runs: the runtime
 (``planner.run.execute``, the same model, optimizer and step) runs on PyTorch's ``meta``
 device, where every operator makes its outputs' shapes and storages but computes nothing,
 and every storage is followed from the operator that makes it to the moment PyTorch frees
-it (a weak reference to the storage, as ``planner.run.track`` follows them). Each storage is
-one request of its bytes, released when it dies: what the caching allocator sees on CUDA,
-where every tensor's storage is one ``malloc`` of the allocator.
+it (``planner.run.track``'s ``Tracker``: a weak reference to the storage, and its resizes).
+Each storage is one request of its bytes, released when it dies: what the caching allocator
+sees on CUDA, where every tensor's storage is one ``malloc`` of the allocator.
 
 Where the meta device differs from CUDA, the run is made to take CUDA's path or the request
 is added from what CUDA's kernels allocate:
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import itertools
 import sys
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -52,14 +51,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.weak import WeakIdKeyDictionary
 
 from planner.allocator import Event
 from planner.costs.memory import TORCH_CUBLAS_WORKSPACE
 from planner.errors import PlannerError
 from planner.layout import Layout
+from planner.run.track import Tracker
 from planner.specs import ModelSpec, TrainingJob
 
 # cuBLAS's workspace per handle and stream at compute capability 9.0 and up (the memory
@@ -101,15 +99,16 @@ def flash_backward_workspace(q: torch.Tensor, k: torch.Tensor) -> int:
     return b * hq * s * per_row
 
 
-class _Requests(TorchDispatchMode):
-    """Follows every meta storage an operator makes: a request when it appears, a release
-    when it dies (see the module docstring)."""
+class _Requests(Tracker):
+    """Follows every meta storage an operator makes, as ``Tracker`` follows storages (their
+    resizes too): a request when it appears, a release when it dies, and a resize as the
+    release of the old bytes and a request of the new (see the module docstring)."""
 
     def __init__(self, model: ModelSpec) -> None:
         super().__init__()
         self._experts, self._picks = model.num_experts, model.experts_per_token
-        self._ids: Any = WeakIdKeyDictionary()
         self._made = itertools.count()
+        self._index: dict[int, int] = {}  # a live storage's request
         self.events: list[Event] = []
         self._threads: set[bool] = set()
 
@@ -125,12 +124,13 @@ class _Requests(TorchDispatchMode):
         self.events.append(("malloc", nbytes))
         return next(self._made)
 
-    def _follow(self, storage: torch.UntypedStorage) -> None:
-        if storage in self._ids or not storage.nbytes():
-            return
-        index = self._malloc(storage.nbytes())
-        self._ids[storage] = index
-        weakref.finalize(storage, self.events.append, ("free", index))
+    def _set(self, sid: int, nbytes: int) -> None:
+        if nbytes != self.live.get(sid, 0):  # made, freed or resized: release, then request
+            if sid in self._index:
+                self.events.append(("free", self._index.pop(sid)))
+            if nbytes:
+                self._index[sid] = self._malloc(nbytes)
+        super()._set(sid, nbytes)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -161,7 +161,7 @@ class _Requests(TorchDispatchMode):
         out = func(*args, **kwargs)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == "meta":
-                self._follow(t.untyped_storage())
+                self._follow(t.untyped_storage())  # new storages only: not views
         if func is torch.ops.aten._scaled_dot_product_flash_attention_backward.default:
             q, k = args[1], args[2]
             index = self._malloc(flash_backward_workspace(q, k))
