@@ -173,7 +173,6 @@ def workspaces(row: dict[str, str], model: ModelSpec, job: TrainingJob) -> int:
         job,
         sm90=row["gpu"] not in SM80,
         cublas_bytes=cublas,
-        transformer_engine=None if not harvested_row else "transformer-impl=local" not in flags,
         grouped_experts=None if not harvested_row else "moe-grouped-gemm" in flags,
     )
 
@@ -204,6 +203,8 @@ def harvested(row: dict[str, str]) -> dict[str, str]:
         "measured_gib": str(float(row["mem_max_allocated_bytes"]) / GIB),
         "kind": "allocated",
         "pp_rank": "-1",
+        # --transformer-impl local: Megatron-LM's own modules (TrainingJob.transformer_engine)
+        "transformer_engine": str("transformer-impl=local" not in flags).lower(),
     }
 
 

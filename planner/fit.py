@@ -538,6 +538,9 @@ OPTIONAL_COLUMNS = {
     "experts (TrainingJob.moe_dispatcher)",
     "qk_norm_gathered": "true or false (default): q and k all-gathered over tp after their "
     "norms (TrainingJob.qk_norm_gathered; torchtitan's Qwen3 before 8c1d1c5f)",
+    "transformer_engine": "true or false (default: the framework's own): the run used "
+    "Transformer Engine's modules (TrainingJob.transformer_engine; Megatron-LM's "
+    "--transformer-impl local is false)",
     "step_s": "measured seconds per step (or metric + value)",
     "metric": "step_s or tokens_per_s_per_gpu, with value",
     "value": "the measured figure in metric's unit",
@@ -737,6 +740,9 @@ def layout_from_row(
             loss_fusion=text("loss_fusion", "none").lower(),
             moe_dispatcher=text("dispatcher", "alltoall").lower(),
             qk_norm_gathered=flag("qk_norm_gathered", False),
+            transformer_engine=flag("transformer_engine", False)
+            if text("transformer_engine")
+            else None,
             **({"grad_dtype": text("grad_dtype").lower()} if text("grad_dtype") else {}),
             **({"moment_dtype": text("moment_dtype").lower()} if text("moment_dtype") else {}),
             **(

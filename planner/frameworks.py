@@ -177,6 +177,10 @@ class Framework:
     # Its linears and grouped experts run Transformer Engine's GEMMs, each with TE's own
     # workspace in the caching allocator (costs.memory.workspace_bytes)
     transformer_engine: bool = False
+    # Without Transformer Engine (TrainingJob.transformer_engine False) and without flash
+    # attention its own core attention computes the scores into a tensor of its global memory
+    # buffer, kept for the run (costs.memory.core_attention_buffer_bytes)
+    core_attention_buffer: bool = False
     op_sac: bool = False  # per-op selective checkpointing ("op" recompute)
     zero_shards_weights_from: int = 3  # the ZeRO stage from which weights are sharded
     # The one ZeRO stage at which it keeps optimizer moments narrower than FP32
@@ -277,6 +281,11 @@ FRAMEWORKS: dict[str, Framework] = {
         # (megatron/core/models/common/language_module/language_module.py at d98e8a64).
         loss_fusions=("none", "native", "te"),
         transformer_engine=True,
+        # --transformer-impl local: DotProductAttention takes [b * heads / tp, s, s] from
+        # parallel_state.get_global_memory_buffer() ("mpu"), which GlobalMemoryBuffer keeps
+        # (megatron/core/transformer/dot_product_attention.py, megatron/core/utils.py at
+        # d98e8a64)
+        core_attention_buffer=True,
         # --exp-avg-dtype / --exp-avg-sq-dtype take effect only on the precision-aware
         # optimizer, which needs --use-distributed-optimizer (arguments.py at d98e8a64): the
         # distributed optimizer's ZeRO-1. Elsewhere the moments are FP32.

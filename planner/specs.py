@@ -729,6 +729,14 @@ class TrainingJob(Spec):
     flash_attention: bool = Field(
         default=True, description="Fused attention: no s^2 tensors are saved."
     )
+    transformer_engine: bool | None = Field(
+        default=None,
+        description="The framework runs Transformer Engine's modules (None: its own default, "
+        "planner.frameworks' Framework.transformer_engine). False for Megatron-LM's "
+        "--transformer-impl local: no TE workspace and, without flash attention, Megatron-LM's "
+        "own core attention, which keeps one score-sized buffer for the run "
+        "(planner.costs.memory.core_attention_buffer_bytes).",
+    )
     framework: str = Field(
         default=DEFAULT_FRAMEWORK,
         description="The training software: what it overlaps with compute (tensor-parallel "

@@ -211,7 +211,8 @@ def test_a_functional_test_row_is_read_as_megatron_logs_it() -> None:
     stated = {**row, "gpu": "a100", "flags": row["flags"] + ";attention-backend=flash"}
     assert "unstated" not in bench.harvested(stated)
     model = planner.load_model("llama3-8b")
-    job = planner.TrainingJob(seq_len=1024, global_batch=8)
     # no Transformer Engine under --transformer-impl local: PyTorch's 32 MiB alone, once for
     # each thread that runs GEMMs (the training loop's and autograd's)
+    assert read["transformer_engine"] == "false"
+    job = planner.TrainingJob(seq_len=1024, global_batch=8, transformer_engine=False)
     assert bench.workspaces(row, model, job) == 2 * 32 * 2**20

@@ -567,6 +567,52 @@ def test_gemm_workspaces_are_the_libraries_sizes() -> None:
     assert with_ws.allocated_bytes - without.allocated_bytes == torch_ws + te
 
 
+def test_megatron_local_attention_keeps_its_score_buffer() -> None:
+    """Megatron-LM's own core attention (--transformer-impl local, no flash attention) takes
+    its [micro-batch x heads / tp, s, s] score tensor from the global memory buffer, which
+    keeps it for the run (megatron/core/transformer/dot_product_attention.py,
+    GlobalMemoryBuffer in megatron/core/utils.py): one score matrix in the activation dtype
+    on each rank, in the search's tables as in the rank's memory; none under Transformer
+    Engine, with flash attention or in another framework."""
+    from planner.costs.comm import Network
+    from planner.costs.memory import core_attention_buffer_bytes
+    from planner.solve.tables import build
+
+    model = gpt_model("gpt:hidden=512;layers=4;heads=8;vocab=50304;dropout=0.1")
+    local = planner.TrainingJob(
+        seq_len=1024,
+        global_batch=32,
+        framework="megatron",
+        flash_attention=False,
+        transformer_engine=False,
+        activation_dtype="fp16",
+        weight_dtype="fp16",
+        grad_dtype="fp16",
+    )
+    layout = planner.Layout.uniform(model, tp=2, dp=4, micro_batch=4)
+    expected = 4 * (8 // 2) * 1024 * 1024 * 2  # 32 MiB
+    assert core_attention_buffer_bytes(model, local, tp=2, cp=1, micro_batch=4) == expected
+    others = [
+        local.model_copy(update={"transformer_engine": None}),  # Megatron-LM's default: TE
+        local.model_copy(update={"flash_attention": True}),
+        local.model_copy(update={"framework": "torchtitan", "transformer_engine": None}),
+    ]
+    for job in others:
+        assert core_attention_buffer_bytes(model, job, tp=2, cp=1, micro_batch=4) == 0
+    with_te = local.model_copy(update={"transformer_engine": True, "workspace_bytes": 0})
+    without = local.model_copy(update={"workspace_bytes": 0})
+    here, there = (
+        stage_memory(model, j, layout, num_microbatches=2)[0] for j in (without, with_te)
+    )
+    assert here.buckets["buffers"] - there.buckets["buffers"] == expected
+    cluster = planner.load_cluster("h100", gpus=8)
+    space = planner.SearchSpace(tp=[2], pp=[1], zero=[0], micro_batch=[4], recompute=["none"])
+    config = next(iter(enumerate_configs(model, cluster, without, space)))
+    network = Network.of(cluster)
+    tables, tables_te = (build(model, cluster, j, config, network) for j in (without, with_te))
+    assert tables.buffers - tables_te.buffers == expected
+
+
 def test_hugging_face_llama_keeps_what_it_kept_on_a_gpu() -> None:
     """transformers 5.17.0's LlamaForCausalLM (SDPA, BF16, no checkpointing), one decoder
     layer at 4,096 tokens, every tensor autograd keeps, measured on an H200 with saved-tensor

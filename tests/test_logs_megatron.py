@@ -46,6 +46,16 @@ def test_a_megatron_log_states_its_model_layout_job_and_measurements() -> None:
     layers = {b.recompute for s in lay.stages for b in s.blocks if b.block.startswith("layer")}
     assert layers == {"core_attn"}
     assert (run.job.seq_len, run.job.global_batch) == (4096, 16)
+    assert run.job.transformer_engine is True  # transformer_impl transformer_engine
+    # --transformer-impl local: Megatron-LM's own modules, its core attention unfused
+    local = read(
+        _log().replace(
+            "transformer_impl ................................ transformer_engine",
+            "transformer_impl ................................ local",
+        ),
+        "local.log",
+    )
+    assert local.job.transformer_engine is False and not local.job.flash_attention
     # iterations 1-3 are the start's warm-up; the median of 1001, 1003, 999, 1010, 1002 ms
     assert run.step_s == pytest.approx(1.002)
     assert run.iterations == 5

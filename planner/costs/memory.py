@@ -24,7 +24,8 @@ the same):
   use and arriving: 4 times its K and V), and for an eager PyTorch runtime the gradients a
   backward holds in flight.
 - ``buffers`` also hold the GEMM libraries' workspaces, allocated once through PyTorch's
-  caching allocator and kept for the run (``workspace_bytes``).
+  caching allocator and kept for the run (``workspace_bytes``), and Megatron-LM's own core
+  attention's score buffer where it runs (``core_attention_buffer_bytes``).
 - ``context``: CUDA context and kernels.
 - ``fragmentation``: the job's fraction of all allocated bytes above.
 
@@ -249,11 +250,53 @@ def workspace_bytes(
         return job.workspace_bytes
     per_handle = TORCH_CUBLAS_WORKSPACE[sm90] if cublas_bytes is None else cublas_bytes
     total = CUBLAS_THREADS * per_handle
-    te = framework(job.framework).transformer_engine
-    if te if transformer_engine is None else transformer_engine:
+    if runs_transformer_engine(job) if transformer_engine is None else transformer_engine:
         grouped = bool(model.num_experts) if grouped_experts is None else grouped_experts
         total += TE_WORKSPACE[sm90] * (1 + TE_GROUPED_STREAMS * grouped)
     return total
+
+
+def runs_transformer_engine(job: TrainingJob) -> bool:
+    """Whether ``job``'s framework runs Transformer Engine's modules: the job's own
+    ``transformer_engine`` where stated, else the framework's default."""
+    if job.transformer_engine is not None:
+        return job.transformer_engine
+    return framework(job.framework).transformer_engine
+
+
+def core_attention_buffer_bytes(
+    model: ModelSpec, job: TrainingJob, *, tp: int, cp: int, micro_batch: int
+) -> float:
+    """Bytes of the score buffer Megatron-LM's own core attention keeps for the run, where
+    the framework has one (``Framework.core_attention_buffer``) and the job runs it: without
+    Transformer Engine and without flash attention. DotProductAttention computes its scores
+    with ``torch.baddbmm`` from a ``[micro_batch * heads / tp, s / cp, s]`` tensor in the
+    activation dtype that it takes from the global memory buffer, which keeps the largest
+    tensor asked of it for the rest of the run (megatron/core/transformer/
+    dot_product_attention.py, ``GlobalMemoryBuffer`` in megatron/core/utils.py at d98e8a64).
+    Counted on every rank, as the search's tables count it (a rank holding no attention layer
+    never makes it; no layout but one with an empty first or last stage has such a rank).
+    Megatron-LM's functional tests with ``--transformer-impl local`` (63 dense runs) fell
+    short by 70 MiB at the median where this buffer is 64 MiB
+    (``benchmarks/published_memory.py --csv benchmarks/megatron_ci_runs.csv``)."""
+    if not framework(job.framework).core_attention_buffer:
+        return 0.0
+    if runs_transformer_engine(job) or job.flash_attention or not model.num_attention_heads:
+        return 0.0
+    s = job.seq_len
+    heads = model.num_attention_heads // tp
+    return float(micro_batch * heads * (s // cp) * s * DTYPE_BYTES[job.activation_dtype])
+
+
+def held_bytes(model: ModelSpec, job: TrainingJob, *, tp: int, cp: int, micro_batch: int) -> float:
+    """Bytes a rank holds for the whole run beside its model state and activations: the
+    job's communication buffers, the GEMM libraries' workspaces (``workspace_bytes``) and
+    the core attention's score buffer (``core_attention_buffer_bytes``)."""
+    return float(
+        job.comm_buffer_bytes
+        + workspace_bytes(model, job)
+        + core_attention_buffer_bytes(model, job, tp=tp, cp=cp, micro_batch=micro_batch)
+    )
 
 
 def reduce_bucket_bytes(model: ModelSpec, job: TrainingJob, layout: Layout) -> float:
@@ -445,7 +488,7 @@ def _rank_memory(
         layout=layout,
         ema_on_gpu=ema_on_gpu,
     )
-    held = float(job.comm_buffer_bytes + workspace_bytes(model, job))  # for the whole run
+    held = held_bytes(model, job, tp=layout.tp, cp=layout.cp, micro_batch=layout.micro_batch)
     buffers = 0.0  # transient: the job's share of them is live at the peak (buffers_at_peak)
     if torch_pp:  # receive buffers per chunk and micro-batch
         ends = sum((c > 0) + (c < last) for c in dict.fromkeys(chunks))

@@ -20,7 +20,8 @@ What maps exactly:
   or full recompute of the first k layers of every stage (``--recompute-method block``);
 - ZeRO-1: ``--use-distributed-optimizer``; ZeRO-2/3: Megatron-FSDP with
   ``--data-parallel-sharding-strategy optim_grads`` / ``optim_grads_params``;
-- micro and global batch, sequence length, BF16 / FP8 (blockwise); FlashAttention-2
+- micro and global batch, sequence length, BF16 / FP8 (blockwise); Megatron-LM's own modules
+  (``TrainingJob.transformer_engine`` False) as ``--transformer-impl local``; FlashAttention-2
   (``TrainingJob.attention_kernel``) as ``--attention-backend flash``; the fused
   cross-entropy (``TrainingJob.loss_fusion`` native) as ``--cross-entropy-loss-fusion
   --cross-entropy-fusion-impl native`` (te, which pretrain_gpt.py refuses, is a difference);
@@ -128,6 +129,8 @@ def megatron(plan: Plan) -> Export:
                 "--main-params-dtype takes fp32 or fp16, with its distributed optimizer; "
                 "keeps FP32 master weights"
             )
+    if job.transformer_engine is False:  # Megatron-LM's own modules (costs.memory)
+        args += ["--transformer-impl", "local"]
     if job.attention_kernel == "fa2":  # the flash-attn package; "auto" runs cuDNN (TE fused)
         args += ["--attention-backend", "flash"]
     if job.loss_fusion != "none":

@@ -358,6 +358,8 @@ def row_of(args: Args, gpus: int, notes: list[str]) -> dict[str, str]:
         "precision": precision,
         "framework": "megatron",
         "flash_attention": str(flash).lower(),
+        # --transformer-impl local: Megatron-LM's own modules (TrainingJob.transformer_engine)
+        "transformer_engine": str(impl != "local").lower(),
         "tp_comm_overlap": str(bool(args.get("--tp-comm-overlap"))).lower(),
         "fp8_cache": "false",
         "dispatcher": dispatcher,

@@ -437,8 +437,13 @@ def _dual_bound(coef: np.ndarray, const: np.ndarray, lo: np.ndarray, free: float
     ``w @ const + c @ lo + free * min(c)`` with ``c = w @ coef`` (weak duality), so any w
     gives a bound. The weights are the soft maximum of the rows' values at points that a
     Frank-Wolfe descent of that soft maximum visits (60 steps, the layers moved toward the
-    stage the weights price lowest); the best bound seen is returned. On the pipelines of
-    ``fill_and_drain`` it comes within 0.3% of the relaxation's optimum."""
+    stage the weights price lowest); the best bound seen is returned. Where the fill and drain
+    matter (few micro-batches a stage) it comes close to the min-max's optimum; with many it
+    can fall far below it (Llama 3 70B on 64 H100, tp4 pp4 1F1B at 32 micro-batches: 3.66 s
+    against an optimum of 9.28 s, the soft maximum weighting the fill and drain chains where
+    the ranks' own chains are the binding ones), and the mean and busiest rank's bounds hold
+    there instead. Solving the program exactly (GLOP's duals) was tried: 3 to 6 times the
+    time, and at 10 and 60 s limits no search's final bound rose (``plan_speed.py``)."""
     _, stages = coef.shape
     n = lo + free / stages
     best, scale = -math.inf, 0.0

@@ -33,10 +33,10 @@ from planner.costs.blocks import BlockCost, Param, Shard, block_cost, block_name
 from planner.costs.comm import Network, Transfer
 from planner.costs.compute import Rates
 from planner.costs.memory import (
+    held_bytes,
     reduce_bucket_bytes,
     ring_buffer_bytes,
     shard_of,
-    workspace_bytes,
 )
 from planner.costs.overlap import overlap_of
 from planner.costs.quantities import Bytes, StageComm
@@ -317,7 +317,7 @@ def build(
         else rank_orders(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
     )
     fixed_state, fixed_bytes = _fixed_tables(model, job, config, proto, shard)
-    buffers = float(job.comm_buffer_bytes + workspace_bytes(model, job))
+    buffers = held_bytes(model, job, tp=config.tp, cp=config.cp, micro_batch=config.micro_batch)
     buffers += 2 * act if config.pp > 1 else 0.0
     buffers += reduce_bucket_bytes(model, job, proto)
     if config.cp > 1:  # the context ring's buffers, as ``costs.memory.stage_memory`` counts
