@@ -422,7 +422,8 @@ def build_row(
             run_flags(args, dict(config.get("ENV_VARS") or {}), config.get("TEST_TYPE"))
         ),
     }
-    return {column: row[column] for column in COLUMNS}
+    # published_runs.csv's columns a Megatron-LM run does not state (compiled_model) are empty
+    return {column: row.get(column, "") for column in COLUMNS}
 
 
 # -- recipes: GPU counts ---------------------------------------------------------------------

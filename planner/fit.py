@@ -528,6 +528,8 @@ OPTIONAL_COLUMNS = {
     "split over tp",
     "compiled_loss": "true or false (default): the loss under torch.compile "
     "(TrainingJob.compiled_loss; torchtitan or torch)",
+    "compiled_model": "true or false (default): the model's layers under torch.compile "
+    "(TrainingJob.compiled_model; torchtitan)",
     "tp_comm_overlap": "true (default) or false: the framework's tensor-parallel overlap "
     "switched on (TrainingJob.tp_comm_overlap)",
     "attention_kernel": "fused (default) or fa2: the fused attention kernel the run used "
@@ -735,6 +737,7 @@ def layout_from_row(
             framework=framework,
             flash_attention=flash,
             compiled_loss=compiled,
+            compiled_model=flag("compiled_model", False),
             tp_comm_overlap=overlap_tp,
             attention_kernel=text("attention_kernel", "fused").lower(),
             loss_fusion=text("loss_fusion", "none").lower(),

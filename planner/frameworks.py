@@ -152,6 +152,12 @@ class Framework:
     # each (planner.run.model, which planner validate runs): their passes are priced as such
     # (costs.blocks.eager_bytes), beside the fused kernels' the others run.
     eager_passes: bool = False
+    # Its model code runs as eager PyTorch ops unless compiled (TrainingJob.compiled_model):
+    # SwiGLU as F.silu and a multiply, the loss as F.cross_entropy over an FP32 copy of the
+    # logits, the rotary embedding as x * cos + rotate_half(x) * sin (or its complex product),
+    # each op a kernel of its own; its norms nn.RMSNorm, one fused kernel (PyTorch's CUDA
+    # rms_norm, pytorch#153666, 2.9). Priced by costs.blocks.eager_bytes(..., "torchtitan").
+    eager_model: bool = False
     # Its real runs' pipeline runtime as planner validate measures it (torch: PyTorch's
     # pipelining holds stage outputs and receive buffers; costs.memory.stage_memory)
     pipeline_runtime: Runtime = "megatron"
@@ -336,6 +342,7 @@ FRAMEWORKS: dict[str, Framework] = {
     "torchtitan": Framework(
         name="torchtitan",
         label="torchtitan",
+        eager_model=True,
         # train_step opens with self.optimizers.zero_grad(), torch's default set_to_none=True
         # (torchtitan/train.py at v0.1.0, v0.2.0 and v0.2.2, and trainer.py up to f84224af,
         # 2026-08-13, when CUDA graph capture made it set_to_none=disable_cuda_graphs, False by

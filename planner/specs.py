@@ -630,6 +630,15 @@ class TrainingJob(Spec):
         return self
 
     @model_validator(mode="after")
+    def _compiled_model_framework(self) -> TrainingJob:
+        if self.compiled_model and not framework(self.framework).eager_model:
+            raise PlannerError(
+                f"TrainingJob.compiled_model=True: framework={self.framework!r} runs its own "
+                "kernels; only torchtitan compiles its model with torch.compile"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _loss_chunks_framework(self) -> TrainingJob:
         if self.loss_chunks > 1 and not framework(self.framework).chunks_loss:
             raise PlannerError(
@@ -682,6 +691,8 @@ class TrainingJob(Spec):
             given.pop("compiled_loss", None)
         if not framework(name).chunks_loss:
             given.pop("loss_chunks", None)
+        if not framework(name).eager_model:
+            given.pop("compiled_model", None)
         if given.get("loss_fusion") not in framework(name).loss_fusions:
             given.pop("loss_fusion", None)
         if not framework(name).expert_gemm_launch_s:
@@ -755,6 +766,18 @@ class TrainingJob(Spec):
         "compile.enable since April 2025, or an eager torch runtime that compiles it): the "
         "loss keeps the logits in the activation dtype and no FP32 copy. torchtitan and torch "
         "only.",
+    )
+    # torchtitan's model code runs as eager PyTorch ops unless compile.enable holds the model
+    # (job_config.py: compile.enable False by default): each TransformerBlock is then
+    # compiled ("Compiling each TransformerBlock with torch.compile", llama3/infra/
+    # parallelize.py at v0.2.2) and Inductor fuses its elementwise ops.
+    compiled_model: bool = Field(
+        default=False,
+        description="The model's layers run under torch.compile (torchtitan's compile.enable "
+        "with the model among compile.components): their elementwise ops fused. False: "
+        "torchtitan's model code runs eager ops, each a kernel of its own "
+        "(Framework.eager_model), unless a compiled loss or async tensor parallelism, which "
+        "compile the model with it, says otherwise. torchtitan only.",
     )
     # torchtitan's Qwen3 tensor-parallel plan up to 8c1d1c5f (2025-10-14, PR #1870 "Remove
     # unnecessary all-gather qwen3", after issue #1867): q_norm and k_norm ran as NoParallel

@@ -602,3 +602,20 @@ def test_the_fused_cross_entropy_is_exported_as_megatron_runs_it() -> None:
     assert native.args[native.args.index("--cross-entropy-fusion-impl") + 1] == "native"
     assert not te.exact and "cross-entropy fusion te" in " ".join(te.differences)
     assert "--cross-entropy-loss-fusion" not in none.args
+
+
+def test_torchtitan_compiles_the_model_where_it_was_costed_compiled() -> None:
+    """A torchtitan plan costed with its layers compiled (TrainingJob.compiled_model) turns
+    compile on for the model; one costed uncompiled, with no compiled loss or async tensor
+    parallelism, leaves torchtitan's default (compile off) as costed: eager ops."""
+    model = planner.load_model("llama3-8b")
+    cluster = planner.load_cluster("h100", gpus=8)
+    layout = Layout.uniform(model, dp=8, zero=3, recompute="full")
+    base = planner.TrainingJob(seq_len=8192, global_batch=16, framework="torchtitan")
+    for compiled in (True, False):
+        job = base.model_copy(update={"compiled_model": compiled})
+        out = planner.export.torchtitan(plan_of(model, cluster, job, layout))
+        config = tomllib.loads(out.files["torchtitan.toml"])
+        assert config.get("compile") == (
+            {"enable": True, "components": ["model"]} if compiled else None
+        )

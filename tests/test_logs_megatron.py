@@ -244,6 +244,45 @@ def test_the_eager_runtime_s_passes_are_priced_for_it_alone() -> None:
     assert eager_bytes("rmsnorm", 2)[:2] == (40 - 4, 94 - 8)
 
 
+def test_torchtitan_uncompiled_runs_its_model_code_s_eager_ops() -> None:
+    """torchtitan's Llama 3 layer without torch.compile runs its SwiGLU as F.silu and a
+    multiply (5a bytes forward, 9a backward against the fused kernel's 3a and 6a) and its
+    rotary embedding as separate ops (10a each way against 2a and 4a); its nn.RMSNorm is one
+    kernel. Compiled, or with async tensor parallelism (which runs only compiled), it moves
+    what Megatron-LM's fused kernels move; a compiled model is torchtitan's alone."""
+    from planner.catalog import load_model
+    from planner.costs.blocks import block_cost
+    from planner.costs.memory import eager_ops, shard_of
+    from planner.errors import PlannerError
+    from planner.layout import Layout
+
+    model = load_model("llama3-8b")
+    layout = Layout.uniform(model)
+    base = {"seq_len": 1024, "global_batch": 8, "activation_dtype": "bf16"}
+    eager = TrainingJob(**base, framework="torchtitan")
+    compiled = eager.model_copy(update={"compiled_model": True})
+    megatron = TrainingJob(**base, framework="megatron")
+
+    def traffic(job: TrainingJob, lay: Layout = layout) -> tuple[float, float]:
+        cost = block_cost(model, "layer.0", shard_of(job, lay))
+        return cost.fwd.memory, cost.bwd_input.memory + cost.bwd_weight.memory
+
+    tokens, f = 1024, model.ffn_hidden_size
+    qk = (model.num_attention_heads + model.num_kv_heads) * model.head_dim
+    fwd = tokens * f * 2 * 2 + tokens * qk * 8 * 2  # SwiGLU 2a more, rotary 8a, at BF16
+    bwd = tokens * f * 3 * 2 + tokens * qk * 6 * 2
+    assert eager_ops(eager, layout) == "torchtitan" and eager_ops(compiled, layout) == ""
+    (ef, eb), (cf, cb) = traffic(eager), traffic(compiled)
+    assert (ef - cf, eb - cb) == (pytest.approx(fwd), pytest.approx(bwd))
+    tp2 = Layout.uniform(model, tp=2)
+    assert eager_ops(eager, tp2) == ""  # async TP compiles the model
+    assert eager_ops(eager.model_copy(update={"tp_comm_overlap": False}), tp2) == "torchtitan"
+    assert eager_ops(eager.model_copy(update={"compiled_loss": True}), layout) == ""
+    assert eager_ops(megatron, layout) == ""
+    with pytest.raises(PlannerError, match="compiled_model=True: framework='megatron'"):
+        TrainingJob(**base, framework="megatron", compiled_model=True)
+
+
 def test_layouts_that_differ_only_in_micro_batch_have_names_of_their_own() -> None:
     """validate ranks layouts by name: the one-GPU set's twelve must stay twelve."""
     from planner.run.validate import describe, layout_name, one_gpu_set

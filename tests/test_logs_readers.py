@@ -157,6 +157,7 @@ def test_torchtitan_normal_run() -> None:
     } == {"full"}
     assert (run.job.global_batch, run.job.seq_len) == (16, 8192)
     assert run.job.compute_dtype == "bf16" and not run.job.compiled_loss
+    assert not run.job.compiled_model  # no "Compiling each TransformerBlock" line
     assert run.step_s == pytest.approx(TITAN_MEDIAN)
     assert run.iterations == 4
     assert run.reserved_peak_bytes == round(61.50 * GIB)
@@ -254,6 +255,7 @@ def test_torchtitan_trainer_of_b5bcd76c_names_only_the_flavor() -> None:
         titan("Building llama3 8B"),
         titan(f"{BLUE}Model llama3 8B {RED}size: 8,030,261,248 total parameters{RESET}"),
         titan("Applied SelectiveAC activation checkpointing to the model"),
+        titan("Compiling each TransformerBlock with torch.compile"),  # distributed/compile.py:72
         titan("Compiling the loss function with torch.compile"),  # components/loss.py:251
         titan(
             "Trainer is initialized with 16384 tokens per DP rank, 131072 tokens per train "
@@ -268,7 +270,7 @@ def test_torchtitan_trainer_of_b5bcd76c_names_only_the_flavor() -> None:
     assert run.model.num_params() == 8_030_261_248
     assert (run.job.global_batch, run.job.seq_len, run.layout.micro_batch) == (16, 8192, 2)
     assert (run.layout.dp, run.layout.tp, run.layout.zero) == (8, 1, 3)
-    assert run.job.compiled_loss
+    assert run.job.compiled_loss and run.job.compiled_model
     assert {b.recompute for b in run.layout.stages[0].blocks if b.block.startswith("layer.")} == {
         "op"
     }

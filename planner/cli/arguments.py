@@ -129,6 +129,12 @@ def _job_args(cmd: argparse.ArgumentParser) -> None:
         "logits kept, no FP32 copy",
     )
     cmd.add_argument(
+        "--compiled-model",
+        action="store_true",
+        help="torchtitan's layers run under torch.compile (compile.enable): their elementwise "
+        "ops fused, where uncompiled each is a kernel of its own",
+    )
+    cmd.add_argument(
         "--loss-chunks",
         type=int,
         default=None,

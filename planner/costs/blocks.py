@@ -159,9 +159,10 @@ class Shard:
     loss_chunks: int = 1  # the output layer and loss over this many token chunks
     op_sac: bool = False  # per-op selective checkpointing is on the menu (torchtitan's; OP)
     qk_gathered: bool = False  # q and k all-gathered after their norms (TrainingJob field)
-    # The runtime computes norms, rotary embeddings, SwiGLU's backward and the loss in eager
-    # FP32 ops, one kernel per op (Framework.eager_passes; ``eager_bytes``)
-    eager_passes: bool = False
+    # Whose eager ops compute the norms, rotary embeddings, SwiGLU and the loss, one kernel
+    # per op (``eager_bytes``): "runtime" (planner.run.model, Framework.eager_passes),
+    # "torchtitan" (its model code uncompiled, Framework.eager_model) or "" (fused kernels)
+    eager_ops: str = ""
     # Bytes of a gradient element where the framework adds each micro-batch's weight
     # gradients into its gradient buffer in a pass of its own (Framework.
     # grad_accumulation_pass): read both, write the sum, per micro-batch; 0 where not
@@ -730,8 +731,8 @@ def _head(cost: BlockBuilder, model: ModelSpec, shard: Shard, *, prefix: str = "
     elif shard.act_bytes < LOGIT_BYTES:
         cost.transient = max(cost.transient, round(elements * shard.act_bytes))
     cost.elementwise(2 * logits)  # fp32 softmax cross-entropy: read and write the logits
-    if shard.eager_passes:
-        _eager(cost, elements, "loss", shard.act_bytes)
+    if shard.eager_ops:
+        _eager(cost, elements, "loss", shard.act_bytes, style=shard.eager_ops)
 
 
 def _softcap(cost: BlockBuilder, shard: Shard, elements: float, prefix: str) -> None:
@@ -754,7 +755,7 @@ def _widen(a: int) -> int:
     return a + 4 if a < 4 else 0
 
 
-def eager_bytes(op: str, a: int) -> tuple[float, float, int, int]:
+def eager_bytes(op: str, a: int, style: str = "runtime") -> tuple[float, float, int, int]:
     """Bytes an element of ``op``'s tensor moves, forward and backward, beyond the fused
     kernel's passes priced beside it, and the extra kernels, in the eager runtime of
     ``planner.run.model`` (activations of ``a`` bytes, FP32 arithmetic): each eager op one
@@ -774,8 +775,13 @@ def eager_bytes(op: str, a: int) -> tuple[float, float, int, int]:
     - ``loss`` (``Head`` and ``_CrossEntropy``, over the logits): forward the logits' upcast,
       max, the in-place subtract, exp and divide, the sum (4 + 8 + 8 + 4 + 8 = 32); backward
       the in-place scale (8) and the downcast, within the 16 bytes priced backward (8
-      forward)."""
+      forward).
+
+    ``style`` "torchtitan": torchtitan's model code run uncompiled
+    (``_torchtitan_eager_bytes``)."""
     w = _widen(a)
+    if style == "torchtitan":
+        return _torchtitan_eager_bytes(op, a, w)
     if op == "rmsnorm":
         return 28 + 2 * w - 2 * a, 76 + 3 * w - 4 * a, 6, 11
     if op == "rotary":
@@ -787,10 +793,43 @@ def eager_bytes(op: str, a: int) -> tuple[float, float, int, int]:
     raise ValueError(op)
 
 
-def _eager(cost: BlockBuilder, elements: float, op: str, a: int, *modules: str) -> None:
-    """The eager runtime's passes over ``elements`` beyond the fused ones (``eager_bytes``);
-    a recompute of ``modules`` repeats the forward's."""
-    fwd, bwd, kf, kb = eager_bytes(op, a)
+def _torchtitan_eager_bytes(op: str, a: int, w: int) -> tuple[float, float, int, int]:
+    """``eager_bytes`` of torchtitan's model code run without torch.compile (its Llama 3 and
+    Qwen3 models: torchtitan/models/llama3/model/model.py at v0.2.2, experiments/qwen3 at
+    d66b72a6), each PyTorch op one kernel reading its operands and writing its result, and
+    autograd's backward one kernel per op's derivative:
+
+    - ``rmsnorm``: nn.RMSNorm, one fused kernel each way since PyTorch 2.9 (the CUDA
+      ``_fused_rms_norm`` of pytorch#153666): nothing beyond the fused passes priced;
+    - ``rotary``: x * cos + rotate_half(x) * sin in the activation dtype (Qwen3), or the
+      complex product over an FP32 copy (Llama 3): 10a bytes each way either way, as
+      ``planner.run.model``'s (8a forward and 6a backward beyond the 2a and 4a priced);
+    - ``swiglu``: F.silu(gate) * up: forward silu (2a) and the multiply (3a), 5a against the
+      fused kernel's 3a; backward the multiply's two products (3a each) and silu's derivative
+      (``silu_backward``: the gradient and the gate in, 3a), 9a against 6a: 2a and 3a more,
+      one and two kernels more;
+    - ``loss``: F.cross_entropy over ``pred.float()``: forward the upcast (a + w), the
+      log-softmax (3w: read twice, write once) and the picked entries; backward the negative
+      log-likelihood's gradient (w), the log-softmax's (3w) and the downcast (w + a): a + 2w
+      forward beyond the 2w priced and a + w backward beyond the 4w, two kernels more each
+      way."""
+    if op == "rmsnorm":
+        return 0.0, 0.0, 0, 0
+    if op == "rotary":
+        return 8 * a, 6 * a, 4, 4
+    if op == "swiglu":
+        return 2 * a, 3 * a, 1, 2
+    if op == "loss":
+        return a + 2 * w, a + w, 2, 2
+    raise ValueError(op)
+
+
+def _eager(
+    cost: BlockBuilder, elements: float, op: str, a: int, *modules: str, style: str = "runtime"
+) -> None:
+    """The eager ops' passes over ``elements`` beyond the fused ones (``eager_bytes`` of
+    ``style``); a recompute of ``modules`` repeats the forward's."""
+    fwd, bwd, kf, kb = eager_bytes(op, a, style)
     cost.add(
         Work(memory=elements * fwd, kernels=kf),
         Work(memory=elements * bwd, kernels=kb),
@@ -840,8 +879,8 @@ def _saved_norm(
     op = _op(shard) if in_block else ()
     cost.save(saved, elements * kept, "layernorm", *op)
     cost.elementwise(2 * elements * shard.act_bytes, "layernorm", *op)
-    if shard.eager_passes and model.norm == "rmsnorm":
-        _eager(cost, elements, "rmsnorm", shard.act_bytes, "layernorm", *op)
+    if shard.eager_ops and model.norm == "rmsnorm":
+        _eager(cost, elements, "rmsnorm", shard.act_bytes, "layernorm", *op, style=shard.eager_ops)
     if shard.unfused_norm and model.norm == "rmsnorm":
         # The eager RMSNorm keeps an FP32 copy of its input where the fused norm keeps the
         # input itself (counted as the block's input), and its normalised tensor in the
@@ -1051,8 +1090,8 @@ def _gqa(
         turned = (nq + nkv) * d * model.rotary_percent  # the share partial_rotary_factor turns
         on = 1 if gathered else t
         cost.elementwise(2 * tokens * turned * a / on, *_op(shard))
-        if shard.eager_passes:
-            _eager(cost, tokens * turned / on, "rotary", a, *_op(shard))
+        if shard.eager_ops:
+            _eager(cost, tokens * turned / on, "rotary", a, *_op(shard), style=shard.eager_ops)
     if shard.cp_a2a > 1:  # q, k and v to the head split, the output back
         cost.cp_a2a_bytes += 2 * tokens * (nq + nkv) * d * a / t
     if shard.cp_a2a < shard.cp:  # the K and V the context ring passes (as many bytes a step
@@ -1177,8 +1216,8 @@ def _ffn(
     op = _op(shard) if "moe" not in modules else ()
     cost.elementwise(tokens * (fc1_out + width) * a, *modules, *act_only, *op)
     gated = model.gated_mlp
-    if gated and shard.eager_passes:
-        _eager(cost, tokens * width, "swiglu", a, *modules, *act_only, *op)
+    if gated and shard.eager_ops:
+        _eager(cost, tokens * width, "swiglu", a, *modules, *act_only, *op, style=shard.eager_ops)
     # Per-op checkpointing keeps w1's output and w2's; recomputes w3 (gated) or fc2 (not).
     cost.gemm(Gemm(rows, h, width, groups, routed), *modules, *([] if gated else op), kind=kind)
     if shard.fp8 and shard.fp8_cache:  # quantise the kept copy, dequantise it in backward

@@ -166,6 +166,27 @@ def ring_buffer_bytes(cp: int, costs: Sequence[BlockCost]) -> float:
     return 4 * max(c.cp_kv_bytes for c in costs) if cp > 1 else 0.0
 
 
+def model_compiled(job: TrainingJob, layout: Layout) -> bool:
+    """Whether torch.compile runs ``job``'s model: where it says so
+    (``TrainingJob.compiled_model``), or where something that runs only under it is on: a
+    compiled loss (torchtitan's compile.enable compiles the model with it, as the export
+    writes it) or async tensor parallelism with tp > 1 (``TrainingJob.tp_comm_overlap``;
+    torchtitan runs it only under torch.compile)."""
+    return job.compiled_model or job.compiled_loss or (layout.tp > 1 and job.tp_comm_overlap)
+
+
+def eager_ops(job: TrainingJob, layout: Layout) -> str:
+    """Whose eager ops the blocks' elementwise work is priced as (``Shard.eager_ops``):
+    the project's own runtime's always, torchtitan's model code where nothing compiles it,
+    else none (fused kernels)."""
+    fw = framework(job.framework)
+    if fw.eager_passes:
+        return "runtime"
+    if fw.eager_model and not model_compiled(job, layout):
+        return "torchtitan"
+    return ""
+
+
 def shard_of(job: TrainingJob, layout: Layout) -> Shard:
     """The per-rank shapes a layout gives every block of a job."""
     fw = framework(job.framework)
@@ -203,7 +224,7 @@ def shard_of(job: TrainingJob, layout: Layout) -> Shard:
         loss_fusion=job.loss_fusion,
         unfused_norm=fw.unfused_norm,
         unfused_swiglu=fw.unfused_swiglu,
-        eager_passes=fw.eager_passes,
+        eager_ops=eager_ops(job, layout),
         grad_accumulation_bytes=DTYPE_BYTES[job.grad_dtype] if fw.grad_accumulation_pass else 0,
         op_sac=fw.op_sac,
         qk_gathered=job.qk_norm_gathered,

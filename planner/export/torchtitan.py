@@ -165,6 +165,8 @@ def torchtitan(plan: Plan) -> Export:
         )
     if job.compiled_loss:  # the loss compiled as costed (and the model: one switch)
         sections["compile"] = {"enable": True, "components": ["model", "loss"]}
+    elif job.compiled_model:  # the layers compiled as costed (costs.memory.model_compiled)
+        sections["compile"] = {"enable": True, "components": ["model"]}
     if runs.tp > 1 and job.tp_comm_overlap:
         # The time model hides tensor-parallel collectives as async TP does; torchtitan runs
         # it only under torch.compile of the model.

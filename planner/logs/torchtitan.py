@@ -20,8 +20,9 @@ What a log states and where:
 - recompute: ``Applied <mode> activation checkpointing to the model`` (none when absent);
 - the pipeline: ``Using pipeline schedule <name> with <n> microbatches and <s> stages.`` and
   ``PP rank <r> is building stage_idx <i> with modules [...]``;
-- precision and compilation: the Float8/MX converter lines, ``Compiling the loss function with
-  torch.compile``, ``Async TP is enabled``;
+- precision and compilation: the Float8/MX converter lines, ``Compiling each TransformerBlock
+  with torch.compile``, ``Compiling the loss function with torch.compile``, ``Async TP is
+  enabled``;
 - the job config dump (``Running with configs: {json}`` / ``Running with args: {dict}``, only
   with ``print_config``/``print_args``): settings no other line states;
 - measurements: the per-step line ``step: N  loss: ...  memory: X GiB(P%)  tps: T  ...``.
@@ -139,6 +140,8 @@ _STAGE = re.compile(
 )
 # components/loss.py:34 (v0.2.2), :251 (b5bcd76c)
 _LOSS_COMPILED = re.compile(r"^Compiling the loss function with torch\.compile$")
+# models/llama3/infra/parallelize.py:269 (v0.2.2), distributed/compile.py:72 (b5bcd76c)
+_MODEL_COMPILED = re.compile(r"^Compiling each TransformerBlock with torch\.compile$")
 # distributed/tensor_parallel.py:27 (v0.2.2), distributed/compile.py:96 (b5bcd76c)
 _ASYNC_TP = re.compile(r"^Async TP is enabled$")
 # components/quantization/float8.py:75-77 and :100 (v0.2.2), :118 (b5bcd76c); v0.1.0's MX
@@ -309,6 +312,8 @@ def _scan(lines: list[Line], found: Settings) -> list[_Start]:
                 found.put(f"stage.{int(m['idx'])}", tuple(str(x) for x in modules), line.no)
         elif _LOSS_COMPILED.match(text):
             found.put("loss_compiled", True, line.no)
+        elif _MODEL_COMPILED.match(text):
+            found.put("model_compiled", True, line.no)
         elif _ASYNC_TP.match(text):
             found.put("async_tp", True, line.no)
         elif m := _FLOAT8.match(text):
@@ -673,6 +678,7 @@ def _read(text: str, path: str, where: str) -> LoggedRun:
         framework="torchtitan",
         compute_dtype="fp8" if found.get("float8") else "bf16",
         compiled_loss=bool(found.get("loss_compiled")),
+        compiled_model=bool(found.get("model_compiled")),
         tp_comm_overlap=bool(found.get("async_tp")),
     )
 
