@@ -100,6 +100,16 @@ def test_a_log_that_does_not_state_its_run_is_refused_in_one_line(tmp_path: Path
     assert other != text
     with pytest.raises(PlannerError, match="micro_batch"):
         read(text + other, "d.log")
+    # settings the planner cannot state are named, not costed as if off
+    for name, value, reason in (
+        ("num_distributed_optimizer_instances", "2", "distributed optimizer instances"),
+        ("defer_embedding_wgrad_compute", "True", "deferred to the flush"),
+    ):
+        line = f"  {name} {'.' * (48 - len(name))} {value}"
+        stated = text.replace("  add_bias_linear ", line + "\n  add_bias_linear ", 1)
+        with pytest.raises(PlannerError, match=reason) as err:
+            read(stated, "e.log")
+        assert "\n" not in str(err.value)
     (tmp_path / "notes.txt").write_text("step 1 done\nstep 2 done\n")
     with pytest.raises(PlannerError, match="not a training log"):
         read_log(tmp_path / "notes.txt")

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from planner.cli.arguments import SPACE_FLAGS
 from planner.costs.comm import placements
-from planner.costs.memory import BUCKETS
+from planner.costs.memory import BUCKETS, eager_ops
 from planner.errors import PlannerError
 from planner.estimate import Estimate
 from planner.layout import Layout
@@ -121,10 +121,15 @@ def _summarise(layout: Layout, chunks: list[int]) -> str:
     return " | ".join(out)
 
 
-def print_time(est: Estimate, job: TrainingJob) -> None:
+def print_time(est: Estimate, job: TrainingJob, layout: Layout | None = None) -> None:
     """The step time by part on the critical rank, throughput and MFU, and what is priced."""
     framework = job.framework
     kernel = " (attention as FlashAttention-2)" if job.attention_kernel == "fa2" else ""
+    if layout is not None and eager_ops(job, layout) == "torchtitan":
+        kernel += (
+            " and torchtitan's model code uncompiled, its SwiGLU, rotary embedding and loss "
+            "a kernel per op (--compiled-model where compile.enable holds the model)"
+        )
     console = Console(width=max(Console().width, 100))
     table = Table(title=f"step time: {est.step_time_s:.3f} s")
     table.add_column("part")

@@ -76,6 +76,10 @@ UNSTATED = {
     "--heterogeneous-layers-config-path": "heterogeneous layers",
     "--add-qkv-bias": "q/k/v bias apart from the linear biases (no GPT spec key)",
     "--qk-layernorm": "qk-layernorm (no GPT spec key)",
+    # the last stage keeps the output layer's inputs and logits gradients of the first
+    # --wgrad-deferral-limit micro-batches to the pipeline flush (tensor_parallel/layers.py,
+    # pipeline_parallel/schedules.py finish_embedding_wgrad_compute at d98e8a64)
+    "--defer-embedding-wgrad-compute": "output-layer weight gradients deferred to the flush",
 }
 
 
@@ -257,6 +261,10 @@ def row_of(args: Args, gpus: int, notes: list[str]) -> dict[str, str]:
             raise Unstated(why)
     if args.get("--softmax-type", "vanilla") != "vanilla":
         raise Unstated("attention softmax variant (no GPT spec key)")
+    if int(args.get("--num-distributed-optimizer-instances", 1)) > 1:
+        # each instance shards the optimizer over dp / N ranks (ModelParallelConfig.
+        # num_distributed_optimizer_instances): N times the planner's ZeRO-1 state
+        raise Unstated("distributed optimizer instances (state over dp / N; no column)")
     if args.get("--optimizer", "adam") != "adam":
         raise Unstated(f"optimizer {args.get('--optimizer')} (no column)")
     if args.get("--recompute-method", "uniform") != "uniform":
