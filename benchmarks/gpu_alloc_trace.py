@@ -16,8 +16,8 @@ With ``--caps``, each case runs instead once per cap, the allocator allowed to r
 (``torch.cuda.set_per_process_memory_fraction``), and ``caps.jsonl`` says whether it ran or
 ran out of memory: what the replay's ``planner.allocator.needed`` predicts.
 
-Run on a CUDA machine: ``python benchmarks/gpu_alloc_trace.py OUTDIR [--moe] [--only 3 6]
-[--caps GIB ...]``.
+Run on a CUDA machine: ``python benchmarks/gpu_alloc_trace.py OUTDIR [--moe
+[--force-balance]] [--only 3 6] [--caps GIB ...]``.
 """
 
 from __future__ import annotations
@@ -79,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path)
     p.add_argument("--moe", action="store_true", help="the one-gpu-moe set")
+    p.add_argument(
+        "--force-balance",
+        action="store_true",
+        help="route by random logits drawn on the CPU (TrainingJob.moe_force_balance): "
+        "the tokens per expert planner.run.requests writes without a GPU",
+    )
     p.add_argument("--only", type=int, nargs="*", help="cases by number, from 1")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--device", default="cuda", help="cpu: a dry run, no trace")
@@ -95,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[_DIR] = str(args.out.resolve())
     execute._worker = traced_worker  # type: ignore[assignment]
     job, cases = one_gpu_set(moe=args.moe)
+    if args.force_balance:
+        job = job.model_copy(update={"moe_force_balance": True})
+        print(json.dumps({"moe_force_balance": True}), flush=True)
     cap_file = args.out / "cap.json"
     for i, (model, layout) in enumerate(cases, 1):
         if args.only and i not in args.only:

@@ -540,6 +540,8 @@ OPTIONAL_COLUMNS = {
     "experts (TrainingJob.moe_dispatcher)",
     "qk_norm_gathered": "true or false (default): q and k all-gathered over tp after their "
     "norms (TrainingJob.qk_norm_gathered; torchtitan's Qwen3 before 8c1d1c5f)",
+    "moe_force_balance": "true or false (default): routing by random logits "
+    "(TrainingJob.moe_force_balance; Megatron-LM's --moe-router-force-load-balancing)",
     "transformer_engine": "true or false (default: the framework's own): the run used "
     "Transformer Engine's modules (TrainingJob.transformer_engine; Megatron-LM's "
     "--transformer-impl local is false)",
@@ -743,6 +745,7 @@ def layout_from_row(
             loss_fusion=text("loss_fusion", "none").lower(),
             moe_dispatcher=text("dispatcher", "alltoall").lower(),
             qk_norm_gathered=flag("qk_norm_gathered", False),
+            moe_force_balance=flag("moe_force_balance", False),
             transformer_engine=flag("transformer_engine", False)
             if text("transformer_engine")
             else None,

@@ -158,6 +158,8 @@ class Framework:
     # each op a kernel of its own; its norms nn.RMSNorm, one fused kernel (PyTorch's CUDA
     # rms_norm, pytorch#153666, 2.9). Priced by costs.blocks.eager_bytes(..., "torchtitan").
     eager_model: bool = False
+    # It can route by random logits for benchmarks (TrainingJob.moe_force_balance)
+    force_balance: bool = False
     # Its real runs' pipeline runtime as planner validate measures it (torch: PyTorch's
     # pipelining holds stage outputs and receive buffers; costs.memory.stage_memory)
     pipeline_runtime: Runtime = "megatron"
@@ -287,6 +289,7 @@ FRAMEWORKS: dict[str, Framework] = {
         # (megatron/core/models/common/language_module/language_module.py at d98e8a64).
         loss_fusions=("none", "native", "te"),
         transformer_engine=True,
+        force_balance=True,  # --moe-router-force-load-balancing
         # --transformer-impl local: DotProductAttention takes [b * heads / tp, s, s] from
         # parallel_state.get_global_memory_buffer() ("mpu"), which GlobalMemoryBuffer keeps
         # (megatron/core/transformer/dot_product_attention.py, megatron/core/utils.py at
@@ -453,6 +456,7 @@ FRAMEWORKS: dict[str, Framework] = {
         tp_overlap="none",
         compiles_loss=True,
         eager_passes=True,
+        force_balance=True,  # planner.run.model.MoE.force_balance
         pipeline_runtime="torch",
         grad_accumulation_pass=True,
         frees_grads="unbuffered",

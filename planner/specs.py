@@ -630,6 +630,16 @@ class TrainingJob(Spec):
         return self
 
     @model_validator(mode="after")
+    def _force_balance_framework(self) -> TrainingJob:
+        if self.moe_force_balance and not framework(self.framework).force_balance:
+            raise PlannerError(
+                f"TrainingJob.moe_force_balance=True: framework={self.framework!r} has no "
+                "switch for it; Megatron-LM's --moe-router-force-load-balancing and the "
+                "planner's own runtime have one"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _compiled_model_framework(self) -> TrainingJob:
         if self.compiled_model and not framework(self.framework).eager_model:
             raise PlannerError(
@@ -693,6 +703,8 @@ class TrainingJob(Spec):
             given.pop("loss_chunks", None)
         if not framework(name).eager_model:
             given.pop("compiled_model", None)
+        if not framework(name).force_balance:
+            given.pop("moe_force_balance", None)
         if given.get("loss_fusion") not in framework(name).loss_fusions:
             given.pop("loss_fusion", None)
         if not framework(name).expert_gemm_launch_s:
@@ -848,6 +860,18 @@ class TrainingJob(Spec):
         description="Megatron-LM's --moe-use-grouped-tensor: the routed experts' GEMMs as one "
         "grouped kernel with device-side splits, not one launch per local expert. Only where "
         "the framework launches them one by one (Megatron-LM); torchtitan's are one kernel.",
+    )
+    # Megatron-LM's --moe-router-force-load-balancing (TransformerConfig.
+    # moe_router_force_load_balancing, router.py and moe_utils.apply_random_logits at
+    # d98e8a64): for benchmarks, the router's logits are replaced by random normal ones, their
+    # gradient passed straight through to the router's.
+    moe_force_balance: bool = Field(
+        default=False,
+        description="Megatron-LM's --moe-router-force-load-balancing: routing by random "
+        "normal logits (a straight-through estimator), tokens spread evenly over the experts "
+        "in expectation whatever the router learned; the planner's own runtime draws them on "
+        "the CPU, so their routing is known before a run (planner.run.requests). Priced as "
+        "any router: moe_load_imbalance.",
     )
     attention_kernel: Literal["fused", "fa2"] = Field(
         default="fused",

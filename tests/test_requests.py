@@ -153,3 +153,38 @@ def test_a_process_group_of_several_ranks_is_refused_not_waited_on() -> None:
             requests_mod.requests(model, job, layout)
     finally:
         dist.destroy_process_group()
+
+
+def test_forced_balance_routes_the_same_tokens_on_the_meta_device() -> None:
+    """Routing by random logits (TrainingJob.moe_force_balance, Megatron-LM's
+    --moe-router-force-load-balancing) draws them on the CPU: the meta device, which cannot
+    count tokens per expert from a router, gets the very counts a real run gets, where
+    the router's own routing is taken as even; a checkpointed recompute draws the same
+    logits again, so its tensors match the forward's."""
+    from torch.utils.checkpoint import checkpoint
+
+    from planner.catalog import load_model
+    from planner.run.model import MoE
+
+    model = load_model("mixtral-8x7b").model_copy(
+        update={"name": "tiny-moe", "hidden_size": 32, "moe_ffn_hidden_size": 16}
+    )
+    counts = {}
+    for device in ("cpu", "meta"):
+        torch.manual_seed(0)
+        with torch.device(device):
+            moe = MoE(model, torch.float32)
+            x = torch.randn(4, 64, 32, requires_grad=True)
+        moe.force_balance()
+        # the CPU generator in one state on both (on a GPU the runtime's weights draw from
+        # CUDA's generator and leave the CPU's as its seeding left it)
+        torch.manual_seed(1)
+        out = checkpoint(moe, x, use_reentrant=False)
+        first = list(moe.counts)
+        if device == "cpu":
+            out.sum().backward()  # the recompute's shapes must match the forward's
+            assert moe.counts == first
+        counts[device] = first
+    assert counts["cpu"] == counts["meta"]
+    assert sum(counts["cpu"]) == 4 * 64 * model.experts_per_token
+    assert len(set(counts["cpu"])) > 1  # random, not an even split

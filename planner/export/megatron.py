@@ -131,6 +131,8 @@ def megatron(plan: Plan) -> Export:
             )
     if job.transformer_engine is False:  # Megatron-LM's own modules (costs.memory)
         args += ["--transformer-impl", "local"]
+    if job.moe_force_balance and model.num_experts:  # routing by random logits
+        args.append("--moe-router-force-load-balancing")
     if job.attention_kernel == "fa2":  # the flash-attn package; "auto" runs cuDNN (TE fused)
         args += ["--attention-backend", "flash"]
     if job.loss_fusion != "none":

@@ -371,6 +371,7 @@ def row_of(args: Args, gpus: int, notes: list[str]) -> dict[str, str]:
         "tp_comm_overlap": str(bool(args.get("--tp-comm-overlap"))).lower(),
         "fp8_cache": "false",
         "dispatcher": dispatcher,
+        "moe_force_balance": str(bool(args.get("--moe-router-force-load-balancing"))).lower(),
         "grad_dtype": "bf16" if args.get("--grad-reduce-in-bf16") else "",
         "sequence_parallel": str(bool(args.get("--sequence-parallel")) and tp > 1).lower(),
         # --attention-backend flash: Transformer Engine's FlashAttention path, the flash-attn

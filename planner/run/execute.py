@@ -289,6 +289,8 @@ class _Rank:
         layer = DenseLayer(model, dtype, moe=model.is_moe_layer(index))
         if isinstance(layer.ffn, MoE) and self.layout.ep > 1:
             layer.ffn.shard_experts(self.groups.ep, self.layout.ep, self.groups.ep_rank)
+        if isinstance(layer.ffn, MoE) and self.job.moe_force_balance:
+            layer.ffn.force_balance()
         return layer
 
     def _fully_shard(self) -> None:

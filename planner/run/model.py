@@ -151,12 +151,20 @@ class _Router(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, logits: torch.Tensor, k: int, sigmoid: bool, bias: torch.Tensor | None
+        ctx: Any,
+        logits: torch.Tensor,
+        k: int,
+        sigmoid: bool,
+        bias: torch.Tensor | None,
+        chosen: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         wide = _wide(logits)
         scores = torch.sigmoid(wide) if sigmoid else torch.softmax(wide, -1)
-        choice = scores + bias if bias is not None else scores
-        experts = choice.topk(k, dim=-1).indices.sort(dim=-1).values
+        if chosen is not None:  # picked already (MoE.force_balance)
+            experts = chosen
+        else:
+            choice = scores + bias if bias is not None else scores
+            experts = choice.topk(k, dim=-1).indices.sort(dim=-1).values
         routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, experts, True)
         picked = scores.gather(-1, experts)
         probs = picked / picked.sum(-1, keepdim=True)
@@ -166,7 +174,9 @@ class _Router(torch.autograd.Function):
         return probs.to(logits.dtype), experts
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple[torch.Tensor, None, None, None]:
+    def backward(
+        ctx: Any, grad: torch.Tensor, _: Any
+    ) -> tuple[torch.Tensor, None, None, None, None]:
         scores, routing_map = ctx.saved_tensors
         picked = scores[routing_map].view(grad.shape)
         total = picked.sum(-1, keepdim=True)
@@ -178,7 +188,20 @@ class _Router(torch.autograd.Function):
             grad_logits = grad_scores * scores * (1 - scores)
         else:
             grad_logits = scores * (grad_scores - (grad_scores * scores).sum(-1, keepdim=True))
-        return grad_logits.to(grad.dtype), None, None, None
+        return grad_logits.to(grad.dtype), None, None, None, None
+
+
+class _StraightThrough(torch.autograd.Function):
+    """``drawn`` in the forward, the gradient passed on to ``real`` unchanged (Megatron-LM's
+    RandomSTE, moe_utils.py at d98e8a64)."""
+
+    @staticmethod
+    def forward(ctx: Any, real: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
+        return drawn
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 class _Permute(torch.autograd.Function):
@@ -247,6 +270,18 @@ class MoE(nn.Module):
             raise PlannerError(f"model {model.name}: shared-expert gates are not covered yet")
         self.group: Any = None  # expert-parallel process group (None: every expert here)
         self.ep, self.ep_rank = 1, 0
+        self.balanced = False  # force_balance
+        self.counts: list[int] = []  # tokens per expert of the last call, where known
+
+    def force_balance(self) -> None:
+        """Route by random logits (``TrainingJob.moe_force_balance``, Megatron-LM's
+        --moe-router-force-load-balancing): each call draws standard normal FP32 logits for
+        its tokens from PyTorch's CPU generator, picks each token's experts there (so the
+        tokens per expert are known without reading the device, and without a GPU:
+        ``planner.run.requests``), and scores them from those logits on the device; their
+        gradient goes to the router's own logits unchanged. A recompute draws the same
+        logits again: torch.utils.checkpoint restores the CPU generator's state for it."""
+        self.balanced = True
 
     def shard_experts(self, group: Any, ep: int, ep_rank: int) -> None:
         """Keep experts ``ep_rank * E/ep ..`` of ``E`` only; tokens reach them, and come back,
@@ -261,12 +296,25 @@ class MoE(nn.Module):
     def forward(self, y: torch.Tensor) -> torch.Tensor:
         b, s, h = y.shape
         flat = y.reshape(b * s, h)
-        probs, experts = _Router.apply(self.router(flat), self.k, self.sigmoid, self.bias)
+        logits = self.router(flat)
+        counts: list[int] | None = None
+        if not self.balanced:
+            probs, experts = _Router.apply(logits, self.k, self.sigmoid, self.bias)
+        else:
+            drawn = torch.randn(logits.shape, dtype=torch.float32, device="cpu")
+            picked = drawn.topk(self.k, dim=-1).indices.sort(dim=-1).values
+            total = getattr(self, "num_experts", len(self.experts))
+            counts = torch.bincount(picked.flatten(), minlength=total).tolist()
+            fake = _StraightThrough.apply(logits, drawn.to(logits.device, logits.dtype))
+            chosen = picked.to(logits.device)
+            probs, experts = _Router.apply(fake, self.k, self.sigmoid, None, chosen)
         order = experts.flatten().argsort(stable=True)  # copies in expert order
         rows = (order // self.k).to(torch.int32)
         dispatched = _Permute.apply(flat, rows)
         if self.group is None:
-            counts = torch.bincount(experts.flatten(), minlength=len(self.experts)).tolist()
+            if counts is None:
+                counts = torch.bincount(experts.flatten(), minlength=len(self.experts)).tolist()
+            self.counts = counts
             # An expert no token reached still runs (on no rows): its gradient is zero,
             # not missing, so sharded data parallelism reduces the same tensors everywhere.
             outs = [
