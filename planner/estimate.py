@@ -30,7 +30,7 @@ from planner.costs.memory import StageMemory, stage_memory
 from planner.costs.timing import StageTime, optimizer_time, stage_times
 from planner.data import package_file
 from planner.errors import PlannerError
-from planner.frameworks import ZERO3_EXTRAS, framework, launchers_with
+from planner.frameworks import LAYOUT_EXTRAS, ZERO3_EXTRAS, framework, launchers_with
 from planner.layout import Layout, model_lacks, parse_recompute
 from planner.schedules import ep_overlap_forbids, schedule_of
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
@@ -357,7 +357,7 @@ def check_layout(model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, layou
             f" is {m}"
         )
     runs = framework(job.framework).launcher
-    for field, what in ZERO3_EXTRAS.items():
+    for field, what in {**ZERO3_EXTRAS, **LAYOUT_EXTRAS}.items():
         value = getattr(layout, field)
         if value not in (False, 1) and not (runs and getattr(runs, field)):
             raise PlannerError(

@@ -540,6 +540,8 @@ OPTIONAL_COLUMNS = {
     "experts (TrainingJob.moe_dispatcher)",
     "qk_norm_gathered": "true or false (default): q and k all-gathered over tp after their "
     "norms (TrainingJob.qk_norm_gathered; torchtitan's Qwen3 before 8c1d1c5f)",
+    "optimizer_instances": "ZeRO-1 over this many partial data-parallel domains (default 1; "
+    "Layout.optimizer_instances, Megatron-LM's --num-distributed-optimizer-instances)",
     "moe_force_balance": "true or false (default): routing by random logits "
     "(TrainingJob.moe_force_balance; Megatron-LM's --moe-router-force-load-balancing)",
     "transformer_engine": "true or false (default: the framework's own): the run used "
@@ -769,6 +771,7 @@ def layout_from_row(
         }
         if text("zero"):
             fields_["zero"] = int(text("zero"))
+        fields_["optimizer_instances"] = whole("optimizer_instances", 1)
         fields_["fp8_cache"] = flag("fp8_cache", False)
         layout = Layout.uniform(
             model,

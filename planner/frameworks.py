@@ -96,6 +96,9 @@ class Launcher:
     zero_hpz: bool = False
     # ZeRO-3's weight shards on the host (Layout.param_offload; DeepSpeed offload_param)
     param_offload: bool = False
+    # ZeRO-1 over partial data-parallel domains (Layout.optimizer_instances; Megatron-LM's
+    # --num-distributed-optimizer-instances)
+    optimizer_instances: bool = False
     sequence_parallel: tuple[bool, ...] | None = None
     even_stages: bool = False
     pipeline_zero: tuple[int, ...] | None = None  # ZeRO stages allowed with pp > 1
@@ -327,6 +330,10 @@ FRAMEWORKS: dict[str, Framework] = {
                 ),
             ),
             nearest=(("dualpipev", "interleaved"),),
+            # DistributedDataParallelConfig.num_distributed_optimizer_instances (distributed/
+            # distributed_data_parallel_config.py, parallel_state.py's intra/inter partial
+            # data-parallel groups at d98e8a64)
+            optimizer_instances=True,
         ),
         # --moe-token-dispatcher-type allgather | alltoall | flex, flex with
         # --moe-flex-dispatcher-backend deepep (transformer_config.py at d98e8a64).
@@ -574,6 +581,13 @@ def launcher(name: str) -> Launcher | None:
 ZERO3_EXTRAS = {
     "param_offload": "ZeRO-3's weights on the host (offload_param)",
     "zero_hpz": "ZeRO++'s hierarchical partitioning (zero_hpz_partition_size)",
+}
+
+
+# Other layout settings only some launchers state (Launcher fields of the same names).
+LAYOUT_EXTRAS = {
+    "optimizer_instances": "ZeRO-1 over partial data-parallel domains "
+    "(--num-distributed-optimizer-instances)",
 }
 
 

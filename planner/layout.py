@@ -178,6 +178,15 @@ class Layout(Spec):
         "groups of this many consecutive data-parallel ranks, from which every parameter "
         "gather but a step's first forward one runs. 1: off.",
     )
+    optimizer_instances: int = Field(
+        default=1,
+        gt=0,
+        description="ZeRO-1 over a partial data-parallel domain (Megatron-LM's "
+        "--num-distributed-optimizer-instances): the gradient group split into this many "
+        "instances of consecutive ranks, each sharding the optimizer state over its own ranks "
+        "and holding a replica of it; gradients reduce-scattered within an instance, then "
+        "all-reduced across instances; weights all-gathered within one. 1: the whole group.",
+    )
     param_offload: bool = Field(
         default=False,
         description="ZeRO-3's weight shards (and ZeRO++'s secondary ones) kept in pinned host "
@@ -245,6 +254,14 @@ class Layout(Spec):
             raise PlannerError(
                 f"Layout.param_offload=True: the weights offloaded are ZeRO-3's shards; needs "
                 f"zero=3 (has {self.zero})"
+            )
+        if self.optimizer_instances > 1 and (
+            self.zero != 1 or self.grad_group % self.optimizer_instances
+        ):
+            raise PlannerError(
+                f"Layout.optimizer_instances={self.optimizer_instances}: partial distributed "
+                f"optimizer domains need zero=1 (has {self.zero}) and a count dividing "
+                f"dp*cp={self.grad_group}"
             )
         if self.zero_hpz > 1 and (self.zero != 3 or self.grad_group % self.zero_hpz):
             raise PlannerError(
@@ -324,6 +341,8 @@ class Layout(Spec):
         ``tp=8 pp=16 dp=64 ep=1 ZeRO-1 mb1 interleaved v2`` (``sep`` as ``degrees``)."""
         v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
         zero = f"ZeRO-{self.zero}" + (f" hpZ{self.zero_hpz}" if self.zero_hpz > 1 else "")
+        if self.optimizer_instances > 1:
+            zero += f" x{self.optimizer_instances} instances"
         zero += " params-on-host" if self.param_offload else ""
         return f"{self.degrees(sep)} {zero} mb{self.micro_batch} {self.schedule}{v}"
 

@@ -642,3 +642,45 @@ def test_hugging_face_llama_keeps_what_it_kept_on_a_gpu() -> None:
     cluster = planner.load_cluster("h100", gpus=8)
     with pytest.raises(planner.PlannerError, match="costs given layouts only"):
         next(enumerate_configs(LLAMA8, cluster, job, planner.SearchSpace()))
+
+
+def test_partial_distributed_optimizer_domains() -> None:
+    """ZeRO-1 over N partial data-parallel domains (Megatron-LM's
+    --num-distributed-optimizer-instances; Megatron-Bridge's performance guide: gradients
+    reduce-scattered within the domain, then all-reduced across domains; weights gathered
+    within it): each rank steps N times the elements, and its gradient reduction is the
+    domain's reduce-scatter plus the all-reduce of a domain-size-th of the bytes across
+    domains, its weight gather the domain's all-gather. Other frameworks cannot state it."""
+    from planner.costs.comm import Network
+    from planner.costs.quantities import Rate
+    from planner.costs.timing import _rates, dp_groups, position_comm
+
+    model = LLAMA8.model_copy(update={"num_layers": 2})
+    cluster = planner.load_cluster("h100", gpus=64)
+    job = planner.TrainingJob(seq_len=1024, global_batch=64, framework="megatron")
+    whole = planner.Layout.uniform(model, tp=2, dp=32)
+    partial = whole.model_copy(update={"optimizer_instances": 4})
+    (one,), (four,) = (
+        stage_memory(model, job, lay, num_microbatches=2) for lay in (whole, partial)
+    )
+    assert four.buckets["optimizer"] == pytest.approx(4 * one.buckets["optimizer"], rel=1e-6)
+    assert four.buckets["weights"] == one.buckets["weights"]
+    network = Network.of(cluster)
+    shard = shard_of(job, partial)
+    comm = position_comm(model, job, partial, network, shard, 0)
+    dense, _ = dp_groups(partial, 0)
+    inner, across = dense[:8], dense[::8]
+    rs = _rates(network, "reduce_scatter", inner, inner)[0]
+    ar = _rates(network, "all_reduce", across, across)[0]
+    expected = Rate(rs.per_byte + ar.per_byte * (1 / 8), rs.latency + ar.latency)
+    assert comm.grad_sync[0].at(2**30).seconds == pytest.approx(expected.at(2**30).seconds)
+    gather = _rates(network, "all_gather", inner, inner)[0]
+    assert comm.param_gather[0].at(2**30).seconds == pytest.approx(gather.at(2**30).seconds)
+    with pytest.raises(planner.PlannerError, match="optimizer_instances=4: partial"):
+        whole.model_copy(update={"optimizer_instances": 4, "zero": 3}).model_validate(
+            {**whole.model_dump(), "optimizer_instances": 4, "zero": 3}
+        )
+    titan = job.model_copy(update={"framework": "torchtitan"})
+    with pytest.raises(planner.PlannerError, match="num-distributed-optimizer-instances"):
+        planner.evaluate(model, cluster, titan, partial)
+    planner.evaluate(model, cluster, job, partial)  # Megatron-LM states it

@@ -159,7 +159,7 @@ LAYOUT_DEFAULTS: dict[str, object] = {
     "schedule": DEFAULT_SCHEDULE, "virtual_stages": None, "recompute": "none",
     "fp8_cache": False, "ema_on_host": False, "optimizer_offload": 0.0, "offload_layers": 0,
     "no_sequence_parallel": False, "cp_comm_type": "p2p", "cp_a2a_size": None, "zero_hpz": 1,
-    "param_offload": False,
+    "param_offload": False, "optimizer_instances": 1,
 }  # fmt: skip
 
 
@@ -191,6 +191,14 @@ def _layout_args(cmd: argparse.ArgumentParser) -> None:
         metavar="N",
         help="ZeRO-3 with ZeRO++'s secondary weight shard over N consecutive data-parallel "
         "ranks (DeepSpeed zero_hpz_partition_size; default 1, off)",
+    )
+    cmd.add_argument(
+        "--optimizer-instances",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ZeRO-1 over N partial data-parallel domains, each sharding the optimizer state "
+        "(Megatron-LM's --num-distributed-optimizer-instances; default 1, the whole group)",
     )
     cmd.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     cmd.add_argument(

@@ -154,6 +154,7 @@ def _flag_layout(args: argparse.Namespace, model: ModelSpec) -> Layout:
         cp_comm_type=args.cp_comm_type,
         cp_a2a_size=args.cp_a2a_size,
         zero_hpz=args.zero_hpz,
+        optimizer_instances=args.optimizer_instances,
         param_offload=args.param_offload,
         dp=args.gpus // world,
         ep=args.ep,

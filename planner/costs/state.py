@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from planner.costs.blocks import Param
+from planner.errors import PlannerError
 from planner.frameworks import framework, names_with
 from planner.layout import Layout
 from planner.specs import DTYPE_BYTES, TrainingJob
@@ -112,6 +113,12 @@ def state_bytes(
     # FSDP2 shards the parameters' storage whenever it shards anything: torchtitan's "ZeRO-2"
     # is reshard_after_forward off, which keeps the gathered working copy (held_unsharded).
     sharded_weights = fw.zero_shards_weights_from
+    instances = layout.optimizer_instances  # ZeRO-1 over partial domains: a replica each
+    if instances > 1 and edp % instances:
+        raise PlannerError(
+            f"Layout.optimizer_instances={instances}: must divide the expert data-parallel "
+            f"group too ({edp} ranks)"
+        )
     for p in params:
         local = p.numel / shards(p, layout)
         group = edp if p.expert else layout.grad_group
@@ -123,7 +130,7 @@ def state_bytes(
         out["grads"] += local * gb / (group if z >= 2 else 1)
         if held and layout.pp > 1:
             out["grads"] += local * gb
-        stepped = local / (group if z >= 1 else 1)  # elements this rank's step updates
+        stepped = local / (group // instances if z >= 1 else 1)  # elements its step updates
         stepped_total += stepped
         out["optimizer"] += stepped * opt_b * (1 - off)
         ema = stepped * ema_b

@@ -240,6 +240,9 @@ def position_comm(
         zero_gather=_rates(network, "all_gather", dense, expert) if z >= 3 else (OFF, OFF),
         zero_reduce=_rates(network, "reduce_scatter", dense, expert) if z >= 2 else (OFF, OFF),
     )
+    if z == 1 and layout.optimizer_instances > 1:
+        partial_sync, partial_gather = _partial_domains(network, layout, dense, expert)
+        comm = dataclasses.replace(comm, grad_sync=partial_sync, param_gather=partial_gather)
     if z >= 3 and layout.zero_hpz > 1:
         comm = dataclasses.replace(
             comm, zero_gather=_hpz_gather(network, job, layout, dense, expert)
@@ -252,6 +255,36 @@ def position_comm(
     if z >= 3 and slice_s is not None and len(set(dense)) > 1:
         comm = per_tensor_collectives(comm, slice_s, len(set(dense)))
     return comm
+
+
+def _partial_domains(
+    network: Network, layout: Layout, dense: list[int], expert: list[int]
+) -> tuple[tuple[Rate, Rate], tuple[Rate, Rate]]:
+    """ZeRO-1's collectives over partial data-parallel domains (``Layout.optimizer_instances``
+    = N; Megatron-LM's partial distributed optimizer): each group is cut into N instances of
+    consecutive members (parallel_state.py's intra-partial groups at d98e8a64). The
+    gradients are reduce-scattered within the rank's instance, then its shard (an
+    instance-size-th of the bytes) all-reduced with the same shard of the other instances
+    (the members at its place in each); the updated weights are all-gathered within the
+    instance ("During the final micro-batch backpropagation, gradient ReduceScatters occur
+    within the distributed domain, followed by AllReduce in the non-distributed domain.
+    Parameter AllGathers are performed only within the distributed domain": Megatron-Bridge
+    docs/performance-guide.md)."""
+    n = layout.optimizer_instances
+    syncs, gathers = [], []
+    for ranks in (dense, expert):
+        members = list(dict.fromkeys(ranks))
+        size = len(members) // n
+        if size * n != len(members) or size == 0:
+            raise PlannerError(
+                f"Layout.optimizer_instances={n}: must divide the {len(members)}-rank group"
+            )
+        inner, across = members[:size], members[::size]
+        rs = _rates(network, "reduce_scatter", inner, inner)[0]
+        ar = _rates(network, "all_reduce", across, across)[0]
+        syncs.append(Rate(rs.per_byte + ar.per_byte * (1 / size), rs.latency + ar.latency))
+        gathers.append(_rates(network, "all_gather", inner, inner)[0])
+    return (syncs[0], syncs[1]), (gathers[0], gathers[1])
 
 
 def _from_host(

@@ -115,6 +115,8 @@ def megatron(plan: Plan) -> Export:
         args += ["--pipeline-model-parallel-layout", pipeline_layout(runs)]
     args += recompute_args(runs)
     args += zero_args(runs.zero)
+    if runs.optimizer_instances > 1:  # ZeRO-1 over partial data-parallel domains
+        args += ["--num-distributed-optimizer-instances", str(runs.optimizer_instances)]
     args += _optimizer_args(job, runs)
     if job.master_dtype != "fp32":
         # --main-params-dtype takes fp32 or fp16 (arguments.py), through the distributed

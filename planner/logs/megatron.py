@@ -261,10 +261,6 @@ def row_of(args: Args, gpus: int, notes: list[str]) -> dict[str, str]:
             raise Unstated(why)
     if args.get("--softmax-type", "vanilla") != "vanilla":
         raise Unstated("attention softmax variant (no GPT spec key)")
-    if int(args.get("--num-distributed-optimizer-instances", 1)) > 1:
-        # each instance shards the optimizer over dp / N ranks (ModelParallelConfig.
-        # num_distributed_optimizer_instances): N times the planner's ZeRO-1 state
-        raise Unstated("distributed optimizer instances (state over dp / N; no column)")
     if args.get("--optimizer", "adam") != "adam":
         raise Unstated(f"optimizer {args.get('--optimizer')} (no column)")
     if args.get("--recompute-method", "uniform") != "uniform":
@@ -371,6 +367,8 @@ def row_of(args: Args, gpus: int, notes: list[str]) -> dict[str, str]:
         "tp_comm_overlap": str(bool(args.get("--tp-comm-overlap"))).lower(),
         "fp8_cache": "false",
         "dispatcher": dispatcher,
+        # --num-distributed-optimizer-instances: ZeRO-1 over partial data-parallel domains
+        "optimizer_instances": str(int(args.get("--num-distributed-optimizer-instances", 1))),
         "moe_force_balance": str(bool(args.get("--moe-router-force-load-balancing"))).lower(),
         "grad_dtype": "bf16" if args.get("--grad-reduce-in-bf16") else "",
         "sequence_parallel": str(bool(args.get("--sequence-parallel")) and tp > 1).lower(),
