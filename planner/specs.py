@@ -9,6 +9,7 @@ error instead of a silently ignored setting. ``Layout`` (the answer's shape) liv
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -596,6 +597,32 @@ FRAMEWORK_DTYPES: dict[str, dict[str, str | None]] = {
 }
 
 
+def _has(f: Any, field: str) -> bool:
+    """Whether framework ``f`` has the switch ``field`` (a ``Framework`` field)."""
+    return bool(getattr(f, field))
+
+
+# Job settings only some frameworks run (Framework fields), and what the others do instead.
+FRAMEWORK_SWITCHES = (
+    ("compiled_loss", "compiles_loss", "runs its own cross-entropy; only {names} compile the loss"),
+    (
+        "moe_force_balance",
+        "force_balance",
+        "has no switch for it (Megatron-LM's --moe-router-force-load-balancing); {names} have one",
+    ),
+    (
+        "compiled_model",
+        "eager_model",
+        "runs its own kernels; only {names} compiles its model with torch.compile",
+    ),
+    (
+        "loss_chunks",
+        "chunks_loss",
+        "runs the loss over the whole logits; chunking it is {names}'s (ChunkedCELoss)",
+    ),
+)
+
+
 class TrainingJob(Spec):
     """What one training step does and which precisions it keeps its state in. The state
     dtypes a job leaves out are its framework's defaults (``FRAMEWORK_DTYPES``)."""
@@ -621,41 +648,16 @@ class TrainingJob(Spec):
         return self
 
     @model_validator(mode="after")
-    def _compiled_loss_framework(self) -> TrainingJob:
-        if self.compiled_loss and not framework(self.framework).compiles_loss:
-            raise PlannerError(
-                f"TrainingJob.compiled_loss=True: framework={self.framework!r} runs its own "
-                "cross-entropy; only torchtitan and torch compile the loss"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _force_balance_framework(self) -> TrainingJob:
-        if self.moe_force_balance and not framework(self.framework).force_balance:
-            raise PlannerError(
-                f"TrainingJob.moe_force_balance=True: framework={self.framework!r} has no "
-                "switch for it; Megatron-LM's --moe-router-force-load-balancing and the "
-                "planner's own runtime have one"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _compiled_model_framework(self) -> TrainingJob:
-        if self.compiled_model and not framework(self.framework).eager_model:
-            raise PlannerError(
-                f"TrainingJob.compiled_model=True: framework={self.framework!r} runs its own "
-                "kernels; only torchtitan compiles its model with torch.compile"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _loss_chunks_framework(self) -> TrainingJob:
-        if self.loss_chunks > 1 and not framework(self.framework).chunks_loss:
-            raise PlannerError(
-                f"TrainingJob.loss_chunks={self.loss_chunks}: framework={self.framework!r} runs "
-                f"the loss over the whole logits; chunking it is "
-                f"{names_with(lambda f: f.chunks_loss)}'s (ChunkedCELoss)"
-            )
+    def _framework_switches(self) -> TrainingJob:
+        fw = framework(self.framework)
+        for field, has, others in FRAMEWORK_SWITCHES:
+            value = getattr(self, field)
+            if (value > 1 if field == "loss_chunks" else value) and not getattr(fw, has):
+                names = names_with(partial(_has, field=has))
+                raise PlannerError(
+                    f"TrainingJob.{field}={value!r}: framework={self.framework!r} "
+                    + others.format(names=names)
+                )
         return self
 
     @model_validator(mode="after")
