@@ -255,13 +255,16 @@ class Layout(Spec):
                 f"Layout.param_offload=True: the weights offloaded are ZeRO-3's shards; needs "
                 f"zero=3 (has {self.zero})"
             )
+        experts = self.plane // (self.ep * self.etp)  # the expert data-parallel group
         if self.optimizer_instances > 1 and (
-            self.zero != 1 or self.grad_group % self.optimizer_instances
+            self.zero != 1
+            or self.grad_group % self.optimizer_instances
+            or experts % self.optimizer_instances
         ):
             raise PlannerError(
                 f"Layout.optimizer_instances={self.optimizer_instances}: partial distributed "
                 f"optimizer domains need zero=1 (has {self.zero}) and a count dividing "
-                f"dp*cp={self.grad_group}"
+                f"dp*cp={self.grad_group} and the expert data-parallel group ({experts})"
             )
         if self.zero_hpz > 1 and (self.zero != 3 or self.grad_group % self.zero_hpz):
             raise PlannerError(

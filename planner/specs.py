@@ -693,20 +693,15 @@ class TrainingJob(Spec):
 
     def with_framework(self, name: str) -> TrainingJob:
         """This job run by framework ``name``: the dtypes it was given stay, the others become
-        that framework's defaults; a compiled loss stays only where the framework compiles
-        its loss (torchtitan, torch), the others run their own cross-entropy, and a fused one
-        only where the framework offers it (Megatron-LM); the grouped
+        that framework's defaults; a setting of ``FRAMEWORK_SWITCHES`` (a compiled loss or
+        model, a chunked loss, routing by random logits) stays only where the framework runs
+        it, a fused cross-entropy only where the framework offers it (Megatron-LM); the grouped
         expert kernel only where the framework would otherwise launch its experts one by one
         (elsewhere they already are one kernel)."""
         given = self.model_dump(include=self.model_fields_set - {"framework"})
-        if not framework(name).compiles_loss:
-            given.pop("compiled_loss", None)
-        if not framework(name).chunks_loss:
-            given.pop("loss_chunks", None)
-        if not framework(name).eager_model:
-            given.pop("compiled_model", None)
-        if not framework(name).force_balance:
-            given.pop("moe_force_balance", None)
+        for field, has, _ in FRAMEWORK_SWITCHES:
+            if not getattr(framework(name), has):
+                given.pop(field, None)
         if given.get("loss_fusion") not in framework(name).loss_fusions:
             given.pop("loss_fusion", None)
         if not framework(name).expert_gemm_launch_s:

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from planner.costs.blocks import Param
-from planner.errors import PlannerError
 from planner.frameworks import framework, names_with
 from planner.layout import Layout
 from planner.specs import DTYPE_BYTES, TrainingJob
@@ -114,11 +113,6 @@ def state_bytes(
     # is reshard_after_forward off, which keeps the gathered working copy (held_unsharded).
     sharded_weights = fw.zero_shards_weights_from
     instances = layout.optimizer_instances  # ZeRO-1 over partial domains: a replica each
-    if instances > 1 and edp % instances:
-        raise PlannerError(
-            f"Layout.optimizer_instances={instances}: must divide the expert data-parallel "
-            f"group too ({edp} ranks)"
-        )
     for p in params:
         local = p.numel / shards(p, layout)
         group = edp if p.expert else layout.grad_group

@@ -270,15 +270,11 @@ def _partial_domains(
     within the distributed domain, followed by AllReduce in the non-distributed domain.
     Parameter AllGathers are performed only within the distributed domain": Megatron-Bridge
     docs/performance-guide.md)."""
-    n = layout.optimizer_instances
+    n = layout.optimizer_instances  # divides both groups (Layout's validation)
     syncs, gathers = [], []
     for ranks in (dense, expert):
         members = list(dict.fromkeys(ranks))
         size = len(members) // n
-        if size * n != len(members) or size == 0:
-            raise PlannerError(
-                f"Layout.optimizer_instances={n}: must divide the {len(members)}-rank group"
-            )
         inner, across = members[:size], members[::size]
         rs = _rates(network, "reduce_scatter", inner, inner)[0]
         ar = _rates(network, "all_reduce", across, across)[0]

@@ -303,8 +303,8 @@ class MoE(nn.Module):
         else:
             drawn = torch.randn(logits.shape, dtype=torch.float32, device="cpu")
             picked = drawn.topk(self.k, dim=-1).indices.sort(dim=-1).values
-            total = getattr(self, "num_experts", len(self.experts))
-            counts = torch.bincount(picked.flatten(), minlength=total).tolist()
+            if self.group is None:  # the tokens per expert, read on the host
+                counts = torch.bincount(picked.flatten(), minlength=len(self.experts)).tolist()
             fake = _StraightThrough.apply(logits, drawn.to(logits.device, logits.dtype))
             chosen = picked.to(logits.device)
             probs, experts = _Router.apply(fake, self.k, self.sigmoid, None, chosen)
