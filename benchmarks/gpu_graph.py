@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'launched':>8} {'us/counted':>10} {'us/launched':>11}"
     )
     for scale, tokens in SHAPES:
-        rates = Rates.of(cluster, job_for(tokens, "bf16"))
+        rates = Rates.of(cluster, job_for(tokens, "bf16"), sustained=False)
         r = row(scale, tokens, args.layers, rates)
         rows.append(r)
         if "error" in r:

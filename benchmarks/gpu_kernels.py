@@ -140,8 +140,10 @@ def _scaled(a: Any, sa: Any, b: Any, sb: Any, fast: bool | None) -> Any:
 
 def gemm_rows(cluster_name: str) -> list[dict[str, Any]]:
     cluster = load_cluster(cluster_name, gpus=8)
-    bf16 = Rates.of(cluster, TrainingJob(seq_len=4096, global_batch=8))
-    fp8 = Rates.of(cluster, TrainingJob(seq_len=4096, global_batch=8, compute_dtype="fp8"))
+    bf16 = Rates.of(cluster, TrainingJob(seq_len=4096, global_batch=8), sustained=False)
+    fp8 = Rates.of(
+        cluster, TrainingJob(seq_len=4096, global_batch=8, compute_dtype="fp8"), sustained=False
+    )
     shapes = [("square", "8192^3", 1, Gemm(8192, 8192, 8192))]
     for model in ("llama3-70b", "deepseek-v3"):
         for tp in (1, 8):

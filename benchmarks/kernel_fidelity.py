@@ -46,7 +46,7 @@ def predict(row: dict[str, str]) -> float:
         compute_dtype="fp8" if fp8 else "bf16",
         attention_kernel="fa2" if fa2 else "fused",
     )
-    rates = Rates.of(cluster, job)
+    rates = Rates.of(cluster, job, sustained=False)
     if row["kernel"] in ("gemm", "grouped_gemm"):
         g = Gemm(float(row["m"]), float(row["n"]), float(row["k"]), float(row["groups"] or 1))
         return g.flops / gemm_seconds(g, rates) / 1e12

@@ -111,6 +111,7 @@ MACHINE_FIELDS = (
     "ib_latency_us",
     "kernel_overhead_us",
     "host_overhead_us",
+    "sustained_tensor_rate",
     "framework_host_overhead_us",
     "framework_fragmentation",
     "framework_buffers_at_peak",
@@ -230,6 +231,11 @@ def load_cluster(source: str | Path, *, gpus: int) -> ClusterSpec:
             ib_latency_s=data["ib_latency_us"] * 1e-6,
             achieved=dict(achieved),
             achieved_max=dict(data.get("achieved_max") or {}),
+            **(
+                {"sustained_tensor_rate": data["sustained_tensor_rate"]}
+                if data.get("sustained_tensor_rate") is not None
+                else {}
+            ),
             **{
                 field: data[key] * 1e-6
                 for field, key in (
@@ -301,6 +307,10 @@ def cluster_yaml(cluster: ClusterSpec, *, sources: dict[str, str] | None = None)
         "ib_latency_us": cluster.ib_latency_s * 1e6,
         "kernel_overhead_us": cluster.kernel_overhead_s * 1e6,
         "host_overhead_us": cluster.host_overhead_s * 1e6,
+        **_given(
+            "sustained_tensor_rate",
+            cluster.sustained_tensor_rate if cluster.sustained_tensor_rate < 1 else None,
+        ),
         "achieved": {k: float(v) for k, v in cluster.achieved.items()},
     }
     if cluster.framework_host_overhead_s:

@@ -278,16 +278,17 @@ FRAMEWORKS: dict[str, Framework] = {
         # expert over four streams (nvte_multi_stream_cublas_gemm), each with its own cuBLASLt
         # descriptors and heuristic query on the host, after the host has read the tokens per
         # expert (tokens_per_expert.tolist(); the all-to-all dispatcher also synchronises
-        # before its EP all-to-all), so the launches run with the GPU's queue empty. 52 us per
+        # before its EP all-to-all), so the launches run with the GPU's queue empty. 48 us per
         # launch (Python and C++ per expert, cuBLASLt descriptors and heuristic query per call,
         # per-parameter gradient hooks): a fit to the ratios between the layouts of the 17
-        # measured MoE ladders (benchmarks/expert_launch.py; pair error 0.116 -> 0.086, 13 ->
-        # 16 ladders ordered exactly). Each source held out: the MoE Parallel Folding paper's
-        # 16 ladders, 0.086 -> 0.076 at 54 us fitted on the other; Megatron-MoE-ModelZoo's one,
-        # 0.353 -> 0.181 at 50 us. Not charged for a job with TrainingJob.moe_grouped_tensor
-        # (--moe-use-grouped-tensor: TE's grouped tensor path, one kernel with device-side
-        # splits; costs.compute.Rates.of).
-        expert_gemm_launch_s=52e-6,
+        # measured MoE ladders (benchmarks/expert_launch.py; pair error 0.121 -> 0.096, 16 of
+        # 17 ladders ordered exactly either way, mean |error| 10.1% -> 8.0%). Each source held
+        # out: Megatron-MoE-ModelZoo's ladder 0.329 -> 0.219 at 40 us fitted on the paper's;
+        # the MoE Parallel Folding paper's 16 ladders 0.095 -> 0.098 at 58 us fitted on the
+        # other (its Table 4, nine ladders, 0.101 -> 0.085 with the rest of the paper). Not
+        # charged for a job with TrainingJob.moe_grouped_tensor (--moe-use-grouped-tensor:
+        # TE's grouped tensor path, one kernel with device-side splits; costs.compute.Rates.of).
+        expert_gemm_launch_s=48e-6,
         # --cross-entropy-loss-fusion with --cross-entropy-fusion-impl native or te
         # (megatron/core/models/common/language_module/language_module.py at d98e8a64).
         loss_fusions=("none", "native", "te"),

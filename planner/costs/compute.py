@@ -24,6 +24,13 @@ Each kind of work in ``planner.costs.work.Work`` runs at its own rate:
   head dimension 128 and long sequences; shorter
   sequences, causal masks and smaller heads pay ``Work.attention_overhead``
   (``planner.costs.work.flash_overhead``);
+- in a training run, GEMMs and attention at ``ClusterSpec.sustained_tensor_rate`` of those
+  rates: the fractions are short timings (a few to tens of milliseconds, as MAMF's and
+  FlashAttention's tables are), while a run of hours holds the GPU at its power limit, whose
+  SM clock is lower under tensor-core load (one H200 SXM at 700 W: back-to-back 8192^3 BF16
+  GEMMs at 752 TFLOP/s timed over 60 ms, 670 TFLOP/s over the second half of 40 s at
+  1,470 MHz, ``benchmarks/gpu_step.py``; 0.891). Memory-bound kernels keep their rate (HBM's
+  clock is not the SMs');
 - memory-bound kernels at ``HBM bandwidth x achieved["memory_bound"]``;
 - plus ``cluster.kernel_overhead_s`` per kernel on the GPU: launch latency.
 
@@ -46,7 +53,9 @@ waves: TE runs them over four streams).
 
 The achieved fractions and the overheads come from the hardware catalog (each with its
 source) or from a fit to measured runs (``planner.fit``). Ignored: split-K and stream-K
-kernels (which fill the SMs on GEMMs of few tiles), clock throttling, interference between
+kernels (which fill the SMs on GEMMs of few tiles), the power limit's slowing on GPUs that
+have no measurement of it (``sustained_tensor_rate`` 1), its variation with the mix of work
+(an eager step of 30% MFU on the H200 held 1,695 MHz, GEMMs alone 1,470), interference between
 concurrent kernels, and the communication kernels' use of SMs (``planner.costs.overlap``).
 """
 
@@ -83,7 +92,10 @@ class Rates:
     expert_gemm_s: float = 0.0
 
     @classmethod
-    def of(cls, cluster: ClusterSpec, job: TrainingJob) -> Rates:
+    def of(cls, cluster: ClusterSpec, job: TrainingJob, *, sustained: bool = True) -> Rates:
+        """The rates of ``job`` on one GPU of ``cluster``; ``sustained``: as a training run
+        sustains them at the power limit (``ClusterSpec.sustained_tensor_rate``), else as a
+        short timing of single kernels measures them (what the catalog's fractions are)."""
         achieved = cluster.achieved
         peak, gemm = cluster.bf16_flops, achieved.get("gemm", 1.0)
         if job.compute_dtype == "fp8":
@@ -96,9 +108,10 @@ class Rates:
         attention = achieved.get("attention", 1.0)
         if job.attention_kernel == "fa2":  # where the GPU has no FA2 figure, FA2 is its best
             attention = achieved.get("attention_fa2", attention)
+        tensor = cluster.sustained_tensor_rate if sustained else 1.0
         return cls(
-            gemm_flops=peak * gemm,
-            attention_flops=cluster.bf16_flops * attention,
+            gemm_flops=peak * gemm * tensor,
+            attention_flops=cluster.bf16_flops * attention * tensor,
             memory_Bps=cluster.hbm_bandwidth_Bps * achieved.get("memory_bound", 1.0),
             kernel_s=cluster.kernel_overhead_s,
             host_s=cluster.framework_host_overhead_s.get(job.framework, cluster.host_overhead_s),

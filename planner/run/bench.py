@@ -287,7 +287,7 @@ def _sweep(
         )
         whose = "fitted to this run; time per kernel measured on a one-element add"
     else:
-        rates = Rates.of(reference, job_for(1024, dtype))
+        rates = Rates.of(reference, job_for(1024, dtype), sustained=False)
         whose = f"catalog machine {reference.name}"
     blocks = []
     for name, block, micro_batches in BLOCKS:
