@@ -299,6 +299,46 @@ def test_torchtitan_uncompiled_runs_its_model_code_s_eager_ops() -> None:
         TrainingJob(**base, framework="megatron", compiled_model=True)
 
 
+def test_torchtitan_uncompiled_copies_each_sequence_parallel_gather_and_reduce_scatter() -> None:
+    """torchtitan's activations are [batch, sequence, hidden] and sequence parallelism
+    shards dim 1, while PyTorch's functional collectives gather and reduce-scatter dim 0:
+    uncompiled, each all-gather's output and each reduce-scatter's input is rearranged by a
+    copy that reads and writes the whole region (two pairs a layer, each way). Not at
+    micro-batch 1 (a view in recent PyTorch), not without sequence parallelism, not
+    compiled, not under Megatron-LM (sequence first)."""
+    from planner.catalog import load_model
+    from planner.costs.blocks import block_cost
+    from planner.costs.memory import shard_of
+    from planner.layout import Layout
+
+    model = load_model("llama3-8b")
+    base = {"seq_len": 1024, "global_batch": 8, "tp_comm_overlap": False}
+    eager = TrainingJob(**base, framework="torchtitan")
+    compiled = eager.model_copy(update={"compiled_model": True})
+
+    def traffic(job: TrainingJob, lay: Layout) -> tuple[float, float]:
+        cost = block_cost(model, "layer.0", shard_of(job, lay))
+        return cost.fwd.memory, cost.bwd_input.memory
+
+    def copies(job: TrainingJob, **degrees: object) -> tuple[float, float]:
+        """A tp 2 layer's bytes each way beyond the same layer compiled."""
+        on = Layout.uniform(model, tp=2, **degrees)  # type: ignore[arg-type]
+        (f, b), (cf, cb) = traffic(job, on), traffic(compiled, on)
+        return f - cf, b - cb
+
+    two = copies(eager, micro_batch=2)
+    one = copies(eager, micro_batch=1)
+    # the eager SwiGLU and rotary passes are the same at both; the copies come on top
+    region = 2 * 1024 * model.hidden_size * 2  # two sequences of 1,024 tokens, BF16
+    assert two[0] - 2 * one[0] == pytest.approx(2 * 4 * region)
+    assert two[1] - 2 * one[1] == pytest.approx(2 * 4 * region)
+    no_sp = copies(eager, micro_batch=2, sequence_parallel=False)
+    assert no_sp[0] == pytest.approx(2 * one[0])
+    megatron = TrainingJob(**base, framework="megatron")
+    lay = Layout.uniform(model, tp=2, micro_batch=2)
+    assert traffic(megatron, lay)[0] == pytest.approx(traffic(compiled, lay)[0])
+
+
 def test_layouts_that_differ_only_in_micro_batch_have_names_of_their_own() -> None:
     """validate ranks layouts by name: the one-GPU set's twelve must stay twelve."""
     from planner.run.validate import describe, layout_name, one_gpu_set

@@ -672,6 +672,7 @@ def _head(cost: BlockBuilder, model: ModelSpec, shard: Shard, *, prefix: str = "
     key = "word_embeddings" if model.tie_word_embeddings else "output"
     cost.params.append(Param(key, v * h, tp_split=True))
     cost.tp_collectives += 1  # sequence-parallel input gathered over tp (or its grad reduced)
+    _sequence_dim_copies(cost, model, shard, 1)
     cost.gemm(Gemm(shard.tokens, v / shard.tp, h), quantized=False)
     elements = shard.tokens * v / shard.tp
     logits = elements * LOGIT_BYTES
@@ -824,6 +825,27 @@ def _torchtitan_eager_bytes(op: str, a: int, w: int) -> tuple[float, float, int,
     raise ValueError(op)
 
 
+def _sequence_dim_copies(cost: BlockBuilder, model: ModelSpec, shard: Shard, pairs: int) -> None:
+    """torchtitan's model code uncompiled with sequence parallelism: its activations are
+    [batch, sequence, hidden], sharded over tp on the sequence (dim 1), and PyTorch's
+    functional collectives gather and reduce-scatter on dim 0 only, so each all-gather's
+    output is rearranged by a copy (``torch.cat(torch.chunk(out, tp, dim=0), dim=1)``) and
+    each reduce-scatter's input by another (``chunk`` on dim 1, ``cat`` on dim 0):
+    torch/distributed/_functional_collectives.py, ``all_gather_tensor`` and
+    ``reduce_scatter_tensor``, which DTensor's redistributions call. Each copy reads and
+    writes the whole gathered region; ``pairs`` all-gather and reduce-scatter pairs forward,
+    and as many backward (each one's gradient is the other). Megatron-LM keeps [sequence,
+    batch, hidden] and gathers on dim 0: no copy. Left out at micro-batch 1, where recent
+    PyTorch takes the rearrangement as a view, and under torch.compile, which may fuse it."""
+    if shard.eager_ops != "torchtitan" or shard.tp < 2 or not shard.sequence_parallel:
+        return
+    if shard.micro_batch < 2:
+        return
+    region = shard.tokens * model.hidden_size * shard.act_bytes
+    copies = Work(memory=pairs * 2 * 2 * region, kernels=2 * pairs)
+    cost.add(copies, copies, ZERO)
+
+
 def _eager(
     cost: BlockBuilder, elements: float, op: str, a: int, *modules: str, style: str = "runtime"
 ) -> None:
@@ -926,6 +948,7 @@ def _layer(
         _post_norm(cost, model, shard, prefix + "post_mlp_norm")
     _residual(cost, model, shard, prefix + "mlp_dropout_mask")
     cost.tp_collectives += 2  # attention and MLP outputs: one all-reduce (or RS + AG) each
+    _sequence_dim_copies(cost, model, shard, 2)
 
 
 def _post_norm(cost: BlockBuilder, model: ModelSpec, shard: Shard, key: str) -> None:
