@@ -530,6 +530,8 @@ OPTIONAL_COLUMNS = {
     "(TrainingJob.compiled_loss; torchtitan or torch)",
     "compiled_model": "true or false (default): the model's layers under torch.compile "
     "(TrainingJob.compiled_model; torchtitan)",
+    "eager_norm": "true or false (default): the model code's own eager RMSNorm "
+    "(TrainingJob.eager_norm; torchtitan before April 2025)",
     "tp_comm_overlap": "true (default) or false: the framework's tensor-parallel overlap "
     "switched on (TrainingJob.tp_comm_overlap)",
     "attention_kernel": "fused (default) or fa2: the fused attention kernel the run used "
@@ -742,6 +744,7 @@ def layout_from_row(
             flash_attention=flash,
             compiled_loss=compiled,
             compiled_model=flag("compiled_model", False),
+            eager_norm=flag("eager_norm", False),
             tp_comm_overlap=overlap_tp,
             attention_kernel=text("attention_kernel", "fused").lower(),
             loss_fusion=text("loss_fusion", "none").lower(),

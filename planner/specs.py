@@ -628,6 +628,11 @@ FRAMEWORK_SWITCHES = (
         "chunks_loss",
         "runs the loss over the whole logits; chunking it is {names}'s (ChunkedCELoss)",
     ),
+    (
+        "eager_norm",
+        "eager_model",
+        "runs its own norm kernels; the eager RMSNorm class of its own model code was {names}'s",
+    ),
 )
 
 
@@ -788,6 +793,16 @@ class TrainingJob(Spec):
     # (job_config.py: compile.enable False by default): each TransformerBlock is then
     # compiled ("Compiling each TransformerBlock with torch.compile", llama3/infra/
     # parallelize.py at v0.2.2) and Inductor fuses its elementwise ops.
+    # torchtitan before 2025-04 (#1115): its own RMSNorm class (torchtitan/models/norms.py at
+    # 9dec370, the model's default norm_type "rmsnorm") ran x.float(), pow, mean, rsqrt,
+    # type_as and the weight's multiply, a kernel each, and kept the FP32 input for backward.
+    eager_norm: bool = Field(
+        default=False,
+        description="The model code's own eager RMSNorm (torchtitan before April 2025: its "
+        "RMSNorm class, norm_type 'rmsnorm'), a kernel per op over an FP32 copy of the input, "
+        "in place of the fused nn.RMSNorm; priced where the model runs uncompiled. torchtitan "
+        "only.",
+    )
     compiled_model: bool = Field(
         default=False,
         description="The model's layers run under torch.compile (torchtitan's compile.enable "

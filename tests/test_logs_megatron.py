@@ -339,6 +339,40 @@ def test_torchtitan_uncompiled_copies_each_sequence_parallel_gather_and_reduce_s
     assert traffic(megatron, lay)[0] == pytest.approx(traffic(compiled, lay)[0])
 
 
+def test_torchtitan_s_older_eager_rmsnorm_is_priced_where_the_model_runs_uncompiled() -> None:
+    """torchtitan before April 2025 built its own RMSNorm class (x.float(), pow, mean, rsqrt,
+    type_as, * weight): TrainingJob.eager_norm prices each of a layer's two norms with the
+    passes of those ops (the project's runtime runs the same ones) and keeps the FP32 copy
+    of the input; compiled, the norm is fused and nothing changes; only torchtitan had it."""
+    from planner.catalog import load_model
+    from planner.costs.blocks import BlockCost, block_cost, eager_bytes
+    from planner.costs.memory import shard_of
+    from planner.errors import PlannerError
+    from planner.layout import Layout
+
+    model = load_model("llama3-8b")
+    layout = Layout.uniform(model)
+    base = {"seq_len": 1024, "global_batch": 8, "framework": "torchtitan"}
+    plain = TrainingJob(**base)
+    older = TrainingJob(**base, eager_norm=True)
+
+    def cost(job: TrainingJob) -> BlockCost:
+        return block_cost(model, "layer.0", shard_of(job, layout))
+
+    fwd, bwd, *_ = eager_bytes("rmsnorm", 2)  # at BF16, beyond the fused kernel's passes
+    elements = 2 * 1024 * model.hidden_size  # two norms a layer, one sequence of 1,024
+    a, b = cost(plain), cost(older)
+    assert b.fwd.memory - a.fwd.memory == pytest.approx(elements * fwd)
+    assert b.bwd_input.memory - a.bwd_input.memory == pytest.approx(elements * bwd)
+    assert b.saved_bytes() - a.saved_bytes() == pytest.approx(elements * 4)
+    compiled = {"compiled_model": True}
+    assert cost(older.model_copy(update=compiled)).fwd.memory == pytest.approx(
+        cost(plain.model_copy(update=compiled)).fwd.memory
+    )
+    with pytest.raises(PlannerError, match="eager_norm=True: framework='megatron'"):
+        TrainingJob(seq_len=1024, global_batch=8, framework="megatron", eager_norm=True)
+
+
 def test_layouts_that_differ_only_in_micro_batch_have_names_of_their_own() -> None:
     """validate ranks layouts by name: the one-GPU set's twelve must stay twelve."""
     from planner.run.validate import describe, layout_name, one_gpu_set

@@ -327,10 +327,29 @@ def test_torchtitan_pipeline_stages_and_layer_sac() -> None:
     full = sorted(b.block for s in layout.stages for b in s.blocks if b.recompute == "full")
     assert full == ["layer.1", "layer.3", "layer.6"]
     assert any("selective_ac_option: not stated" in note for note in run.notes)
+    assert not run.job.eager_norm  # v0.2.0's model args name no norm type: nn.RMSNorm
     # 16 x 4096 tokens over 12 GPUs
     assert run.step_s == pytest.approx(
         statistics.median([65536 / (t * 12) for t in (4096, 4000, 3200, 4096)])
     )
+
+
+def test_torchtitan_of_2024_names_its_own_eager_rmsnorm() -> None:
+    """torchtitan before April 2025 copied job_config.model.norm_type into ModelArgs, which
+    its "Building ... with ModelArgs(...)" line prints; "rmsnorm" was its own eager RMSNorm
+    class (torchtitan/models/norms.py at 9dec370), priced as such uncompiled."""
+    args = ", ".join(
+        f"{k}={v!r}"
+        for k, v in {**LLAMA3_8B_ARGS, "norm_type": "rmsnorm"}.items()
+        if not isinstance(v, dict)
+    )
+    lines = titan_run()
+    at = next(i for i, line in enumerate(lines) if "Building llama3 8B" in line)
+    lines[at] = titan(f"Building llama3 8B with ModelArgs({args})")
+    run = torchtitan.read(text_of(lines), "old.log")
+    assert run.job.eager_norm and not run.job.compiled_model
+    fused = [*lines[:at], lines[at].replace("'rmsnorm'", "'fused_rmsnorm'"), *lines[at + 1 :]]
+    assert not torchtitan.read(text_of(fused), "fused.log").job.eager_norm
 
 
 def test_torchtitan_hsdp_is_refused() -> None:

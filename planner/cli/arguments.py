@@ -135,6 +135,12 @@ def _job_args(cmd: argparse.ArgumentParser) -> None:
         "ops fused, where uncompiled each is a kernel of its own",
     )
     cmd.add_argument(
+        "--eager-norm",
+        action="store_true",
+        help="torchtitan's own eager RMSNorm class (its code before April 2025, norm_type "
+        "rmsnorm): a kernel per op over an FP32 copy, where nn.RMSNorm is one fused kernel",
+    )
+    cmd.add_argument(
         "--loss-chunks",
         type=int,
         default=None,

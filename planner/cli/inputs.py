@@ -31,6 +31,7 @@ def training_job(args: argparse.Namespace, seq_len: int, global_batch: int) -> T
         **({"framework": args.framework} if getattr(args, "framework", None) else {}),
         **({"compiled_loss": True} if getattr(args, "compiled_loss", False) else {}),
         **({"compiled_model": True} if getattr(args, "compiled_model", False) else {}),
+        **({"eager_norm": True} if getattr(args, "eager_norm", False) else {}),
         **({"loss_fusion": args.loss_fusion} if getattr(args, "loss_fusion", None) else {}),
         **({"loss_chunks": args.loss_chunks} if getattr(args, "loss_chunks", None) else {}),
         **(

@@ -163,6 +163,8 @@ class Shard:
     # per op (``eager_bytes``): "runtime" (planner.run.model, Framework.eager_passes),
     # "torchtitan" (its model code uncompiled, Framework.eager_model) or "" (fused kernels)
     eager_ops: str = ""
+    # torchtitan's older eager RMSNorm class (TrainingJob.eager_norm), uncompiled
+    eager_norm: bool = False
     # Bytes of a gradient element where the framework adds each micro-batch's weight
     # gradients into its gradient buffer in a pass of its own (Framework.
     # grad_accumulation_pass): read both, write the sum, per micro-batch; 0 where not
@@ -902,8 +904,11 @@ def _saved_norm(
     cost.save(saved, elements * kept, "layernorm", *op)
     cost.elementwise(2 * elements * shard.act_bytes, "layernorm", *op)
     if shard.eager_ops and model.norm == "rmsnorm":
-        _eager(cost, elements, "rmsnorm", shard.act_bytes, "layernorm", *op, style=shard.eager_ops)
-    if shard.unfused_norm and model.norm == "rmsnorm":
+        # torchtitan's older RMSNorm runs the ops of the project's runtime's (an FP32 upcast,
+        # x^2, mean, x * rstd, the downcast, the weight's multiply): priced as those
+        style = "runtime" if shard.eager_norm else shard.eager_ops
+        _eager(cost, elements, "rmsnorm", shard.act_bytes, "layernorm", *op, style=style)
+    if (shard.unfused_norm or shard.eager_norm) and model.norm == "rmsnorm":
         # The eager RMSNorm keeps an FP32 copy of its input where the fused norm keeps the
         # input itself (counted as the block's input), and its normalised tensor in the
         # input's dtype for the weight's gradient: (4 - a) + a bytes an element more.

@@ -225,6 +225,7 @@ def shard_of(job: TrainingJob, layout: Layout) -> Shard:
         unfused_norm=fw.unfused_norm,
         unfused_swiglu=fw.unfused_swiglu,
         eager_ops=eager_ops(job, layout),
+        eager_norm=job.eager_norm and eager_ops(job, layout) == "torchtitan",
         grad_accumulation_bytes=DTYPE_BYTES[job.grad_dtype] if fw.grad_accumulation_pass else 0,
         op_sac=fw.op_sac,
         qk_gathered=job.qk_norm_gathered,

@@ -163,6 +163,12 @@ def torchtitan(plan: Plan) -> Export:
             f"loss=ChunkedCELoss.Config(num_chunks={job.loss_chunks}), else the whole logits "
             "are held"
         )
+    if job.eager_norm:
+        differences.append(
+            "the model's own eager RMSNorm (torchtitan before April 2025, norm_type "
+            "'rmsnorm'): v0.2.2 builds nn.RMSNorm, one fused kernel, so it runs faster than "
+            "costed"
+        )
     if job.compiled_loss:  # the loss compiled as costed (and the model: one switch)
         sections["compile"] = {"enable": True, "components": ["model", "loss"]}
     elif job.compiled_model:  # the layers compiled as costed (costs.memory.model_compiled)

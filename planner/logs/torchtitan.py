@@ -494,6 +494,14 @@ def _model(found: Settings, where: str, seq_len: int, notes: list[str]) -> Model
 # --- the run -----------------------------------------------------------------------------------
 
 
+def _norm_type(found: Settings) -> Any:
+    """The norm torchtitan's older model code built (None where the log names none): the
+    job config's model.norm_type, or the model args' norm_type."""
+    named = _config_value(found, "model", "norm_type")
+    args = found.get("model_args")
+    return named if named is not None else (args or {}).get("norm_type")
+
+
 def _config_value(found: Settings, *keys: str) -> Any:
     """The job config dump's value at ``keys`` (None without a dump or that key)."""
     config = found.get("config")
@@ -679,6 +687,10 @@ def _read(text: str, path: str, where: str) -> LoggedRun:
         compute_dtype="fp8" if found.get("float8") else "bf16",
         compiled_loss=bool(found.get("loss_compiled")),
         compiled_model=bool(found.get("model_compiled")),
+        # torchtitan before April 2025 named its norm (job config model.norm_type, copied
+        # into ModelArgs.norm_type); "rmsnorm" was its own eager RMSNorm class
+        # (torchtitan/models/norms.py at 9dec370), "fused_rmsnorm" a Triton kernel
+        eager_norm=_norm_type(found) == "rmsnorm" and not found.get("model_compiled"),
         tp_comm_overlap=bool(found.get("async_tp")),
     )
 
