@@ -206,3 +206,25 @@ def test_the_plan_says_when_attention_is_priced_as_flash_attention_2(
     assert "(attention as FlashAttention-2)" in capsys.readouterr().out.replace("\n", " ")
     assert main(args) == 0
     assert "FlashAttention-2" not in capsys.readouterr().out
+
+
+def test_evaluate_says_which_tensor_rate_and_which_norm_it_priced(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The time's text names the sustained tensor rate where the GPU has one measured (and
+    says when it has none), and torchtitan's own eager RMSNorm where the job runs it."""
+    from planner.cli import main
+
+    args = ["evaluate", "--model", "llama3-8b", "--gpus", "8", "--seq-len", "4096"]
+    args += ["--global-batch", "8", "--tp", "1", "--zero", "3"]
+    assert main([*args, "--cluster", "h100"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "GEMMs and attention at 0.891 of a short timing's rate" in text
+    assert main([*args, "--cluster", "a100"]) == 0
+    other = " ".join(capsys.readouterr().out.split())
+    assert "a100's slowing at its power limit not measured" in other
+    titan = [*args, "--cluster", "h100", "--framework", "torchtitan"]
+    assert main([*titan, "--eager-norm"]) == 0
+    assert "rotary embedding, its own RMSNorm class (--eager-norm)" in " ".join(
+        capsys.readouterr().out.split()
+    )

@@ -139,9 +139,10 @@ def print_time(
             "its power limit not measured)"
         )
     if layout is not None and eager_ops(job, layout) == "torchtitan":
+        norm = ", its own RMSNorm class (--eager-norm)" if job.eager_norm else ""
         kernel += (
-            " and torchtitan's model code uncompiled, its SwiGLU, rotary embedding and loss "
-            "a kernel per op (--compiled-model where compile.enable holds the model)"
+            f" and torchtitan's model code uncompiled, its SwiGLU, rotary embedding{norm} and "
+            "loss a kernel per op (--compiled-model where compile.enable holds the model)"
         )
     console = Console(width=max(Console().width, 100))
     table = Table(title=f"step time: {est.step_time_s:.3f} s")
