@@ -793,6 +793,14 @@ class TrainingJob(Spec):
     # (job_config.py: compile.enable False by default): each TransformerBlock is then
     # compiled ("Compiling each TransformerBlock with torch.compile", llama3/infra/
     # parallelize.py at v0.2.2) and Inductor fuses its elementwise ops.
+    compiled_model: bool = Field(
+        default=False,
+        description="The model's layers run under torch.compile (torchtitan's compile.enable "
+        "with the model among compile.components): their elementwise ops fused. False: "
+        "torchtitan's model code runs eager ops, each a kernel of its own "
+        "(Framework.eager_model), unless a compiled loss or async tensor parallelism, which "
+        "compile the model with it, says otherwise. torchtitan only.",
+    )
     # torchtitan before 2025-04 (#1115): its own RMSNorm class (torchtitan/models/norms.py at
     # 9dec370, the model's default norm_type "rmsnorm") ran x.float(), pow, mean, rsqrt,
     # type_as and the weight's multiply, a kernel each, and kept the FP32 input for backward.
@@ -802,14 +810,6 @@ class TrainingJob(Spec):
         "RMSNorm class, norm_type 'rmsnorm'), a kernel per op over an FP32 copy of the input, "
         "in place of the fused nn.RMSNorm; priced where the model runs uncompiled. torchtitan "
         "only.",
-    )
-    compiled_model: bool = Field(
-        default=False,
-        description="The model's layers run under torch.compile (torchtitan's compile.enable "
-        "with the model among compile.components): their elementwise ops fused. False: "
-        "torchtitan's model code runs eager ops, each a kernel of its own "
-        "(Framework.eager_model), unless a compiled loss or async tensor parallelism, which "
-        "compile the model with it, says otherwise. torchtitan only.",
     )
     # torchtitan's Qwen3 tensor-parallel plan up to 8c1d1c5f (2025-10-14, PR #1870 "Remove
     # unnecessary all-gather qwen3", after issue #1867): q_norm and k_norm ran as NoParallel

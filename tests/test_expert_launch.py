@@ -81,8 +81,9 @@ def test_grouped_kernel_frameworks_pay_nothing_per_expert():
 
 def test_launches_slow_layouts_with_many_local_experts_more():
     # Qwen2-57B-A14B on 64 H100 (arXiv 2504.14960 Table 4): TP4 EP4 ETP4 (16 experts per
-    # rank) was measured at 22.4% MFU, FSDP + EP8 (8 experts per rank) at 26.3%: 17% slower.
-    # Without the launches the model puts it within a few percent; with them, far behind.
+    # rank) was measured at 22.4% MFU, FSDP + EP8 (8 experts per rank) at 26.3%: the same
+    # job, so the first's step is 26.3 / 22.4 - 1 = 17.4% longer. Without the launches the
+    # model puts it less far behind than measured; the launches bring it nearer.
     model = planner.load_model("qwen2-57b-a14b")
     cluster = planner.load_cluster("h100", gpus=64)
     job = planner.TrainingJob(seq_len=4096, global_batch=1024, framework="megatron")
@@ -94,10 +95,12 @@ def test_launches_slow_layouts_with_many_local_experts_more():
         fast = planner.evaluate(model, cluster, job, fsdp_ep).step_time_s
         return slow / fast - 1
 
+    measured = 26.3 / 22.4 - 1
     with launching(0.0):
         without = gap()
-    assert abs(without) < 0.06
-    assert gap() > without + 0.1
+    with_launches = gap()
+    assert 0 <= without < measured
+    assert abs(with_launches - measured) < abs(without - measured)
 
 
 def test_grouped_tensor_removes_the_launches_and_is_exported():

@@ -619,3 +619,20 @@ def test_torchtitan_compiles_the_model_where_it_was_costed_compiled() -> None:
         assert config.get("compile") == (
             {"enable": True, "components": ["model"]} if compiled else None
         )
+
+
+def test_torchtitan_names_the_older_eager_norm_it_cannot_state() -> None:
+    """A plan costed with torchtitan's own eager RMSNorm (TrainingJob.eager_norm) exports as
+    not exact: v0.2.2 builds nn.RMSNorm. Compiled, the norm was costed fused either way, and
+    the export says nothing of it."""
+    model = planner.load_model("llama3-8b")
+    cluster = planner.load_cluster("h100", gpus=8)
+    layout = Layout.uniform(model, dp=8, zero=3, recompute="full")
+    job = planner.TrainingJob(
+        seq_len=8192, global_batch=16, framework="torchtitan", eager_norm=True
+    )
+    out = planner.export.torchtitan(plan_of(model, cluster, job, layout))
+    assert not out.exact and any("eager RMSNorm" in d for d in out.differences)
+    compiled = job.model_copy(update={"compiled_model": True})
+    out = planner.export.torchtitan(plan_of(model, cluster, compiled, layout))
+    assert not any("RMSNorm" in d for d in out.differences)

@@ -346,8 +346,11 @@ def test_torchtitan_of_2024_names_its_own_eager_rmsnorm() -> None:
     lines = titan_run()
     at = next(i for i, line in enumerate(lines) if "Building llama3 8B" in line)
     lines[at] = titan(f"Building llama3 8B with ModelArgs({args})")
+    from planner.costs.memory import shard_of
+
     run = torchtitan.read(text_of(lines), "old.log")
     assert run.job.eager_norm and not run.job.compiled_model
+    assert shard_of(run.job, run.layout).eager_norm  # uncompiled: priced
     fused = [*lines[:at], lines[at].replace("'rmsnorm'", "'fused_rmsnorm'"), *lines[at + 1 :]]
     assert not torchtitan.read(text_of(fused), "fused.log").job.eager_norm
 

@@ -839,9 +839,9 @@ def _sequence_dim_copies(cost: BlockBuilder, model: ModelSpec, shard: Shard, pai
     and as many backward (each one's gradient is the other). Megatron-LM keeps [sequence,
     batch, hidden] and gathers on dim 0: no copy. Left out at micro-batch 1, where recent
     PyTorch takes the rearrangement as a view, and under torch.compile, which may fuse it."""
-    if shard.eager_ops != "torchtitan" or shard.tp < 2 or not shard.sequence_parallel:
+    if shard.eager_ops != "torchtitan" or shard.tp < 2 or shard.micro_batch < 2:
         return
-    if shard.micro_batch < 2:
+    if not shard.sequence_parallel:
         return
     region = shard.tokens * model.hidden_size * shard.act_bytes
     copies = Work(memory=pairs * 2 * 2 * region, kernels=2 * pairs)

@@ -200,6 +200,7 @@ def shard_of(job: TrainingJob, layout: Layout) -> Shard:
     reason = optimizer_offload_rule(job, layout.optimizer_offload, layout.zero)
     if reason:
         raise PlannerError(f"Layout.optimizer_offload={layout.optimizer_offload:g}: {reason}")
+    eager = eager_ops(job, layout)
     return Shard(
         seq_len=job.seq_len,
         micro_batch=layout.micro_batch,
@@ -224,8 +225,8 @@ def shard_of(job: TrainingJob, layout: Layout) -> Shard:
         loss_fusion=job.loss_fusion,
         unfused_norm=fw.unfused_norm,
         unfused_swiglu=fw.unfused_swiglu,
-        eager_ops=eager_ops(job, layout),
-        eager_norm=job.eager_norm and eager_ops(job, layout) == "torchtitan",
+        eager_ops=eager,
+        eager_norm=job.eager_norm and eager == "torchtitan",
         grad_accumulation_bytes=DTYPE_BYTES[job.grad_dtype] if fw.grad_accumulation_pass else 0,
         op_sac=fw.op_sac,
         qk_gathered=job.qk_norm_gathered,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from planner.costs.memory import eager_ops
 from planner.export import (
     Export,
     finish,
@@ -163,7 +164,7 @@ def torchtitan(plan: Plan) -> Export:
             f"loss=ChunkedCELoss.Config(num_chunks={job.loss_chunks}), else the whole logits "
             "are held"
         )
-    if job.eager_norm:
+    if job.eager_norm and eager_ops(job, planned) == "torchtitan":  # as it was costed
         differences.append(
             "the model's own eager RMSNorm (torchtitan before April 2025, norm_type "
             "'rmsnorm'): v0.2.2 builds nn.RMSNorm, one fused kernel, so it runs faster than "

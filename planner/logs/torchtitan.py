@@ -690,7 +690,8 @@ def _read(text: str, path: str, where: str) -> LoggedRun:
         # torchtitan before April 2025 named its norm (job config model.norm_type, copied
         # into ModelArgs.norm_type); "rmsnorm" was its own eager RMSNorm class
         # (torchtitan/models/norms.py at 9dec370), "fused_rmsnorm" a Triton kernel
-        eager_norm=_norm_type(found) == "rmsnorm" and not found.get("model_compiled"),
+        # (priced only where nothing compiles the model: costs.memory.shard_of)
+        eager_norm=_norm_type(found) == "rmsnorm",
         tp_comm_overlap=bool(found.get("async_tp")),
     )
 
