@@ -133,7 +133,6 @@ STATED = {
     "--make-vocab-size-divisible-by",
     "--data-parallel-sharding-strategy",
     "--overlap-grad-reduce",
-    "--overlap-param-gather",
     "--train-iters",
     "--exit-interval",
 }

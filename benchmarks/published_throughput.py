@@ -38,7 +38,8 @@ torchtitan without async TP) leave the tensor-parallel collectives exposed
 (``TrainingJob.tp_comm_overlap``); a blank one has the framework's overlap on; an MoE
 row without a dispatcher runs NCCL all-to-all (Megatron-LM's default). Data
 parallelism is ZeRO-1 (Megatron-LM's distributed optimizer) except where the row says FSDP
-(ZeRO-3) and for torchtitan (FSDP2, ZeRO-3).
+(ZeRO-3), for torchtitan (FSDP2, ZeRO-3) and for Megatron-LM of 2021 (``megatron-2021``: no
+distributed optimizer yet, ZeRO 0).
 
 Rows the planner cannot cost yet are listed with the reason (machines without a catalog
 entry, architectures it does not read, a FLOP count not reproduced) and
@@ -77,9 +78,10 @@ from planner.schedules import schedule_of
 DATA = Path(__file__).resolve().parent / "published_runs.csv"
 SCHEDULES = {"1f1b": "1f1b", "interleaved": "interleaved", "dualpipe": "dualpipe", "zb": "zb-h1"}
 # What each framework's data parallelism shards where the row does not say fsdp (which is
-# ZeRO-3 in every framework): Megatron-LM's distributed optimizer is ZeRO-1, torchtitan
-# always runs FSDP2 (ZeRO-3), DeepSpeed is taken as ZeRO-1.
-ZERO = {"megatron": 1, "torchtitan": 3, "deepspeed": 1, "deepspeed-2021": 1}
+# ZeRO-3 in every framework): Megatron-LM's distributed optimizer is ZeRO-1 (it had none in
+# 2021: megatron-2021 is ZeRO 0), torchtitan always runs FSDP2 (ZeRO-3), DeepSpeed is taken
+# as ZeRO-1.
+ZERO = {"megatron": 1, "megatron-2021": 0, "torchtitan": 3, "deepspeed": 1, "deepspeed-2021": 1}
 MODULES = {"rmsnorm": "layernorm"}  # the sources' names for this planner's recompute modules
 PROFILES: dict[str, Path] = {}  # --profile: a GPU's cluster YAML instead of the catalog's
 

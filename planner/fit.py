@@ -534,6 +534,8 @@ OPTIONAL_COLUMNS = {
     "(TrainingJob.eager_norm; torchtitan before April 2025)",
     "tp_comm_overlap": "true (default) or false: the framework's tensor-parallel overlap "
     "switched on (TrainingJob.tp_comm_overlap)",
+    "exposed_grad_reduce": "true or false (default): the gradient reduction after the last "
+    "backward (TrainingJob.exposed_grad_reduce; Megatron-LM without --overlap-grad-reduce)",
     "attention_kernel": "fused (default) or fa2: the fused attention kernel the run used "
     "(TrainingJob.attention_kernel)",
     "loss_fusion": "none (default), native or te: Megatron-LM's fused cross-entropy "
@@ -746,6 +748,7 @@ def layout_from_row(
             compiled_model=flag("compiled_model", False),
             eager_norm=flag("eager_norm", False),
             tp_comm_overlap=overlap_tp,
+            exposed_grad_reduce=flag("exposed_grad_reduce", False),
             attention_kernel=text("attention_kernel", "fused").lower(),
             loss_fusion=text("loss_fusion", "none").lower(),
             moe_dispatcher=text("dispatcher", "alltoall").lower(),

@@ -212,6 +212,9 @@ class Framework:
     # parameter tensor through c10d's list collectives, which copy each rank's slice by
     # itself, and this is the host's time per slice copy (s) (``costs.timing``).
     zero3_slice_s: float | None = None
+    # It has a switch that runs the data-parallel gradient reduction after the step's last
+    # backward instead of beside it (TrainingJob.exposed_grad_reduce).
+    grad_reduce_switch: bool = False
     # Host seconds per routed-expert GEMM it launches one at a time, with the GPU's queue
     # empty: those GEMMs take the longer of their GPU time and their launches
     # (``costs.compute.work_time``); 0: its experts' GEMMs run as one grouped kernel, or it
@@ -261,6 +264,10 @@ FRAMEWORKS: dict[str, Framework] = {
             pair_hidden=0.57,
             async_send_schedules=("interleaved", "interleaved-ep-overlap"),
         ),
+        # Without --overlap-grad-reduce (off in its parser, arguments.py:3121) the reduction
+        # runs after the last backward (finish_grad_sync, called by finalize_model_grads,
+        # starts and finishes it there: param_and_grad_buffer.py:805 at d98e8a64)
+        grad_reduce_switch=True,
         tp_overlap="userbuffers",
         tp_overlap_needs_sp=True,
         # Userbuffers hide 0.55 of what they could: no published on/off pair exists, so the
@@ -502,6 +509,41 @@ FRAMEWORKS["deepspeed-2021"] = dataclasses.replace(
     launcher=None,
     zero3_slice_s=6e-6,
     costing_only="it prices DeepSpeed as it ran in 2021",
+)
+
+# Megatron-LM as it ran the SC'21 paper's runs (arXiv 2104.04473; the paper's scripts are
+# examples/sc21 at commit 6985e589, August 2021):
+# - every pipeline send and receive is blocking: _communicate posts them with
+#   torch.distributed.batch_isend_irecv, waits on each request and then calls
+#   torch.cuda.synchronize() (megatron/p2p_communication.py), in the interleaved schedule too,
+#   so neither the sender nor the receiver computes while a send runs;
+# - no distributed optimizer (it came in 2022): every rank keeps and steps the whole optimizer
+#   state of its tensor- and pipeline-parallel shard (ZeRO 0);
+# - the data-parallel reduction: --DDP-impl local (the parser's default, megatron/arguments.py)
+#   all-reduces the gradient buffers in train_step after the last backward
+#   (TrainingJob.exposed_grad_reduce, as run_table_1.sh runs it from 39B up); --DDP-impl torch
+#   (run_table_1.sh up to 18B, pp 1) is PyTorch's DDP, bucketed beside the last backward;
+# - no Transformer Engine and no tensor-parallel overlap (userbuffers came in 2023).
+# Memory is priced as Megatron-LM's today (no run of that time states its memory). It costs
+# measured runs; a layout for it is not exported.
+FRAMEWORKS["megatron-2021"] = dataclasses.replace(
+    FRAMEWORKS["megatron"],
+    name="megatron-2021",
+    label="Megatron-LM (2021, SC'21)",
+    overlap=dataclasses.replace(
+        FRAMEWORKS["megatron"].overlap, param_gather=False, async_send_schedules=()
+    ),
+    tp_overlap="none",
+    transformer_engine=False,
+    fp8_keeps_fp8_inputs=False,
+    fp8_cache=False,
+    optimizer_offload=None,
+    activation_offload=False,
+    launcher=None,
+    loss_fusions=("none",),
+    dispatchers=("alltoall",),
+    expert_gemm_launch_s=0.0,
+    costing_only="it prices Megatron-LM as it ran in 2021",
 )
 
 # Hugging Face Transformers' models trained by its Trainer with DeepSpeed ZeRO (the

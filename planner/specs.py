@@ -629,6 +629,11 @@ FRAMEWORK_SWITCHES = (
         "runs the loss over the whole logits; chunking it is {names}'s (ChunkedCELoss)",
     ),
     (
+        "exposed_grad_reduce",
+        "grad_reduce_switch",
+        "overlaps its gradient reduction as it runs; only {names} have a switch for it",
+    ),
+    (
         "eager_norm",
         "eager_model",
         "runs its own norm kernels; the eager RMSNorm class of its own model code was {names}'s",
@@ -910,6 +915,15 @@ class TrainingJob(Spec):
         description="The framework's tensor-parallel communication overlap is switched on "
         "(Megatron-LM --tp-comm-overlap, torchtitan async TP); False leaves every "
         "tensor-parallel collective exposed, as each framework runs by default.",
+    )
+    # Megatron-LM reduces the gradients beside the last backward only under
+    # --overlap-grad-reduce (off in its parser); its 2021 local DDP never did
+    # (planner.frameworks, megatron-2021). The exports write the switch.
+    exposed_grad_reduce: bool = Field(
+        default=False,
+        description="The data-parallel gradient reduction runs after the step's last backward "
+        "instead of beside it (Megatron-LM without --overlap-grad-reduce); False overlaps it "
+        "as the framework can.",
     )
     moe_load_imbalance: float = Field(
         default=1.04,

@@ -552,6 +552,15 @@ def _precision_args(cmd: argparse.ArgumentParser) -> None:
         "--tp-comm-overlap, torchtitan without async TP): tensor-parallel collectives exposed",
     )
     cmd.add_argument(
+        "--exposed-grad-reduce",
+        dest="exposed_grad_reduce",
+        action="store_const",
+        const=True,
+        default=None,
+        help="the data-parallel gradient reduction after the last backward, not beside it "
+        "(Megatron-LM without --overlap-grad-reduce)",
+    )
+    cmd.add_argument(
         "--attention-kernel",
         default=None,
         choices=["fused", "fa2"],

@@ -39,6 +39,7 @@ def training_job(args: argparse.Namespace, seq_len: int, global_batch: int) -> T
         ),
         **({"tp_comm_overlap": False} if getattr(args, "tp_comm_overlap", None) is False else {}),
         **({"moe_grouped_tensor": True} if getattr(args, "moe_grouped_tensor", None) else {}),
+        **({"exposed_grad_reduce": True} if getattr(args, "exposed_grad_reduce", None) else {}),
         **(
             {"attention_kernel": args.attention_kernel}
             if getattr(args, "attention_kernel", None)
@@ -62,6 +63,7 @@ def _recipe(args: argparse.Namespace) -> Recipe | None:
         "moe_dispatcher": "--moe-dispatcher",
         "tp_comm_overlap": "--no-tp-comm-overlap",
         "moe_grouped_tensor": "--moe-grouped-tensor",
+        "exposed_grad_reduce": "--exposed-grad-reduce",
         "attention_kernel": "--attention-kernel",
         "loss_fusion": "--loss-fusion",
     }

@@ -144,6 +144,11 @@ def print_time(
             f" and torchtitan's model code uncompiled, its SwiGLU, rotary embedding{norm} and "
             "loss a kernel per op (--compiled-model where compile.enable holds the model)"
         )
+    reduction = (
+        "the whole gradient reduction, after the last backward (--exposed-grad-reduce)"
+        if job.exposed_grad_reduce
+        else "exposed gradient reduction"
+    )
     console = Console(width=max(Console().width, 100))
     table = Table(title=f"step time: {est.step_time_s:.3f} s")
     table.add_column("part")
@@ -160,8 +165,8 @@ def print_time(
         f"the host's time per kernel where it binds, recompute, "
         f"the tensor-parallel and expert all-to-all communication {framework} leaves exposed, "
         f"the context-parallel ring's sends attention does not hide and its all-to-alls, "
-        f"pipeline sends and bubble, links and SMs shared by overlapped collectives, exposed "
-        f"gradient reduction, ZeRO-1/2's weight all-gather and the optimizer step; ignores "
+        f"pipeline sends and bubble, links and SMs shared by overlapped collectives, "
+        f"{reduction}, ZeRO-1/2's weight all-gather and the optimizer step; ignores "
         f"stragglers, failures, data loading and checkpointing. Expected error: "
         f"{est.expected_error}."
     )

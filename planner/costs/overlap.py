@@ -76,12 +76,16 @@ OVERLAPS: dict[str, Overlap] = {name: f.overlap for name, f in FRAMEWORKS.items(
 
 def overlap_of(job: TrainingJob, cluster: ClusterSpec, schedule: str | None = None) -> Overlap:
     """What ``job``'s framework runs beside compute on ``cluster``'s GPUs, under
-    ``schedule`` (whether its pipeline sends are asynchronous)."""
+    ``schedule`` (whether its pipeline sends are asynchronous), with its gradient reduction
+    after the last backward where the job asks (``TrainingJob.exposed_grad_reduce``)."""
     base = framework(job.framework).overlap
+    exposed = job.exposed_grad_reduce  # nothing of the reduction, nor the gather after it
     return dataclasses.replace(
         base,
         sm_count=cluster.sm_count or base.sm_count,
         async_sends=schedule in base.async_send_schedules,
+        grad_sync=base.grad_sync and not exposed,
+        param_gather=base.param_gather and not exposed,
     )
 
 

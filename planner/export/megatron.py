@@ -114,7 +114,7 @@ def megatron(plan: Plan) -> Export:
     if runs.pp > 1 or runs.virtual_stages > 1:
         args += ["--pipeline-model-parallel-layout", pipeline_layout(runs)]
     args += recompute_args(runs)
-    args += zero_args(runs.zero)
+    args += zero_args(runs.zero, overlap=not job.exposed_grad_reduce)
     if runs.optimizer_instances > 1:  # ZeRO-1 over partial data-parallel domains
         args += ["--num-distributed-optimizer-instances", str(runs.optimizer_instances)]
     args += _optimizer_args(job, runs)
@@ -330,11 +330,16 @@ def _optimizer_args(job: TrainingJob, runs: Layout) -> list[str]:
     return args
 
 
-def zero_args(zero: int) -> list[str]:
+def zero_args(zero: int, *, overlap: bool = True) -> list[str]:
+    """The data-parallel flags of ZeRO stage ``zero``; ``overlap`` False leaves the gradient
+    reduction (and so the weights' gather, which needs it) after the last backward
+    (``TrainingJob.exposed_grad_reduce``)."""
+    overlapped = ["--overlap-grad-reduce"] if overlap else []
     if zero == 0:
-        return ["--overlap-grad-reduce"]
+        return overlapped
     if zero == 1:
-        return ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+        gather = ["--overlap-param-gather"] if overlap else []
+        return ["--use-distributed-optimizer", *overlapped, *gather]
     strategy = "optim_grads" if zero == 2 else "optim_grads_params"
     return ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
 

@@ -365,6 +365,8 @@ def row_of(args: Args, gpus: int, notes: list[str]) -> dict[str, str]:
         # --transformer-impl local: Megatron-LM's own modules (TrainingJob.transformer_engine)
         "transformer_engine": str(impl != "local").lower(),
         "tp_comm_overlap": str(bool(args.get("--tp-comm-overlap"))).lower(),
+        # without --overlap-grad-reduce the reduction follows the last backward
+        "exposed_grad_reduce": str(dp > 1 and not args.get("--overlap-grad-reduce")).lower(),
         "fp8_cache": "false",
         "dispatcher": dispatcher,
         # --num-distributed-optimizer-instances: ZeRO-1 over partial data-parallel domains
@@ -647,7 +649,7 @@ def arguments(model: ModelSpec, job: TrainingJob, layout: Layout) -> dict[str, A
     from planner.fit import layout_from_row
 
     flags, _ = model_args(model, tp=layout.tp, seq_len=job.seq_len)
-    flags += recompute_args(layout) + zero_args(layout.zero)
+    flags += recompute_args(layout) + zero_args(layout.zero, overlap=not job.exposed_grad_reduce)
     printed = printed_values(flags)
     printed.update(
         seq_length=job.seq_len,
