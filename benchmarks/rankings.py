@@ -21,7 +21,9 @@ an unstated setting is printed beside the row there):
 - ``published_runs.csv`` (``benchmarks/published_throughput.py``): groups of rows with the same
   model, GPU, GPU count, sequence and precision. Several of these differ in the software
   release rather than the layout (NeMo 24.07 against 25.02 on one layout); they are kept, and
-  a group whose layouts are all equal is reported apart, not ranked;
+  a group whose layouts are all equal is reported apart, not ranked; the summary says how
+  many groups span several publications (one layout from NeMo 24.07, another from
+  Megatron-Bridge 25.11), whose order mixes the releases' change with the layouts';
 - ``megatron_ci_runs.csv`` where present (``benchmarks/harvest_megatron_ci.py``): Megatron-LM's
   functional tests, grouped the same way and also by the CI platform (``dgx_a100`` and
   ``dgxa100_dracooci`` are different machines), the release (``dev``, ``lts``) and the run's
@@ -401,6 +403,15 @@ def summarise(found: list[Group]) -> dict[str, dict[str, float]]:
             "median_regret": round(float(np.median(regrets)), 4),
             "worst_regret": round(float(regrets.max()), 4),
         }
+        # groups whose rows span publications (a release of one stack against another's):
+        # their order mixes the software's change with the layout's
+        mixed = [g for g in ranked if len({i.features.get("source") for i in g.items}) > 1]
+        if mixed:
+            out[source]["mixed"] = len(mixed)
+            out[source]["mixed_both_met"] = sum(
+                g.tau >= TAU_TARGET and g.regret <= REGRET_TARGET  # type: ignore[operator]
+                for g in mixed
+            )
         ceilings = [g.ceiling for g in ranked if g.ceiling]
         if ceilings:  # groups with repeats: where a layout-only model could meet both
             out[source]["repeated"] = len(ceilings)
@@ -453,6 +464,13 @@ def main(argv: list[str] | None = None) -> int:
             f"mean tau {s['mean_tau']:+.2f}, median regret {s['median_regret']:.1%}, worst "
             f"{s['worst_regret']:.1%}"
         )
+        if "mixed" in s:
+            print(
+                f"{'':9}  {s['mixed']} of them span several publications (their order mixes "
+                f"releases with layouts); both met in {s['mixed_both_met']} of those, "
+                f"{s['both_met'] - s['mixed_both_met']} of the {s['groups'] - s['mixed']} "
+                "from one publication each"
+            )
         if "repeated" in s:
             print(
                 f"{'':9}  {s['repeated']} of them measured a layout more than once; a model of "
