@@ -27,11 +27,13 @@ A measured figure becomes seconds per step:
   only, which is the planner's ``model_flops_per_token`` (6 x active matmul parameters +
   causal attention), and MFU is against the dense BF16 peak.
 
-What a source leaves unstated is assumed and printed beside the row: micro-batch 1; 1F1B
-where the schedule is unstated; 2 virtual stages for interleaving; where the recompute is
-unstated, the fastest choice its framework can state under which the layout fits HBM in the
-model (``recompute_choices``: Megatron-LM's module combinations, torchtitan's none, op and
-full, DeepSpeed's none and full), as a team that tuned the run would have picked; in-house
+What a source leaves unstated is assumed and printed beside the row: 1F1B where the schedule
+is unstated; 2 virtual stages for interleaving; where the micro-batch or the recompute is
+unstated, the fastest choice under which the layout fits HBM in the model, as a team that
+tuned the run would have picked (micro-batches dividing each data-parallel rank's share of
+the batch, up to 8; the recompute its framework can state, ``recompute_choices``:
+Megatron-LM's module combinations, torchtitan's none, op and full, DeepSpeed's none and
+full); in-house
 stacks (Llama 3, DeepSeek-V3) overlap as Megatron-LM does; rows whose
 ``tp_comm_overlap`` is false (Megatron-LM before ``--tp-comm-overlap`` existed or without it,
 torchtitan without async TP) leave the tensor-parallel collectives exposed
@@ -244,9 +246,12 @@ def cost(row: dict[str, str]) -> tuple[float, float, Costed]:
         if pp > 1:
             assumed.append("schedule 1f1b")
     fields["schedule"] = SCHEDULES.get(schedule, schedule)
+    micro_batches = [row["micro_batch"]]
     if not row["micro_batch"]:
-        fields["micro_batch"] = "1"
-        assumed.append("micro-batch 1")
+        # as the recompute below: the fastest micro-batch that fits, of those dividing each
+        # data-parallel rank's share of the batch (up to 8)
+        share = int(row["global_batch"]) // (int(row["dp"]) * int(row.get("cp") or 1) or 1)
+        micro_batches = [str(b) for b in range(1, 9) if share % b == 0] or ["1"]
     interleaved = schedule_of(fields["schedule"]).virtual_stages is None  # any >= 2 chunks
     if not interleaved or not row["vp"]:
         fields["vp"] = "" if interleaved else "1"
@@ -277,12 +282,29 @@ def cost(row: dict[str, str]) -> tuple[float, float, Costed]:
     if recompute == "unstated":
         choices = recompute_choices(model, framework)
 
-    def estimate(choice: str) -> planner.Estimate:
-        run = run_from_row({**fields, "recompute": choice}, row["id"])
-        return planner.evaluate(run.model, cluster, run.job, run.layout)
+    best: tuple[tuple[int, float], str, str, planner.Estimate] | None = None
+    refused: PlannerError | None = None
+    for micro in micro_batches:
 
-    fields["recompute"], est = fastest_fitting(choices, estimate)
+        def estimate(choice: str, micro: str = micro) -> planner.Estimate:
+            run = run_from_row({**fields, "micro_batch": micro, "recompute": choice}, row["id"])
+            return planner.evaluate(run.model, cluster, run.job, run.layout)
+
+        try:
+            choice, est = fastest_fitting(choices, estimate)
+        except PlannerError as exc:
+            refused = exc
+            continue
+        key = (0, est.step_time_s) if est.headroom >= 0 else (1, float(est.peak_bytes))
+        if best is None or key < best[0]:
+            best = (key, micro, choice, est)
+    if best is None:
+        assert refused is not None
+        raise refused
+    _, fields["micro_batch"], fields["recompute"], est = best
     run = run_from_row(fields, row["id"])
+    if not row["micro_batch"]:
+        assumed.append(f"micro-batch {fields['micro_batch']} (fastest that fits)")
     if recompute == "unstated":
         assumed.append(f"recompute {fields['recompute']} (fastest that fits)")
     measured_run = Run(run.model, run.job, run.layout, measured, row["id"])
