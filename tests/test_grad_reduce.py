@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_export import plan_of
 
 import planner
 from planner.errors import PlannerError
@@ -97,17 +98,7 @@ def test_megatron_of_2021_costs_layouts_and_plans_none() -> None:
 
 def _plan(job: planner.TrainingJob) -> Plan:
     model, cluster = planner.load_model("llama3-8b"), planner.load_cluster("h100", gpus=64)
-    layout = Layout.uniform(model, pp=4, dp=16, zero=1)
-    est = planner.evaluate(model, cluster, job, layout)
-    return Plan(
-        status="feasible",
-        layout=layout,
-        estimate=est,
-        solve_time_s=0.0,
-        model=model,
-        cluster=cluster,
-        job=job,
-    )
+    return plan_of(model, cluster, job, Layout.uniform(model, pp=4, dp=16, zero=1))
 
 
 def test_the_megatron_export_writes_the_overlap_the_plan_was_costed_with() -> None:
