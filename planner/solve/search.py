@@ -338,7 +338,7 @@ def plan(
     lower = min([found[0][0], *open_bounds])
     searched = time.perf_counter() - started  # the simulations below are not the search's
     finalists = [found[0], *_distinct(found[1:], exclude=found[0][1])]
-    every = _judged(model, cluster, job, finalists, keep=top_k)
+    every = _judged(model, cluster, job, finalists, keep=top_k, processes=procs)
     judged = every[:top_k]
     (objective, _, layout), estimate, simulated = judged[0]
     assert simulated is not None  # the plan's layout is always simulated (``_judged``)
@@ -435,6 +435,7 @@ def _judged(
     job: TrainingJob,
     finalists: list[tuple[float, Config, Layout]],
     keep: int = 1,
+    processes: int = 1,
 ) -> list[Judged]:
     """The final candidates (the search's best, then the best of each other set of degrees,
     in the estimate's order), each with its estimate and, where judged, its simulated step;
@@ -448,10 +449,17 @@ def _judged(
     what the more pessimistic model says of it) where that is less than the search's best's by
     more than the tolerance, the most the two models are taken to disagree by without
     saying so. The others follow in the estimate's order, at least ``keep`` in all where there
-    are as many."""
+    are as many.
+
+    With ``processes`` > 1 the runner-up is simulated in a search lane beside the best, in
+    case the best disagrees (its figure is read only then): the same plan, sooner."""
     first = finalists[0]
     est = evaluate(model, cluster, job, first[2])
-    out: list[Judged] = [(first, est, simulated_step(model, cluster, job, first[2]))]
+    sims = [(0, (simulated_step, (model, cluster, job, first[2])))]
+    if processes > 1 and len(finalists) > 1 and JUDGED > 1:
+        sims.append((1, (simulated_step, (model, cluster, job, finalists[1][2]))))
+    ahead = lanes.run_on(sims, processes)
+    out: list[Judged] = [(first, est, ahead[0])]
     agrees = _agrees(out[0])
     bar = max(est.step_time_s, out[0][2] or 0.0)
     for item in finalists[1:]:  # in the estimate's order: once one cannot win, none can
@@ -459,7 +467,10 @@ def _judged(
         if not judge and len(out) >= keep:
             break
         other = evaluate(model, cluster, job, item[2])
-        sim = simulated_step(model, cluster, job, item[2]) if judge else None
+        sim = None
+        if judge:
+            early = len(ahead) > 1 and item is finalists[1]
+            sim = ahead[1] if early else simulated_step(model, cluster, job, item[2])
         out.append((item, other, sim))
     if agrees:
         return out
