@@ -250,7 +250,7 @@ def cost(row: dict[str, str]) -> tuple[float, float, Costed]:
     if not row["micro_batch"]:
         # as the recompute below: the fastest micro-batch that fits, of those dividing each
         # data-parallel rank's share of the batch (up to 8)
-        share = int(row["global_batch"]) // (int(row["dp"]) * int(row.get("cp") or 1) or 1)
+        share = int(row["global_batch"]) // int(row["dp"])  # cp splits sequences, not the batch
         micro_batches = [str(b) for b in range(1, 9) if share % b == 0] or ["1"]
     interleaved = schedule_of(fields["schedule"]).virtual_stages is None  # any >= 2 chunks
     if not interleaved or not row["vp"]:

@@ -365,8 +365,11 @@ def row_of(args: Args, gpus: int, notes: list[str]) -> dict[str, str]:
         # --transformer-impl local: Megatron-LM's own modules (TrainingJob.transformer_engine)
         "transformer_engine": str(impl != "local").lower(),
         "tp_comm_overlap": str(bool(args.get("--tp-comm-overlap"))).lower(),
-        # without --overlap-grad-reduce the reduction follows the last backward
-        "exposed_grad_reduce": str(dp > 1 and not args.get("--overlap-grad-reduce")).lower(),
+        # without --overlap-grad-reduce the DDP reduction (ZeRO 0 and 1; Megatron FSDP's
+        # reduce-scatters are its own) follows the last backward
+        "exposed_grad_reduce": str(
+            zero <= 1 and dp > 1 and not args.get("--overlap-grad-reduce")
+        ).lower(),
         "fp8_cache": "false",
         "dispatcher": dispatcher,
         # --num-distributed-optimizer-instances: ZeRO-1 over partial data-parallel domains
