@@ -30,6 +30,15 @@ def best_layout(
     return _search(model, cluster, job, space)[0]
 
 
+def best_layouts(
+    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, space: SearchSpace
+) -> tuple[tuple[Layout, Estimate] | None, dict[str, tuple[Layout, Estimate]]]:
+    """``best_layout``, and per recompute choice the fastest whose transformer layers all
+    take it (what a target launcher states), from one enumeration."""
+    found = _search(model, cluster, job, space)
+    return found[0], found[2]
+
+
 def count_layouts(
     model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, space: SearchSpace
 ) -> int:
@@ -39,8 +48,9 @@ def count_layouts(
 
 def _search(
     model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, space: SearchSpace
-) -> tuple[tuple[Layout, Estimate] | None, int]:
+) -> tuple[tuple[Layout, Estimate] | None, int, dict[str, tuple[Layout, Estimate]]]:
     best: tuple[Layout, Estimate] | None = None
+    uniform: dict[str, tuple[Layout, Estimate]] = {}
     count = 0
     for layout in _layouts(model, cluster, job, space):
         try:
@@ -52,7 +62,14 @@ def _search(
             continue
         if best is None or est.step_time_s < best[1].step_time_s:
             best = (layout, est)
-    return best, count
+        layers = {
+            b.recompute for s in layout.stages for b in s.blocks if b.block.startswith("layer.")
+        }
+        if len(layers) == 1:
+            (choice,) = layers
+            if choice not in uniform or est.step_time_s < uniform[choice][1].step_time_s:
+                uniform[choice] = (layout, est)
+    return best, count, uniform
 
 
 def _host_ram_fits(job: TrainingJob, cluster: ClusterSpec, layout: Layout, est: Estimate) -> bool:

@@ -6,14 +6,16 @@ For every configuration of small search spaces (dense and MoE models, every sche
 it) is at least every bound the search prunes with: the per-degrees ``degrees_bound``, the
 mean-rank ``lower_bound`` (with the busiest rank's whole layers, ``busiest_rank``), the
 pipeline's fill and drain over the schedule's chains (``fill_and_drain``) and the linear
-relaxation ``lp_bound``. A bound that cut off a better layout would make the planner call a
-worse layout optimal.
+relaxation ``lp_bound``; and the bounds with every layer at one recompute choice (a target
+launcher's rule: ``choice_bound`` per choice, ``lower_bound`` and ``lp_bound`` over all of
+them) are at most the fastest such layout. A bound that
+cut off a better layout would make the planner call a worse layout optimal.
 """
 
 from __future__ import annotations
 
 import pytest
-from bruteforce import best_layout
+from bruteforce import best_layout, best_layouts
 
 import planner
 from planner.costs.cap import memory_cap
@@ -25,7 +27,7 @@ from planner.solve.bounds import (
     fill_and_drain,
     lower_bound,
 )
-from planner.solve.lpbound import lp_bound
+from planner.solve.lpbound import choice_bound, lp_bound
 from planner.solve.space import enumerate_configs
 from planner.solve.tables import Config
 
@@ -77,7 +79,7 @@ def test_bounds_never_exceed_the_exhaustive_optimum(
     )
     if layers > 4:  # a smaller space where the exhaustive search is slow
         space = space.model_copy(update={"tp": [2], "micro_batch": [1]})
-    checked = binding = drained = crowded = 0
+    checked = binding = drained = crowded = lifted = 0
     for config in enumerate_configs(model, cluster, job, space):
         mean = lower_bound(model, cluster, job, config)
         tables = bound_tables(model, cluster, job, config)
@@ -87,7 +89,17 @@ def test_bounds_never_exceed_the_exhaustive_optimum(
         crowd = crowded_rank(tables, config, cap) if tables is not None else 0.0
         degrees = degrees_bound(model, cluster, job, config)
         relaxed = lp_bound(model, cluster, job, config)
-        best = best_layout(model, cluster, job, _pinned(config))
+        best, uniform = best_layouts(model, cluster, job, _pinned(config))
+        for choice, (_, est) in uniform.items():
+            one = choice_bound(model, cluster, job, config, choice)
+            assert one is not None and one <= est.step_time_s * (1 + 1e-9), (config, choice, one)
+            lifted += one > (relaxed or 0.0) * (1 + 1e-9)
+        if uniform:
+            fastest = min(est.step_time_s for _, est in uniform.values())
+            cheap = lower_bound(model, cluster, job, config, one_choice=True)
+            assert cheap is not None and cheap <= fastest * (1 + 1e-9), (config, cheap, fastest)
+            both = lp_bound(model, cluster, job, config, one_choice=True)
+            assert both is not None and both <= fastest * (1 + 1e-9), (config, both, fastest)
         if best is None:
             continue
         assert mean is not None, config  # "no layout fits" would be wrong: one does
@@ -106,7 +118,18 @@ def test_bounds_never_exceed_the_exhaustive_optimum(
     # The busiest rank with whole layers is what the bound is somewhere (it lifts the mean
     # rank's share), so the checks above test it.
     assert binding >= 1, (name, schedules)
-    print(name, schedules, "fill and drain binds", drained, "crowded lifts", crowded, "of", checked)
+    print(
+        name,
+        schedules,
+        "fill and drain binds",
+        drained,
+        "crowded lifts",
+        crowded,
+        "one choice lifts",
+        lifted,
+        "of",
+        checked,
+    )
 
 
 @pytest.mark.slow

@@ -796,3 +796,40 @@ def test_an_earlier_plan_is_replanned_for_another_gpu_count(
     assert main(["plan", "--from", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a plan" in err
+
+
+def test_a_hint_is_restated_as_the_target_launcher_states_it() -> None:
+    """Megatron-LM states one recompute choice for every layer: a hint whose layers mix two
+    (29 with the layer norms recomputed, 3 with the MLP: it fits, where every layer at the
+    cheaper choice does not) is restated with every layer at one of its choices, and the
+    plan, however much faster the mixed layout would be, is one Megatron-LM can run."""
+    import math
+
+    from planner.solve.budget import Budget
+    from planner.solve.first import hinted_layouts
+    from planner.solve.space import enumerate_configs, for_target
+
+    model = planner.load_model("llama3-8b")
+    cluster = planner.load_cluster("h100", gpus=8)
+    job = planner.TrainingJob(seq_len=8192, global_batch=64)
+    recompute = {f"layer.{i}": "layernorm" if i < 29 else "mlp" for i in range(32)}
+    hint = planner.Layout.from_counts(
+        model, counts=[32], pp=1, tp=1, dp=8, zero=2, micro_batch=1, recompute=recompute
+    )
+    mixed = planner.evaluate(model, cluster, job, hint)
+    assert mixed.fits
+    space = planner.SearchSpace(tp=[1], cp=[1], pp=[1], zero=[2], micro_batch=[1])
+    target = for_target(space, job)
+    configs = list(enumerate_configs(model, cluster, job, target))
+    budget = Budget(math.inf, math.inf)
+    [(step, _, layout)] = hinted_layouts(model, cluster, job, configs, [hint], budget, target)
+    layers = {b.recompute for s in layout.stages for b in s.blocks if b.block.startswith("layer.")}
+    assert layers == {"mlp"}  # every layer at the layer norms' choice does not fit
+    assert step > mixed.step_time_s
+    plan = planner.plan(model, cluster, job, space, time_limit_s=2, hints=[hint])
+    assert plan.layout is not None and plan.objective_s is not None
+    chosen = {
+        b.recompute for s in plan.layout.stages for b in s.blocks if b.block.startswith("layer.")
+    }
+    assert len(chosen) == 1
+    assert plan.objective_s > mixed.step_time_s

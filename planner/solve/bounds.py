@@ -40,7 +40,12 @@ from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 
 
 def lower_bound(
-    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    job: TrainingJob,
+    config: Config,
+    *,
+    one_choice: bool = False,
 ) -> float | None:
     """A step time no layout of ``config`` beats, or None if no layout of it can fit.
 
@@ -50,7 +55,11 @@ def lower_bound(
     all-to-alls and sends every schedule but DualPipe leaves in series with the compute; a
     DualPipe pair lasts at least its two chunks' compute, and half its communication. Then the
     mean rank's optimizer step. The wait for other ranks is left out: it is what
-    ``planner.solve.lpbound`` adds, at a higher price."""
+    ``planner.solve.lpbound`` adds, at a higher price.
+
+    ``one_choice``: only layouts whose layers all take one recompute choice count (a target
+    launcher's rule): the least, over the choices whose layers' saved bytes fit the budget
+    the memory leaves them (``_forced_recompute``), of the bound with every layer at it."""
     t = bound_tables(model, cluster, job, config)
     if t is None or any(not k.options for k in t.kinds.values()):
         return None
@@ -60,36 +69,90 @@ def lower_bound(
     on_host = config.ema == "host" or config.optimizer_offload > 0
     if on_host and not host_fits(layers, t.fixed_state, cluster, config):
         return None
-    m, p = config.num_microbatches, config.pp
-    blocks = t.layer_kinds + t.first_fixed + t.last_fixed
-    count = Counter(blocks)
+    count = Counter(t.layer_kinds + t.first_fixed + t.last_fixed)
     opts = {b: t.kinds[b].options for b in count}
+    if not one_choice:
+        forced = _forced_recompute(model, t, cluster, job, config)
+        if forced is None:
+            return None  # even recomputing everything leaves too many activations
+        return _mean_rank(t, config, count, opts, forced, _Shared.of(t, config))
+    shared = _Shared.of(t, config)
+    budget = _activation_budget(model, t, cluster, job, config)
+    kinds = Counter(t.layer_kinds)
+    out: float | None = None
+    for choice in layer_choices(t):
+        # Every layer at the choice: its own recompute is in its rows; it fits or it does not.
+        at = {k: [o for o in opts[k] if o.name == choice] for k in kinds}
+        if sum(n * at[k][0].saved for k, n in kinds.items()) > budget:
+            continue
+        bound = _mean_rank(t, config, count, opts | at, 0.0, shared)
+        out = bound if out is None else min(out, bound)
+    return out
+
+
+def layer_choices(t: Tables) -> list[str]:
+    """The recompute choices every layer kind has: what one choice for every layer may be."""
+    names: list[str] | None = None
+    for k in dict.fromkeys(t.layer_kinds):
+        own = [o.name for o in t.kinds[k].options]
+        names = own if names is None else [n for n in names if n in own]
+    return names or []
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """What ``lower_bound`` takes whatever the blocks' options: the communication in series,
+    the ZeRO collectives' floors, the optimizer step's, and the busiest rank's whole layers."""
+
+    comm: tuple[float, float, float, float, float]
+    gather: float
+    reduce: float
+    tail: float
+    busiest: float
+
+    @classmethod
+    def of(cls, t: Tables, config: Config) -> _Shared:
+        return cls(
+            _communication(t),
+            _collective(t, Q.ZERO_GATHER, low=True),
+            _collective(t, Q.ZERO_REDUCE, low=True),
+            _optimizer_floor(t, config),
+            busiest_rank(t, config),
+        )
+
+
+def _mean_rank(
+    t: Tables,
+    config: Config,
+    count: Counter[str],
+    opts: dict[str, list[Option]],
+    forced: float,
+    shared: _Shared,
+) -> float:
+    """``lower_bound`` over each block's ``opts`` (``count`` of each), with ``forced``
+    seconds of recompute per micro-batch on top of their cheapest."""
+    m, p = config.num_microbatches, config.pp
 
     def total(per_kind: Callable[[list[Option]], float]) -> float:
         return sum(n * per_kind(opts[b]) for b, n in count.items())
 
-    forced = _forced_recompute(model, t, cluster, job, config)
-    if forced is None:
-        return None  # even recomputing everything leaves too many activations
-    moe, a2a_f, a2a_b, p2p, back = _communication(t)
+    moe, a2a_f, a2a_b, p2p, back = shared.comm
     dual = config.pipeline.paired
     sends_f = 0.0 if dual else moe * a2a_f + p2p
     sends_b = 0.0 if dual else moe * a2a_b + back
     fwd = total(lambda os: min(o.row.fwd for o in os))
     bin_lo = total(lambda os: min(o.row.bwd_input for o in os)) + forced
     bw = total(lambda os: os[0].row.bwd_weight)  # recompute does not change it
-    g_lo = _collective(t, Q.ZERO_GATHER, low=True)
-    r_lo = _collective(t, Q.ZERO_REDUCE, low=True)
+    g_lo, r_lo, tail = shared.gather, shared.reduce, shared.tail
     # Sums over stages of each op's time: at least its work (+ the sends in series) and at
     # least its ZeRO collectives.
     f_lo = max(fwd + sends_f, g_lo)
     b_lo = max(bin_lo + sends_b, g_lo)
     w_lo = max(bw, r_lo)
     bw_lo = max(bin_lo + bw + sends_b, g_lo + r_lo)
-    tail = _optimizer_floor(t, config)
     if config.pipeline.separate_weight_grad:
         mean = m * (f_lo + b_lo + w_lo) / p + tail
-        return max(mean, busiest_rank(t, config))
+        return max(mean, shared.busiest)
     busy = m * (f_lo + bw_lo) / p
     if dual:
         # A DualPipe pair overlaps one chunk's compute with the other's ZeRO collectives:
@@ -99,7 +162,7 @@ def lower_bound(
         # compute), so at least half of the two; an unpaired op all of its own.
         comm = moe * (a2a_f + a2a_b) + p2p + back
         busy = max(busy, m * comm / (2 * p))
-    return max(busy + tail, busiest_rank(t, config))
+    return max(busy + tail, shared.busiest)
 
 
 def _rank_groups(
@@ -552,21 +615,7 @@ def _forced_recompute(
     layers' saved bytes may total at most (ranks x usable - state) / w; the cheapest way
     there is the fractional multiple-choice knapsack over the recompute options (convex
     hull, cheapest seconds per byte first), a bound on any integral choice."""
-    from planner.schedules import in_flight
-
-    usable = memory_cap(cluster, job)
-    copies = config.copies
-    state = copies * sum(gpu_state_bytes(t.kinds[k].state) for k in t.layer_kinds)
-    state += sum(gpu_state_bytes(s) for s in t.fixed_state) + config.pp * t.buffers
-    proto = prototype(model, config)
-    weight = [0.0] * config.stages
-    for r in range(config.pp):
-        for stage, count in in_flight(proto, r, config.num_microbatches).items():
-            weight[stage] += count
-    w = min(weight)
-    fixed = t.first_fixed + t.last_fixed
-    fixed_saved = sum(min(o.saved for o in t.kinds[b].options) for b in fixed)
-    budget = (config.pp * usable - state) / w - fixed_saved
+    budget = _activation_budget(model, t, cluster, job, config)
     kinds: dict[str, int] = {}
     for k in t.layer_kinds:
         kinds[k] = kinds.get(k, 0) + 1
@@ -588,6 +637,28 @@ def _forced_recompute(
         saved -= take * gain
         extra += take * cost
     return extra if saved <= budget * (1 + 1e-12) else None
+
+
+def _activation_budget(
+    model: ModelSpec, t: Tables, cluster: ClusterSpec, job: TrainingJob, config: Config
+) -> float:
+    """The layers' saved bytes (per micro-batch, all layers) the ranks' memory leaves room
+    for together (``_forced_recompute``)."""
+    from planner.schedules import in_flight
+
+    usable = memory_cap(cluster, job)
+    copies = config.copies
+    state = copies * sum(gpu_state_bytes(t.kinds[k].state) for k in t.layer_kinds)
+    state += sum(gpu_state_bytes(s) for s in t.fixed_state) + config.pp * t.buffers
+    proto = prototype(model, config)
+    weight = [0.0] * config.stages
+    for r in range(config.pp):
+        for stage, count in in_flight(proto, r, config.num_microbatches).items():
+            weight[stage] += count
+    w = min(weight)
+    fixed = t.first_fixed + t.last_fixed
+    fixed_saved = sum(min(o.saved for o in t.kinds[b].options) for b in fixed)
+    return (config.pp * usable - state) / w - fixed_saved
 
 
 def _hull(options: list[Option]) -> list[tuple[float, float]]:

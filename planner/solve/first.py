@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from planner.costs.activations import offloads_activations
 from planner.costs.cap import usable_peak_bytes
 from planner.costs.memory import stage_memory
 from planner.errors import PlannerError
 from planner.estimate import Estimate, evaluate
-from planner.frameworks import framework, names_with
+from planner.frameworks import Launcher, framework, names_with
 from planner.layout import Layout, Stage, parse_recompute
 from planner.solve.bounds import bound_tables, state_fits
 from planner.solve.budget import (
@@ -210,13 +211,18 @@ def hinted_layouts(
     configs: list[Config],
     hints: Sequence[Layout],
     budget: Budget,
+    space: SearchSpace | None = None,
 ) -> list[tuple[float, Config, Layout]]:
     """The ``hints`` that fit this job, each with its step time: a hint keeps its tensor and
     pipeline degrees, stages, recompute, ZeRO stage, schedule and micro-batch and takes the
     data-parallel degree this job's GPU count leaves (and the micro-batches per step that
     gives); its micro-batch, when the batch no longer divides, the largest smaller one that
     does, and its expert-parallel degree the nearest that divides. A hint whose degrees fall
-    outside the space is passed over."""
+    outside the space is passed over. Where the space's target launcher states one
+    recompute choice for every layer, a hint whose layers take several is restated with
+    every layer at each of its own choices the launcher runs, the fastest that fits kept; a
+    hint with uneven stages is passed over where the launcher runs even ones only."""
+    rules = target_rules(space) if space is not None else None
     out: list[tuple[float, Config, Layout]] = []
     programs: set[tuple[str, int, int, int]] = set()
     for given in hints:
@@ -248,27 +254,67 @@ def hinted_layouts(
             )
 
         config = min(same, key=near)
-        budget.charge(
-            costing_charge(model, config, extended=True)
-            + program_charge(config, programs, extended=True)
-        )
-        try:
-            layout = Layout(
-                **{
-                    **hint.model_dump(),
-                    "dp": config.dp,
-                    "ep": config.ep,
-                    "micro_batch": config.micro_batch,
-                    "num_microbatches": None,
-                    "ema": config.ema,
-                    "fp8_cache": config.fp8_cache,
-                }
+        if rules is not None and rules.even_stages:
+            counts = [sum(b.block.startswith("layer.") for b in s.blocks) for s in hint.stages]
+            if counts != even_counts(model, config):
+                continue
+        fitting: list[tuple[float, Config, Layout]] = []
+        for stated in _one_choice(hint, rules):
+            budget.charge(
+                costing_charge(model, config, extended=True)
+                + program_charge(config, programs, extended=True)
             )
-            est = evaluate(model, cluster, job, layout)
-        except PlannerError:
-            continue
-        if est.fits and host_ok(job, cluster, layout, est):
-            out.append((est.step_time_s, config, layout))
+            try:
+                layout = Layout(
+                    **{
+                        **stated.model_dump(),
+                        "dp": config.dp,
+                        "ep": config.ep,
+                        "micro_batch": config.micro_batch,
+                        "num_microbatches": None,
+                        "ema": config.ema,
+                        "fp8_cache": config.fp8_cache,
+                    }
+                )
+                est = evaluate(model, cluster, job, layout)
+            except PlannerError:
+                continue
+            if est.fits and host_ok(job, cluster, layout, est):
+                fitting.append((est.step_time_s, config, layout))
+        if fitting:
+            out.append(min(fitting, key=lambda x: x[0]))
+    return out
+
+
+def _at(block: Any, choice: str) -> Any:
+    return block.model_copy(update={"recompute": choice})
+
+
+def _one_choice(hint: Layout, rules: Launcher | None) -> list[Layout]:
+    """``hint`` as the launcher states it: itself where its layers take one recompute choice
+    the launcher runs (or there is no launcher); else one layout per choice of its layers
+    that the launcher runs, every layer at that choice."""
+    layers = [b.recompute for s in hint.stages for b in s.blocks if b.block.startswith("layer.")]
+    if rules is None:
+        return [hint]
+    allowed = rules.recompute
+    choices = [c for c in dict.fromkeys(layers) if allowed is None or c in allowed]
+    if len(set(layers)) == 1:
+        return [hint] if choices else []
+    out = []
+    for choice in choices:
+        stages = [
+            Stage(
+                blocks=[
+                    b.model_copy(update={"recompute": choice})
+                    if b.block.startswith("layer.")
+                    else b
+                    for b in s.blocks
+                ]
+            )
+            for s in hint.stages
+        ]
+        out.append(hint.model_copy(update={"stages": stages}))
     return out
 
 

@@ -37,12 +37,12 @@ from planner.solve.budget import (
     drain_charge,
     order_size,
     program_charge,
-    relaxation_charge,
     shape_key,
 )
 from planner.solve.first import quick_layout
-from planner.solve.lpbound import lp_bound
+from planner.solve.lpbound import lp_bound, relaxation_work
 from planner.solve.refine import solve_config
+from planner.solve.space import target_rules
 from planner.solve.tables import Config, tie_break
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 
@@ -180,13 +180,17 @@ class _Lane:
         settings: LaneSettings,
     ) -> None:
         self.model, self.cluster, self.job, self.space = model, cluster, job, space
+        # A target launcher states one recompute choice for every layer: the relaxation is
+        # taken under that rule (``lpbound.lp_bound``).
+        self.one_choice = target_rules(space) is not None
         self.cap = memory_cap(cluster, job)
         self.settings = settings
         self.spent = self.round_spent = self.unreported = 0.0
         self.share = 0.0
         self.best = math.inf
         self.found: list[tuple[float, Config, Layout]] = []
-        self.relaxed: set[Config] = set()  # configurations whose relaxation was charged
+        # (configuration, under one recompute choice) whose relaxation was charged
+        self.relaxed: set[tuple[Config, bool]] = set()
         self.shapes: set[tuple[str, int, int, int]] = set()  # whose chains were charged
         self.programs: set[tuple[str, int, int, int]] = set()  # whose programs were charged
         self.pending: list[tuple[float, Config]] = []
@@ -267,7 +271,7 @@ class _Lane:
         bound plus the communication no schedule hides, times the fill and drain)."""
         out: list[tuple[float, float]] = []
         for c in configs:
-            bound = lower_bound(self.model, self.cluster, self.job, c)
+            bound = lower_bound(self.model, self.cluster, self.job, c, one_choice=self.one_choice)
             if bound is None:
                 out.append((math.inf, math.inf))
                 continue
@@ -294,7 +298,9 @@ class _Lane:
         out: list[Entry] = []
         for config in members:
             self.charge(SECONDS_PER_BOUND)
-            cheap = lower_bound(self.model, self.cluster, self.job, config)
+            cheap = lower_bound(
+                self.model, self.cluster, self.job, config, one_choice=self.one_choice
+            )
             if cheap is not None:
                 out.append((max(bound, cheap), (tie_break(config), 1), 1, config))
         return out
@@ -360,9 +366,16 @@ class _Lane:
                 and order_size(item) <= RELAXATION_OPS
                 and _relaxation_may_prune(item, lifted, self.best)
             ):
-                self.charge(relaxation_charge(item))
-                self.relaxed.add(item)
-                lifted = max(lifted, lp_bound(self.model, self.cluster, self.job, item) or 0.0)
+                self.relaxed.add((item, self.one_choice))
+                relaxed = lp_bound(
+                    self.model, self.cluster, self.job, item, one_choice=self.one_choice
+                )
+                self.charge(
+                    relaxation_work(
+                        self.model, self.cluster, self.job, item, one_choice=self.one_choice
+                    )
+                )
+                lifted = max(lifted, relaxed or 0.0)
             heapq.heappush(self.heap, (lifted, (key[0], 2), 2, item))
         else:
             again = self._attempt(bound, item, min(self.settings.first_limit, self.share))
@@ -397,9 +410,12 @@ class _Lane:
             # open.
             return (bound, config)
         self.charge(program_charge(config, self.programs))
-        if config not in self.relaxed:  # its warm start solves the relaxation
-            self.relaxed.add(config)
-            self.charge(relaxation_charge(config))
+        # Its warm start rounds the relaxation over a mix of recompute choices
+        # (``refine.solve_config``), once per configuration.
+        mixed = self.space.recompute is None and order_size(config) <= RELAXATION_OPS
+        if mixed and (config, False) not in self.relaxed:
+            self.relaxed.add((config, False))
+            self.charge(relaxation_work(self.model, self.cluster, self.job, config))
         out = solve_config(
             self.model,
             self.cluster,

@@ -7,11 +7,32 @@ states that over fractional layers: how many layers of each kind each stage hold
 many of them take each recompute option, may be any non-negative numbers that add up
 (every stage but the first and last holds at least one layer), each rank's memory at every
 activation level its op order passes through stays within the cap (its state, its chunks'
-saved bytes times the micro-batches in flight, the buffers; a recompute's rebuild and
-ZeRO-3's gathered copy left out), and the step is at least every chain the timeline reports
-for a few layouts of the configuration (the even partition, then the rounded relaxation's
-own, in turn). Each of those relaxes the CP-SAT model (``planner.solve.model``) or drops a
-chain from it, so the optimum is at most the step time of every layout of the configuration.
+saved bytes times the micro-batches in flight, the buffers, what the backward rebuilds
+there; see below), and the step is at least every chain of tasks the timeline reports for
+the points tried. Each of those relaxes the CP-SAT model (``planner.solve.model``) or drops
+a chain from it, so the optimum is at most the step time of every layout of the
+configuration.
+
+The chains: those of the schedule's shape (``timeline.shape_forms``) and of the even
+partition; then, round by round, those the timeline takes at the relaxation's own optimum
+(its fractional counts and options: each task's length the largest of its terms there, each
+rank's end its longest path) and at its rounding, until a round finds none new or
+``ROUNDS`` are done. A chain is a valid row whatever the point it came from, so the bound
+holds after any round; the rounds only raise it, towards the longest path over all layouts
+of fractional layers (the pipeline's waits between uneven chunks included), where the
+shape's chains alone see only a few layouts' paths.
+
+Memory rows hold, beside the level, what the chunk whose backward runs there rebuilds above
+it (the CP-SAT model's terms): each fixed block's rebuilt bytes, less what the fixed blocks
+after it saved; under one recompute choice (below), that choice's on every chunk sure to hold
+a layer (every stage but the first and last; a lone stage). Under ZeRO-3 the gathered copy
+of the largest block the rank surely holds, twice. A layer's rebuild under a mix of choices,
+and ZeRO-3's resident gathered weights, are left out.
+
+One recompute choice for every layer (``one_choice``: what a target launcher states): the
+bound is the least over the choices of the relaxation with every layer at that choice,
+which a fractional mix of choices would otherwise undercut (a mix may fit where no single
+choice does).
 
 What it relaxes beyond the counts: whether a stage holds routed experts (their collectives'
 latencies, which the CP-SAT model counts where it does, are left out).
@@ -32,61 +53,147 @@ from planner.costs.overlap import task_terms
 from planner.costs.quantities import Bytes, Prim, Row, stage_quantities
 from planner.memo import Memo
 from planner.solve import ranks
-from planner.solve.bounds import bound_tables
+from planner.solve.bounds import bound_tables, layer_choices
+from planner.solve.budget import order_size, relaxation_seconds
 from planner.solve.tables import Config, Kind, Option, Tables, even_counts, rank_orders
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
-from planner.timeline import Form, run_values, shape_forms
+from planner.timeline import Form, program, run_values, shape_forms
 
-ROUNDS = 2  # relaxations solved, each with the chains of the last one's rounded layout
+ROUNDS = 16  # relaxations solved, each with the chains of the last one's point and rounding
+
+ROUND_OPS = 24_000  # rounds past the first take at most this over the step's ops
+
+DAG_OPS = 3_000  # the largest step (ops of all ranks' orders) whose every task gets a start
+
 
 Lin = dict[int, float]  # variable index -> coefficient; index -1 holds the constant
 GiB = float(2**30)  # memory rows are stated in GiB, near the time rows' magnitudes
 
 
 def lp_bound(
-    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    job: TrainingJob,
+    config: Config,
+    *,
+    one_choice: bool = False,
 ) -> float | None:
     """A step time no layout of ``config`` beats (``math.inf`` when none fits memory), or
-    None when the configuration has no tables."""
-    out = _relaxation(model, cluster, job, config)
+    None when the configuration has no tables. ``one_choice``: only layouts whose layers all
+    take one recompute choice count (a target launcher's rule)."""
+    out = _relaxation(model, cluster, job, config, one_choice)
     return None if out is None else out[0]
+
+
+def relaxation_work(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    job: TrainingJob,
+    config: Config,
+    *,
+    one_choice: bool = False,
+) -> float:
+    """The deterministic charge of ``lp_bound`` (of ``lp_counts`` without ``one_choice``),
+    from the work it did (``budget.relaxation_seconds``)."""
+    out = _relaxation(model, cluster, job, config, one_choice)
+    return relaxation_seconds(0, 0, 0, 0) if out is None else out[2]
 
 
 def lp_counts(
     model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config
 ) -> list[int] | None:
     """Layers per stage of the relaxation's optimum, rounded: a starting point."""
-    out = _relaxation(model, cluster, job, config)
+    out = _relaxation(model, cluster, job, config, False)
     return None if out is None else out[1]
 
 
-_RELAXED: Memo[tuple[float, list[int] | None] | None] = Memo("lpbound.relaxation", limit=4096)
-
-
-def _relaxation(
-    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config
-) -> tuple[float, list[int] | None] | None:
-    key = (model, cluster.model_dump_json(), job, config.key())
-    return _RELAXED.get(key, lambda: _solve(model, cluster, job, config))
-
-
-def _solve(
-    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config
-) -> tuple[float, list[int] | None] | None:
+def choice_bound(
+    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config, choice: str
+) -> float | None:
+    """``lp_bound`` over the layouts whose layers all take recompute ``choice`` (``math.inf``
+    when none fits memory, or the choice is not every layer kind's); None when the
+    configuration has no tables."""
     t = bound_tables(model, cluster, job, config)
     if t is None or any(not k.options for k in t.kinds.values()):
         return None
+    if choice not in layer_choices(t):
+        return math.inf
+    lp, seen = _built(t, config, memory_cap(cluster, job))
+    lp.choose(choice)
+    return _rounds(lp, model, config, seen)[0]
+
+
+_RELAXED: Memo[tuple[float, list[int] | None, float] | None] = Memo(
+    "lpbound.relaxation", limit=4096
+)
+
+
+def _relaxation(
+    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config, one_choice: bool
+) -> tuple[float, list[int] | None, float] | None:
+    key = (model, cluster.model_dump_json(), job, config.key(), one_choice)
+    return _RELAXED.get(key, lambda: _least(model, cluster, job, config, one_choice))
+
+
+def _least(
+    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config, one_choice: bool
+) -> tuple[float, list[int] | None, float] | None:
+    """The relaxation, or under one recompute choice the least of each choice's: one model,
+    each choice set by its variables' bounds, every chain found under one kept for the
+    next (a chain holds whatever the choice)."""
+    t = bound_tables(model, cluster, job, config)
+    if t is None or any(not k.options for k in t.kinds.values()):
+        return None
+    lp, seen = _built(t, config, memory_cap(cluster, job))
+    if not one_choice:
+        return (*_rounds(lp, model, config, seen), lp.work())
+    # Each choice's first relaxation (the shape's chains alone) orders them; rounds only
+    # raise a choice's bound, so one whose first is already no less than the least found
+    # cannot lower it.
+    first: list[tuple[float, str]] = []
+    for choice in layer_choices(t):
+        lp.choose(choice)
+        value = lp.solve()
+        if value is not None:
+            first.append((value if not math.isnan(value) else 0.0, choice))
+    best: tuple[float, list[int] | None] = (math.inf, None)
+    for value, choice in sorted(first):
+        if value >= best[0]:
+            break
+        lp.choose(choice)
+        out = _rounds(lp, model, config, seen)
+        if out[0] < best[0]:
+            best = out
+    return (*best, lp.work())
+
+
+def _built(t: Tables, config: Config, cap: float) -> tuple[_Lp, list[Form]]:
+    """The relaxation's model (each rank's allocated bytes within ``cap``) with the chains
+    of the schedule's shape."""
     orders = rank_orders(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
-    lp = _Lp(t, orders, cluster, job)
+    lp = _Lp(t, orders, cap)
     seen = list(
         shape_forms(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
     )
-    counts = even_counts(model, config)
+    lp.add_forms(seen)
+    return lp, seen
+
+
+def _rounds(
+    lp: _Lp, model: ModelSpec, config: Config, seen: list[Form]
+) -> tuple[float, list[int] | None]:
+    """The relaxation's bound under its current choice (``math.inf`` when nothing fits), with
+    the chains of the even partition, then those of each round's own point and rounding
+    (see the module docstring), and its rounded counts; ``seen`` grows with the chains
+    added."""
+    counts: list[int] | None = even_counts(model, config)
+    found = lp.chains(counts) if counts else []
     bound, best = 0.0, None
-    for _ in range(ROUNDS):
-        new = [f for f in lp.chains(counts) if f not in seen]
+    rounds = max(2, min(ROUNDS, ROUND_OPS // order_size(config)))
+    for _ in range(rounds):
+        new = [f for f in found if f not in seen]
         seen += new
-        lp.add_forms(new if bound else seen)
+        lp.add_forms(new)
         value = lp.solve()
         if value is None:
             return math.inf, None
@@ -94,9 +201,11 @@ def _solve(
             break
         bound, rounded = max(bound, value), lp.counts()
         best = rounded if rounded is not None else best
-        if rounded is None or rounded == counts:
-            break
+        # The chains the timeline takes at the relaxation's own point, and at its rounding.
+        found = lp.chains(None) + (lp.chains(rounded) if rounded not in (None, counts) else [])
         counts = rounded
+        if all(f in seen for f in found):
+            break
     return bound, best
 
 
@@ -108,12 +217,15 @@ def _fixed(t: Tables, s: int) -> list[str]:
 class _Lp:
     """The relaxation (see the module docstring), built with sparse rows."""
 
-    def __init__(self, t: Tables, orders: list[Any], cluster: ClusterSpec, job: TrainingJob):
+    def __init__(self, t: Tables, orders: list[Any], cap: float):
         self.t, self.orders = t, orders
         self.overlap = t.overlap
         self.s = pywraplp.Solver.CreateSolver("GLOP")
         assert self.s is not None
         self.vars: list[Any] = []
+        # Deterministic measures of the work done (``work``): nonzeros set, nonzeros in the
+        # model at each solve, ops of the timeline runs, pivots times nonzeros.
+        self.nonzeros = self.solved = self.run_ops = self.pivots = 0
         S = t.config.stages
         kinds = Counter(t.layer_kinds)
         self.y = [
@@ -130,13 +242,19 @@ class _Lp:
         for vs in self.z.values():
             self._row(dict.fromkeys(vs, 1.0), 1, 1)
         self.prim = self._prims()
+        # Each layer kind's option the chains take: its first, or the one choice.
+        self.pick = {k: 0 for k in kinds}
+        # Per recompute choice every layer kind has, a switch held at 1 while it is the one
+        # choice (0 otherwise): the layers' rebuild rows are scaled by it (``choose``).
+        self.switch = {name: self._var(0.0) for name in layer_choices(t)}
         self._compact()
-        self.task_cache: dict[Any, list[tuple[int, np.ndarray]]] = {}
-        self._memory(memory_cap(cluster, job))
-        self.nonzeros = 0  # a deterministic measure of the work done
+        self.lengths: dict[Any, int] = {}  # task key -> its length's variable
+        self._memory(cap)
         self.step = self._var(math.inf)
         self.s.Objective().SetCoefficient(self.vars[self.step], 1.0)
         self.s.Objective().SetMinimization()
+        if t.config.pp > 1 and order_size(t.config) <= DAG_OPS:
+            self._starts()
 
     # -- building blocks -----------------------------------------------------------------
     def _var(self, upper: float) -> int:
@@ -154,6 +272,7 @@ class _Lp:
         for i, c in lin.items():
             if i >= 0 and c:
                 row.SetCoefficient(self.vars[i], c)
+                self.nonzeros += 1
 
     def _sum(self, s: int, value: Any, *, fixed: bool = True) -> Lin:
         """Stage s's blocks' value(option) times their (fractional) counts."""
@@ -181,15 +300,98 @@ class _Lp:
                 out[(key, s)] = lin
         return out
 
+    def choose(self, choice: str | None) -> None:
+        """Every layer at recompute ``choice`` (None: any mix), by the variables' bounds."""
+        kinds = dict.fromkeys(self.t.layer_kinds)
+        for k in kinds:
+            names = [o.name for o in self.t.kinds[k].options]
+            self.pick[k] = 0 if choice is None else names.index(choice)
+            for s in range(self.t.config.stages):
+                for i, v in enumerate(self.y[s][k]):
+                    allowed = choice is None or i == self.pick[k]
+                    self.vars[v].SetUb(self.s.infinity() if allowed else 0.0)
+        for name, v in self.switch.items():
+            on = float(name == choice)
+            self.vars[v].SetBounds(on, on)
+
     def _memory(self, cap: float) -> None:
         """Each rank's memory at every level its op order passes through, within the cap
-        (rows in GiB). Relaxed: the recompute's rebuilt tensors and ZeRO-3's gathered copy
-        are left out."""
+        (rows in GiB): what it holds, the level, and what the chunk whose backward runs
+        there rebuilds above it (``_rebuild``). Relaxed: a layer's rebuild counts only under
+        one recompute choice and on a chunk sure to hold a layer; of ZeRO-3's gathered copy
+        only the largest block the rank surely holds, twice (the CP-SAT model's floor of it)."""
         d = _RankLin(self)
+        t = self.t
         for r, order in enumerate(self.orders):
-            static = ranks.held(d, self.t, r, order)
-            for level, _ in ranks.levels(d, order):
-                self._row(_scale(_plus(static, level), 1 / GiB), -math.inf, cap / GiB)
+            static = ranks.held(d, t, r, order)
+            if t.config.zero >= 3:
+                static = _plus(static, {-1: 2 * self._surely_held(order.chunks)})
+            rebuild = {c: self._rebuild(c) for c in order.chunks}
+            for level, rb in ranks.levels(d, order):
+                row = _plus(static, level)
+                above = rebuild[rb] if rb is not None else None
+                if above is not None:
+                    row = _plus(row, {above: 1.0})
+                self._row(_scale(row, 1 / GiB), -math.inf, cap / GiB)
+
+    def _sure(self, s: int) -> bool:
+        """Whether stage s holds a layer in every layout (every stage but the first and
+        last holds one; a lone stage holds them all)."""
+        S = self.t.config.stages
+        return S == 1 or 0 < s < S - 1
+
+    def _surely_held(self, chunks: list[int]) -> float:
+        """The largest gathered weights (ZeRO-3's working copy) of a block the rank holds in
+        every layout: its fixed blocks, and a layer kind on a chunk sure to hold a layer
+        when the model has one kind of layer."""
+        t = self.t
+        sizes = [t.kinds[n].shard_weight for c in chunks for n in _fixed(t, c)]
+        kinds = set(t.layer_kinds)
+        if len(kinds) == 1 and any(self._sure(c) for c in chunks):
+            sizes.append(t.kinds[next(iter(kinds))].shard_weight)
+        return max(sizes, default=0.0)
+
+    def _saved_by(self, names: list[str]) -> Lin:
+        """Saved bytes of fixed blocks, by their (fractional) options."""
+        out: Lin = {}
+        for n in names:
+            for v, o in zip(self.z[n], self.t.kinds[n].options, strict=True):
+                if o.saved:
+                    out[v] = out.get(v, 0.0) + o.saved
+        return out
+
+    def _rebuild(self, c: int) -> int | None:
+        """A variable at least what chunk c's backward rebuilds above its level (the CP-SAT
+        model's terms, ``StageModel._memory``): each fixed block's rebuilt bytes less those
+        the fixed blocks after it saved; under one recompute choice, on a chunk sure to hold
+        a layer, that choice's less what the chunk's closing fixed blocks saved. None when
+        there is nothing to rebuild."""
+        t = self.t
+        fixed = _fixed(t, c)
+        tail = [n for n in fixed if n in t.last_fixed]
+        rows: list[Lin] = []
+        if self._sure(c):
+            for name, switch in self.switch.items():
+                layer = max(
+                    next(o.rebuilt for o in t.kinds[k].options if o.name == name) for k in self.y[c]
+                )
+                if layer:
+                    rows.append(_plus({switch: layer}, _scale(self._saved_by(tail), -1.0)))
+        for n in fixed:
+            later = tail[tail.index(n) + 1 :] if n in tail else tail
+            rebuilt = {
+                v: o.rebuilt
+                for v, o in zip(self.z[n], t.kinds[n].options, strict=True)
+                if o.rebuilt
+            }
+            if rebuilt:
+                rows.append(_plus(rebuilt, _scale(self._saved_by(later), -1.0)))
+        if not rows:
+            return None
+        v = self._var(math.inf)
+        for lin in rows:
+            self._row(_plus({v: 1.0}, _scale(lin, -1.0)), 0.0, math.inf)
+        return v
 
     def _optimizer(self, r: int) -> Lin:
         return ranks.optimizer(_RankLin(self), self.t, r, self.orders[r])
@@ -216,60 +418,92 @@ class _Lp:
             self.stage_vars[stage] = cols
             self.stage_rows[stage] = ({p[0]: r for r, p in enumerate(names)}, matrix, const)
 
-    def _task_weights(self, key: Any) -> list[tuple[int, np.ndarray]]:
-        """A task's first term (its compute and what runs in series with it:
-        ``costs.overlap.task_terms``) as a weight on each stage's quantities."""
-        if key not in self.task_cache:
-            weights: dict[int, np.ndarray] = {}
-            for p, k in task_terms(key, self.overlap)[0].coeffs:
-                index, matrix, _ = self.stage_rows[p[1]]
-                weights.setdefault(p[1], np.zeros(matrix.shape[0]))[index[p[0]]] += k
-            self.task_cache[key] = list(weights.items())
-        return self.task_cache[key]
+    def _weighted(self, coeffs: Any) -> Lin:
+        """``sum(c * prim)`` over ``(prim, c)`` pairs, over the stages' variables."""
+        weights: dict[int, np.ndarray] = {}
+        for p, c in coeffs:
+            index, matrix, _ = self.stage_rows[p[1]]
+            weights.setdefault(p[1], np.zeros(matrix.shape[0]))[index[p[0]]] += c
+        lin: Lin = {}
+        for stage, w in weights.items():
+            _, matrix, const = self.stage_rows[stage]
+            row = w @ matrix
+            for i, x in zip(self.stage_vars[stage], row.tolist(), strict=True):
+                if x:
+                    lin[i] = lin.get(i, 0.0) + x
+            lin[-1] = lin.get(-1, 0.0) + float(w @ const)
+        return lin
+
+    def _length(self, key: Any) -> int:
+        """A variable at least each of the task's terms (``costs.overlap.task_terms``): its
+        length, as the timeline takes it, the largest of them."""
+        if key not in self.lengths:
+            v = self.lengths[key] = self._var(math.inf)
+            for term in task_terms(key, self.overlap):
+                self._row(_plus({v: 1.0}, _scale(self._weighted(term.coeffs), -1.0)), 0, math.inf)
+        return self.lengths[key]
+
+    def _starts(self) -> None:
+        """The program's longest path over the counts: a start per task, at least each
+        predecessor's start plus its length plus the send it waits for (where sends are
+        asynchronous), and the step at least each rank's last end plus its optimizer step
+        (``timeline.run_values``, row for row)."""
+        config = self.t.config
+        prog = program(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
+        start = [self._var(math.inf) for _ in prog.key]
+        for g in prog.topo:
+            for p, send in zip(prog.preds[g], prog.sends[g], strict=True):
+                lin = {start[g]: 1.0, start[p]: -1.0, self._length(prog.key[p]): -1.0}
+                if send is not None and self.overlap.async_sends:
+                    _add_into(lin, self._weighted([(send, 1.0)]), -1.0)
+                self._row(lin, 0.0, math.inf)
+        for r, tasks in enumerate(prog.by_rank):
+            last = tasks[-1]
+            lin = {self.step: 1.0, start[last]: -1.0, self._length(prog.key[last]): -1.0}
+            _add_into(lin, self._optimizer(r), -1.0)
+            self._row(lin, 0.0, math.inf)
 
     def add_forms(self, forms: list[Form]) -> None:
-        """step >= each chain, every task in it at least its first term."""
+        """step >= each chain, every task in it at least the largest of its terms."""
         for form in forms:
-            weights: dict[int, np.ndarray] = {}
             lin: Lin = {self.step: 1.0}
+            prims = []
             for key, c in form.items():
                 if key[0] == "task":
-                    for stage, w in self._task_weights(key[1]):
-                        if stage in weights:
-                            weights[stage] += c * w
-                        else:
-                            weights[stage] = c * w
+                    v = self._length(key[1])
+                    lin[v] = lin.get(v, 0.0) - c
                 elif key[0] == "prim":
-                    index, matrix, _ = self.stage_rows[key[1][1]]
-                    w = weights.setdefault(key[1][1], np.zeros(matrix.shape[0]))
-                    w[index[key[1][0]]] += c
+                    prims.append((key[1], c))
                 else:
                     _add_into(lin, self._optimizer(key[1]), -c)
-            for stage, w in weights.items():
-                _, matrix, const = self.stage_rows[stage]
-                row = w @ matrix
-                for i, x in zip(self.stage_vars[stage], row.tolist(), strict=True):
-                    lin[i] = lin.get(i, 0.0) - x
-                lin[-1] = lin.get(-1, 0.0) - float(w @ const)
+            _add_into(lin, self._weighted(prims), -1.0)
             self._row(lin, 0.0, math.inf)
-            self.nonzeros += len(lin)
 
-    def chains(self, counts: list[int]) -> list[Form]:
-        """The timeline's chains for ``counts`` layers per stage, every block at its first
-        option: the relaxation's own quantities at that point (no layout is built)."""
+    def chains(self, counts: list[int] | None) -> list[Form]:
+        """The timeline's chains for ``counts`` layers per stage, every layer at its first
+        option (the one choice, under one), every fixed block at its first; or, for None,
+        at the relaxation's own optimum (fractional counts and options): the relaxation's
+        quantities at that point (no layout is built)."""
         point: dict[int, float] = {-1: 1.0}
-        start = 0
-        for s, n in enumerate(counts):
-            for k in self.t.layer_kinds[start : start + n]:
-                first = self.y[s][k][0]
-                point[first] = point.get(first, 0.0) + 1
-            start += n
-        for vs in self.z.values():
-            point[vs[0]] = 1.0
+        if counts is None:
+            for i, var in enumerate(self.vars):
+                value = var.solution_value()
+                if value:
+                    point[i] = value
+        else:
+            start = 0
+            for s, n in enumerate(counts):
+                for k in self.t.layer_kinds[start : start + n]:
+                    first = self.y[s][k][self.pick[k]]
+                    point[first] = point.get(first, 0.0) + 1
+                start += n
+            for vs in self.z.values():
+                point[vs[0]] = 1.0
 
         def at(lin: Lin) -> float:
             return sum(c * point.get(i, 0.0) for i, c in lin.items())
 
+        self.run_ops += order_size(self.t.config)
         run = run_values(
             self.t.config,
             {p: at(lin) for p, lin in self.prim.items()},
@@ -280,8 +514,14 @@ class _Lp:
         )
         return run.forms
 
+    def work(self) -> float:
+        """The charge for what was done so far (``budget.relaxation_seconds``)."""
+        return relaxation_seconds(self.nonzeros, self.solved, self.run_ops, self.pivots)
+
     def solve(self) -> float | None:
+        self.solved += self.nonzeros
         status = self.s.Solve()
+        self.pivots += self.s.iterations() * self.nonzeros  # the last solve's pivots
         if status == pywraplp.Solver.INFEASIBLE:
             return None
         if status != pywraplp.Solver.OPTIMAL:

@@ -243,7 +243,7 @@ def plan(
     first = first_fit(model, cluster, job, space, configs, budget)
     if first is not None:
         keep(*first)
-    for item in hinted_layouts(model, cluster, job, configs, known, budget):
+    for item in hinted_layouts(model, cluster, job, configs, known, budget, space):
         keep(*item)
     # The sets of degrees (and micro-batch) go to the lanes by what their blocks' costs
     # depend on (``shard_key``), so one lane builds those once; each lane searches its own
@@ -420,7 +420,7 @@ def hinted_steps(
     budget = Budget(math.inf, math.inf)  # no budget: every hint is costed
     out: list[tuple[float, Layout] | None] = []
     for hint in hints:
-        found = hinted_layouts(model, cluster, job, configs, [hint], budget)
+        found = hinted_layouts(model, cluster, job, configs, [hint], budget, target)
         out.append((found[0][0], found[0][2]) if found else None)
     return out
 
