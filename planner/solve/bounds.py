@@ -60,6 +60,48 @@ def lower_bound(
     ``one_choice``: only layouts whose layers all take one recompute choice count (a target
     launcher's rule): the least, over the choices whose layers' saved bytes fit the budget
     the memory leaves them (``_forced_recompute``), of the bound with every layer at it."""
+    if one_choice:
+        each = choice_bounds(model, cluster, job, config)
+        return min(each.values()) if each else None
+    t = _fitting_tables(model, cluster, job, config)
+    if t is None:
+        return None
+    count = Counter(t.layer_kinds + t.first_fixed + t.last_fixed)
+    opts = {b: t.kinds[b].options for b in count}
+    forced = _forced_recompute(model, t, cluster, job, config)
+    if forced is None:
+        return None  # even recomputing everything leaves too many activations
+    return _mean_rank(t, config, count, opts, forced, _Shared.of(t, config))
+
+
+def choice_bounds(
+    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config
+) -> dict[str, float]:
+    """``lower_bound`` with every layer at each recompute choice every layer kind has, for
+    the choices whose layers' saved bytes fit the budget the memory leaves them
+    (``_forced_recompute``); empty when none does."""
+    t = _fitting_tables(model, cluster, job, config)
+    if t is None:
+        return {}
+    count = Counter(t.layer_kinds + t.first_fixed + t.last_fixed)
+    opts = {b: t.kinds[b].options for b in count}
+    shared = _Shared.of(t, config)
+    budget = _activation_budget(model, t, cluster, job, config)
+    kinds = Counter(t.layer_kinds)
+    out: dict[str, float] = {}
+    for choice in layer_choices(t):
+        # Every layer at the choice: its own recompute is in its rows; it fits or it does not.
+        at = {k: [o for o in opts[k] if o.name == choice] for k in kinds}
+        if sum(n * at[k][0].saved for k, n in kinds.items()) <= budget:
+            out[choice] = _mean_rank(t, config, count, opts | at, 0.0, shared)
+    return out
+
+
+def _fitting_tables(
+    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config
+) -> Tables | None:
+    """The configuration's tables, or None where its state alone cannot fit (HBM, or host
+    RAM where it keeps state there)."""
     t = bound_tables(model, cluster, job, config)
     if t is None or any(not k.options for k in t.kinds.values()):
         return None
@@ -69,25 +111,7 @@ def lower_bound(
     on_host = config.ema == "host" or config.optimizer_offload > 0
     if on_host and not host_fits(layers, t.fixed_state, cluster, config):
         return None
-    count = Counter(t.layer_kinds + t.first_fixed + t.last_fixed)
-    opts = {b: t.kinds[b].options for b in count}
-    if not one_choice:
-        forced = _forced_recompute(model, t, cluster, job, config)
-        if forced is None:
-            return None  # even recomputing everything leaves too many activations
-        return _mean_rank(t, config, count, opts, forced, _Shared.of(t, config))
-    shared = _Shared.of(t, config)
-    budget = _activation_budget(model, t, cluster, job, config)
-    kinds = Counter(t.layer_kinds)
-    out: float | None = None
-    for choice in layer_choices(t):
-        # Every layer at the choice: its own recompute is in its rows; it fits or it does not.
-        at = {k: [o for o in opts[k] if o.name == choice] for k in kinds}
-        if sum(n * at[k][0].saved for k, n in kinds.items()) > budget:
-            continue
-        bound = _mean_rank(t, config, count, opts | at, 0.0, shared)
-        out = bound if out is None else min(out, bound)
-    return out
+    return t
 
 
 def layer_choices(t: Tables) -> list[str]:

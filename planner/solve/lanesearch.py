@@ -367,14 +367,11 @@ class _Lane:
                 and _relaxation_may_prune(item, lifted, self.best)
             ):
                 self.relaxed.add((item, self.one_choice))
-                relaxed = lp_bound(
-                    self.model, self.cluster, self.job, item, one_choice=self.one_choice
-                )
-                self.charge(
-                    relaxation_work(
-                        self.model, self.cluster, self.job, item, one_choice=self.one_choice
-                    )
-                )
+                # The best step is the bound's cutoff: past it the relaxation stops.
+                args = (self.model, self.cluster, self.job, item)
+                one, cut = self.one_choice, self.best
+                relaxed = lp_bound(*args, one_choice=one, cutoff=cut)
+                self.charge(relaxation_work(*args, one_choice=one, cutoff=cut))
                 lifted = max(lifted, relaxed or 0.0)
             heapq.heappush(self.heap, (lifted, (key[0], 2), 2, item))
         else:

@@ -14,13 +14,14 @@ a chain from it, so the optimum is at most the step time of every layout of the
 configuration.
 
 The chains: those of the schedule's shape (``timeline.shape_forms``) and of the even
-partition; then, round by round, those the timeline takes at the relaxation's own optimum
-(its fractional counts and options: each task's length the largest of its terms there, each
-rank's end its longest path) and at its rounding, until a round finds none new or
-``ROUNDS`` are done. A chain is a valid row whatever the point it came from, so the bound
-holds after any round; the rounds only raise it, towards the longest path over all layouts
-of fractional layers (the pipeline's waits between uneven chunks included), where the
-shape's chains alone see only a few layouts' paths.
+partition; then, round by round, those the timeline takes at a query point near the
+relaxation's own optimum (fractional counts and options: each task's length the largest of
+its terms there, each rank's end its longest path; ``_rounds``) and at its rounding, until a
+round finds none new, the bound meets the least step of a point queried, or the rounds
+(``ROUNDS``, fewer on long steps) are done. A chain is a valid row whatever the point it
+came from, so the bound holds after any round; the rounds only raise it, towards the longest
+path over all layouts of fractional layers (the pipeline's waits between uneven chunks
+included), where the shape's chains alone see only a few layouts' paths.
 
 Memory rows hold, beside the level, what the chunk whose backward runs there rebuilds above
 it (the CP-SAT model's terms): each fixed block's rebuilt bytes, less what the fixed blocks
@@ -53,7 +54,7 @@ from planner.costs.overlap import task_terms
 from planner.costs.quantities import Bytes, Prim, Row, stage_quantities
 from planner.memo import Memo
 from planner.solve import ranks
-from planner.solve.bounds import bound_tables, layer_choices
+from planner.solve.bounds import bound_tables, choice_bounds, layer_choices
 from planner.solve.budget import order_size, relaxation_seconds
 from planner.solve.tables import Config, Kind, Option, Tables, even_counts, rank_orders
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
@@ -77,11 +78,14 @@ def lp_bound(
     config: Config,
     *,
     one_choice: bool = False,
+    cutoff: float = math.inf,
 ) -> float | None:
     """A step time no layout of ``config`` beats (``math.inf`` when none fits memory), or
     None when the configuration has no tables. ``one_choice``: only layouts whose layers all
-    take one recompute choice count (a target launcher's rule)."""
-    out = _relaxation(model, cluster, job, config, one_choice)
+    take one recompute choice count (a target launcher's rule). ``cutoff``: a step the
+    caller needs the bound to reach (its best layout's): the work stops as soon as it is
+    reached, or cannot be (a choice ends below it), so the bound may be less tight past it."""
+    out = _relaxation(model, cluster, job, config, one_choice, cutoff)
     return None if out is None else out[0]
 
 
@@ -92,10 +96,11 @@ def relaxation_work(
     config: Config,
     *,
     one_choice: bool = False,
+    cutoff: float = math.inf,
 ) -> float:
     """The deterministic charge of ``lp_bound`` (of ``lp_counts`` without ``one_choice``),
     from the work it did (``budget.relaxation_seconds``)."""
-    out = _relaxation(model, cluster, job, config, one_choice)
+    out = _relaxation(model, cluster, job, config, one_choice, cutoff)
     return relaxation_seconds(0, 0, 0, 0) if out is None else out[2]
 
 
@@ -103,7 +108,7 @@ def lp_counts(
     model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config
 ) -> list[int] | None:
     """Layers per stage of the relaxation's optimum, rounded: a starting point."""
-    out = _relaxation(model, cluster, job, config, False)
+    out = _relaxation(model, cluster, job, config, False, math.inf)
     return None if out is None else out[1]
 
 
@@ -120,7 +125,7 @@ def choice_bound(
         return math.inf
     lp, seen = _built(t, config, memory_cap(cluster, job))
     lp.choose(choice)
-    return _rounds(lp, model, config, seen)[0]
+    return _rounds(lp, model, config, seen, math.inf)[0]
 
 
 _RELAXED: Memo[tuple[float, list[int] | None, float] | None] = Memo(
@@ -129,41 +134,53 @@ _RELAXED: Memo[tuple[float, list[int] | None, float] | None] = Memo(
 
 
 def _relaxation(
-    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config, one_choice: bool
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    job: TrainingJob,
+    config: Config,
+    one_choice: bool,
+    cutoff: float,
 ) -> tuple[float, list[int] | None, float] | None:
-    key = (model, cluster.model_dump_json(), job, config.key(), one_choice)
-    return _RELAXED.get(key, lambda: _least(model, cluster, job, config, one_choice))
+    key = (model, cluster.model_dump_json(), job, config.key(), one_choice, cutoff)
+    return _RELAXED.get(key, lambda: _least(model, cluster, job, config, one_choice, cutoff))
 
 
 def _least(
-    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config, one_choice: bool
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    job: TrainingJob,
+    config: Config,
+    one_choice: bool,
+    cutoff: float,
 ) -> tuple[float, list[int] | None, float] | None:
     """The relaxation, or under one recompute choice the least of each choice's: one model,
     each choice set by its variables' bounds, every chain found under one kept for the
-    next (a chain holds whatever the choice)."""
+    next (a chain holds whatever the choice). Past ``cutoff`` (see ``lp_bound``) a choice's
+    rounds stop once its bound reaches it; a choice whose rounds end below it keeps the
+    configuration open, and the choices not yet taken count at their first bounds."""
     t = bound_tables(model, cluster, job, config)
     if t is None or any(not k.options for k in t.kinds.values()):
         return None
     lp, seen = _built(t, config, memory_cap(cluster, job))
     if not one_choice:
-        return (*_rounds(lp, model, config, seen), lp.work())
-    # Each choice's first relaxation (the shape's chains alone) orders them; rounds only
-    # raise a choice's bound, so one whose first is already no less than the least found
-    # cannot lower it.
-    first: list[tuple[float, str]] = []
-    for choice in layer_choices(t):
-        lp.choose(choice)
-        value = lp.solve()
-        if value is not None:
-            first.append((value if not math.isnan(value) else 0.0, choice))
+        return (*_rounds(lp, model, config, seen, cutoff), lp.work())
+    # Each choice's cheap bound (``bounds.choice_bounds``; None: it cannot fit) orders them;
+    # rounds only raise a choice's bound, so one whose cheap bound is already no less than
+    # the least found, or than the cutoff once one ends below it, cannot lower the least.
+    cheap = choice_bounds(model, cluster, job, config)
+    order = sorted((v, c) for c, v in cheap.items())
     best: tuple[float, list[int] | None] = (math.inf, None)
-    for value, choice in sorted(first):
+    for i, (value, choice) in enumerate(order):
         if value >= best[0]:
             break
         lp.choose(choice)
-        out = _rounds(lp, model, config, seen)
+        out = _rounds(lp, model, config, seen, cutoff)
         if out[0] < best[0]:
             best = out
+        if best[0] < cutoff:  # open whatever the rest prove: they count at their cheap bound
+            rest = [v for v, _ in order[i + 1 :]]
+            best = (min([best[0], *rest]), best[1])
+            break
     return (*best, lp.work())
 
 
@@ -180,14 +197,25 @@ def _built(t: Tables, config: Config, cap: float) -> tuple[_Lp, list[Form]]:
 
 
 def _rounds(
-    lp: _Lp, model: ModelSpec, config: Config, seen: list[Form]
+    lp: _Lp, model: ModelSpec, config: Config, seen: list[Form], cutoff: float
 ) -> tuple[float, list[int] | None]:
     """The relaxation's bound under its current choice (``math.inf`` when nothing fits), with
-    the chains of the even partition, then those of each round's own point and rounding
+    the chains of the even partition, then those of each round's query point and rounding
     (see the module docstring), and its rounded counts; ``seen`` grows with the chains
-    added."""
+    added.
+
+    The query point is halfway between the relaxation's optimum and the point whose step
+    was the least so far (an in-out stabilisation: cuts at the optimum alone swing from one
+    extreme layout to another); where it gives no new chain, the optimum itself is queried.
+    The least step of any point queried bounds the relaxation's limit from above, so the
+    rounds stop once the bound reaches it, or ``cutoff``."""
     counts: list[int] | None = even_counts(model, config)
-    found = lp.chains(counts) if counts else []
+    center: dict[int, float] | None = None
+    least = math.inf
+    found: list[Form] = []
+    if counts:
+        center = lp.point(counts)
+        found, least = lp.chains_at(center)
     bound, best = 0.0, None
     rounds = max(2, min(ROUNDS, ROUND_OPS // order_size(config)))
     for _ in range(rounds):
@@ -201,12 +229,29 @@ def _rounds(
             break
         bound, rounded = max(bound, value), lp.counts()
         best = rounded if rounded is not None else best
-        # The chains the timeline takes at the relaxation's own point, and at its rounding.
-        found = lp.chains(None) + (lp.chains(rounded) if rounded not in (None, counts) else [])
+        if bound >= min(least * (1 - 1e-6), cutoff):
+            break  # the relaxation's limit, or the step the caller needs, is reached
+        optimum = lp.point(None)
+        queries = [_between(optimum, center), optimum] if center is not None else [optimum]
+        if rounded not in (None, counts):
+            queries.append(lp.point(rounded))
         counts = rounded
-        if all(f in seen for f in found):
+        found = []
+        for query in queries:
+            forms, step = lp.chains_at(query)
+            if step < least:
+                center, least = query, step
+            found += [f for f in forms if f not in seen and f not in found]
+            if found and query is not queries[-1] and query is not optimum:
+                break  # the stabilised point cut: the optimum is not needed this round
+        if not found:
             break
     return bound, best
+
+
+def _between(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
+    """The point halfway between two points."""
+    return {i: 0.5 * a.get(i, 0.0) + 0.5 * b.get(i, 0.0) for i in a.keys() | b.keys()}
 
 
 def _fixed(t: Tables, s: int) -> list[str]:
@@ -479,26 +524,34 @@ class _Lp:
             _add_into(lin, self._weighted(prims), -1.0)
             self._row(lin, 0.0, math.inf)
 
-    def chains(self, counts: list[int] | None) -> list[Form]:
-        """The timeline's chains for ``counts`` layers per stage, every layer at its first
-        option (the one choice, under one), every fixed block at its first; or, for None,
-        at the relaxation's own optimum (fractional counts and options): the relaxation's
-        quantities at that point (no layout is built)."""
+    def point(self, counts: list[int] | None) -> dict[int, float]:
+        """A point of the relaxation's space: ``counts`` layers per stage, every layer at
+        its first option (the one choice, under one), every fixed block at its first; or,
+        for None, the relaxation's own optimum (fractional counts and options)."""
         point: dict[int, float] = {-1: 1.0}
         if counts is None:
             for i, var in enumerate(self.vars):
                 value = var.solution_value()
                 if value:
                     point[i] = value
-        else:
-            start = 0
-            for s, n in enumerate(counts):
-                for k in self.t.layer_kinds[start : start + n]:
-                    first = self.y[s][k][self.pick[k]]
-                    point[first] = point.get(first, 0.0) + 1
-                start += n
-            for vs in self.z.values():
-                point[vs[0]] = 1.0
+            return point
+        start = 0
+        for s, n in enumerate(counts):
+            for k in self.t.layer_kinds[start : start + n]:
+                first = self.y[s][k][self.pick[k]]
+                point[first] = point.get(first, 0.0) + 1
+            start += n
+        for vs in self.z.values():
+            point[vs[0]] = 1.0
+        return point
+
+    def chains(self, counts: list[int] | None) -> list[Form]:
+        """The timeline's chains at ``point(counts)``."""
+        return self.chains_at(self.point(counts))[0]
+
+    def chains_at(self, point: dict[int, float]) -> tuple[list[Form], float]:
+        """The timeline's chains, and its step, with the relaxation's quantities at
+        ``point`` (no layout is built)."""
 
         def at(lin: Lin) -> float:
             return sum(c * point.get(i, 0.0) for i, c in lin.items())
@@ -512,7 +565,7 @@ class _Lp:
             overlap=self.overlap,
             detail=False,
         )
-        return run.forms
+        return run.forms, run.step_s
 
     def work(self) -> float:
         """The charge for what was done so far (``budget.relaxation_seconds``)."""
