@@ -155,32 +155,26 @@ def _least(
 ) -> tuple[float, list[int] | None, float] | None:
     """The relaxation, or under one recompute choice the least of each choice's: one model,
     each choice set by its variables' bounds, every chain found under one kept for the
-    next (a chain holds whatever the choice). Past ``cutoff`` (see ``lp_bound``) a choice's
-    rounds stop once its bound reaches it; a choice whose rounds end below it keeps the
-    configuration open, and the choices not yet taken count at their first bounds."""
+    next (a chain holds whatever the choice). A choice's rounds stop once its bound reaches
+    ``cutoff`` (see ``lp_bound``)."""
     t = bound_tables(model, cluster, job, config)
     if t is None or any(not k.options for k in t.kinds.values()):
         return None
     lp, seen = _built(t, config, memory_cap(cluster, job))
     if not one_choice:
         return (*_rounds(lp, model, config, seen, cutoff), lp.work())
-    # Each choice's cheap bound (``bounds.choice_bounds``; None: it cannot fit) orders them;
-    # rounds only raise a choice's bound, so one whose cheap bound is already no less than
-    # the least found, or than the cutoff once one ends below it, cannot lower the least.
+    # Each choice's cheap bound (``bounds.choice_bounds``; absent: it cannot fit) orders
+    # them; rounds only raise a choice's bound, so one whose cheap bound is already no less
+    # than the least found cannot lower it.
     cheap = choice_bounds(model, cluster, job, config)
-    order = sorted((v, c) for c, v in cheap.items())
     best: tuple[float, list[int] | None] = (math.inf, None)
-    for i, (value, choice) in enumerate(order):
+    for value, choice in sorted((v, c) for c, v in cheap.items()):
         if value >= best[0]:
             break
         lp.choose(choice)
         out = _rounds(lp, model, config, seen, cutoff)
         if out[0] < best[0]:
             best = out
-        if best[0] < cutoff:  # open whatever the rest prove: they count at their cheap bound
-            rest = [v for v, _ in order[i + 1 :]]
-            best = (min([best[0], *rest]), best[1])
-            break
     return (*best, lp.work())
 
 
