@@ -337,9 +337,10 @@ class _Lane:
         return False
 
     def _first(self) -> bool:
-        """Tier 1: a configuration's own cheap bound; tier 2: its relaxation; then its
-        CP-SAT model, briefly. An entry moves to the next tier when it comes to the front
-        of the line, with the larger of the bounds. False when the front is not below the
+        """Tier 1: a configuration's own cheap bound; tier 2: its relaxation, cheap (the
+        shape's chains); tier 3: its relaxation, deep (``lpbound.lp_bound``); then its
+        CP-SAT model, briefly. An entry moves to the next tier when it comes to the front of
+        the line, with the larger of the bounds. False when the front is not below the
         best."""
         if not self.heap or not self._below(self.heap[0][0]):
             return False
@@ -350,7 +351,7 @@ class _Lane:
         elif tier == 1:
             # The fill and drain over the schedule's chains and the busiest rank under its
             # own memory first (cheap once its shape's chains and peaks are known), then, if
-            # the bound may still be lifted to the best, the relaxation.
+            # the bound may still be lifted to the best, the cheap relaxation.
             lifted = bound
             if item.pp > 1 and order_size(item) <= RELAXATION_OPS:
                 shape = shape_key(item)
@@ -361,24 +362,33 @@ class _Lane:
                 if tables is not None:
                     drain = fill_and_drain(tables, item)
                     lifted = max(lifted, drain, crowded_rank(tables, item, self.cap))
-            if (
+            relax = (
                 self._below(lifted)
                 and order_size(item) <= RELAXATION_OPS
                 and _relaxation_may_prune(item, lifted, self.best)
-            ):
-                self.relaxed.add((item, self.one_choice))
-                # The best step is the bound's cutoff: past it the relaxation stops.
-                args = (self.model, self.cluster, self.job, item)
-                one, cut = self.one_choice, self.best
-                relaxed = lp_bound(*args, one_choice=one, cutoff=cut)
-                self.charge(relaxation_work(*args, one_choice=one, cutoff=cut))
-                lifted = max(lifted, relaxed or 0.0)
-            heapq.heappush(self.heap, (lifted, (key[0], 2), 2, item))
+            )
+            if relax:
+                lifted = max(lifted, self._relaxed(item, deep=False))
+            heapq.heappush(self.heap, (lifted, (key[0], 2), 2 if relax else 3, item))
+        elif tier == 2:
+            # Still the lowest: the deep relaxation (the rounds of chains at its own points).
+            lifted = max(bound, self._relaxed(item, deep=True))
+            heapq.heappush(self.heap, (lifted, (key[0], 3), 3, item))
         else:
             again = self._attempt(bound, item, min(self.settings.first_limit, self.share))
             if again is not None:
                 self.pending.append(again)
         return True
+
+    def _relaxed(self, config: Config, *, deep: bool) -> float:
+        """The relaxation's bound (0 where it has none), its work charged; the best step is
+        its cutoff (past it the relaxation stops)."""
+        self.relaxed.add((config, self.one_choice))
+        args = (self.model, self.cluster, self.job, config)
+        one, cut = self.one_choice, self.best
+        bound = lp_bound(*args, one_choice=one, cutoff=cut, deep=deep)
+        self.charge(relaxation_work(*args, one_choice=one, cutoff=cut, deep=deep))
+        return bound or 0.0
 
     def _second(self) -> bool:
         """Reopen the unclosed ones in order of bound, with the lane's share of the budget

@@ -79,13 +79,17 @@ def lp_bound(
     *,
     one_choice: bool = False,
     cutoff: float = math.inf,
+    deep: bool = True,
 ) -> float | None:
     """A step time no layout of ``config`` beats (``math.inf`` when none fits memory), or
     None when the configuration has no tables. ``one_choice``: only layouts whose layers all
     take one recompute choice count (a target launcher's rule). ``cutoff``: a step the
-    caller needs the bound to reach (its best layout's): the work stops as soon as it is
-    reached, or cannot be (a choice ends below it), so the bound may be less tight past it."""
-    out = _relaxation(model, cluster, job, config, one_choice, cutoff)
+    caller needs the bound to reach (its best layout's): a choice's rounds stop once its
+    bound reaches it, so a bound at or past the cutoff may be less tight than it could be.
+    ``deep``: the rounds of chains at the relaxation's own points and, on short steps, every
+    task's start; without, the chains of the shape and of the even partition alone (one
+    solve per choice: a cheaper, weaker bound)."""
+    out = _relaxation(model, cluster, job, config, one_choice, cutoff, deep)
     return None if out is None else out[0]
 
 
@@ -97,10 +101,11 @@ def relaxation_work(
     *,
     one_choice: bool = False,
     cutoff: float = math.inf,
+    deep: bool = True,
 ) -> float:
     """The deterministic charge of ``lp_bound`` (of ``lp_counts`` without ``one_choice``),
     from the work it did (``budget.relaxation_seconds``)."""
-    out = _relaxation(model, cluster, job, config, one_choice, cutoff)
+    out = _relaxation(model, cluster, job, config, one_choice, cutoff, deep)
     return relaxation_seconds(0, 0, 0, 0) if out is None else out[2]
 
 
@@ -108,7 +113,7 @@ def lp_counts(
     model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config
 ) -> list[int] | None:
     """Layers per stage of the relaxation's optimum, rounded: a starting point."""
-    out = _relaxation(model, cluster, job, config, False, math.inf)
+    out = _relaxation(model, cluster, job, config, False, math.inf, True)
     return None if out is None else out[1]
 
 
@@ -123,9 +128,9 @@ def choice_bound(
         return None
     if choice not in layer_choices(t):
         return math.inf
-    lp, seen = _built(t, config, memory_cap(cluster, job))
+    lp, seen = _built(t, config, memory_cap(cluster, job), True)
     lp.choose(choice)
-    return _rounds(lp, model, config, seen, math.inf)[0]
+    return _rounds(lp, model, config, seen, math.inf, True)[0]
 
 
 _RELAXED: Memo[tuple[float, list[int] | None, float] | None] = Memo(
@@ -140,9 +145,10 @@ def _relaxation(
     config: Config,
     one_choice: bool,
     cutoff: float,
+    deep: bool,
 ) -> tuple[float, list[int] | None, float] | None:
-    key = (model, cluster.model_dump_json(), job, config.key(), one_choice, cutoff)
-    return _RELAXED.get(key, lambda: _least(model, cluster, job, config, one_choice, cutoff))
+    key = (model, cluster.model_dump_json(), job, config.key(), one_choice, cutoff, deep)
+    return _RELAXED.get(key, lambda: _least(model, cluster, job, config, one_choice, cutoff, deep))
 
 
 def _least(
@@ -152,6 +158,7 @@ def _least(
     config: Config,
     one_choice: bool,
     cutoff: float,
+    deep: bool,
 ) -> tuple[float, list[int] | None, float] | None:
     """The relaxation, or under one recompute choice the least of each choice's: one model,
     each choice set by its variables' bounds, every chain found under one kept for the
@@ -160,9 +167,9 @@ def _least(
     t = bound_tables(model, cluster, job, config)
     if t is None or any(not k.options for k in t.kinds.values()):
         return None
-    lp, seen = _built(t, config, memory_cap(cluster, job))
+    lp, seen = _built(t, config, memory_cap(cluster, job), deep)
     if not one_choice:
-        return (*_rounds(lp, model, config, seen, cutoff), lp.work())
+        return (*_rounds(lp, model, config, seen, cutoff, deep), lp.work())
     # Each choice's cheap bound (``bounds.choice_bounds``; absent: it cannot fit) orders
     # them; rounds only raise a choice's bound, so one whose cheap bound is already no less
     # than the least found cannot lower it.
@@ -172,17 +179,17 @@ def _least(
         if value >= best[0]:
             break
         lp.choose(choice)
-        out = _rounds(lp, model, config, seen, cutoff)
+        out = _rounds(lp, model, config, seen, cutoff, deep)
         if out[0] < best[0]:
             best = out
     return (*best, lp.work())
 
 
-def _built(t: Tables, config: Config, cap: float) -> tuple[_Lp, list[Form]]:
+def _built(t: Tables, config: Config, cap: float, deep: bool) -> tuple[_Lp, list[Form]]:
     """The relaxation's model (each rank's allocated bytes within ``cap``) with the chains
-    of the schedule's shape."""
+    of the schedule's shape (and, ``deep``, on a short step every task's start)."""
     orders = rank_orders(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
-    lp = _Lp(t, orders, cap)
+    lp = _Lp(t, orders, cap, starts=deep)
     seen = list(
         shape_forms(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
     )
@@ -191,7 +198,7 @@ def _built(t: Tables, config: Config, cap: float) -> tuple[_Lp, list[Form]]:
 
 
 def _rounds(
-    lp: _Lp, model: ModelSpec, config: Config, seen: list[Form], cutoff: float
+    lp: _Lp, model: ModelSpec, config: Config, seen: list[Form], cutoff: float, deep: bool
 ) -> tuple[float, list[int] | None]:
     """The relaxation's bound under its current choice (``math.inf`` when nothing fits), with
     the chains of the even partition, then those of each round's query point and rounding
@@ -202,7 +209,7 @@ def _rounds(
     was the least so far (an in-out stabilisation: cuts at the optimum alone swing from one
     extreme layout to another); where it gives no new chain, the optimum itself is queried.
     The least step of any point queried bounds the relaxation's limit from above, so the
-    rounds stop once the bound reaches it, or ``cutoff``."""
+    rounds stop once the bound reaches it, or ``cutoff``. Without ``deep``, one solve."""
     counts: list[int] | None = even_counts(model, config)
     center: dict[int, float] | None = None
     least = math.inf
@@ -211,7 +218,7 @@ def _rounds(
         center = lp.point(counts)
         found, least = lp.chains_at(center)
     bound, best = 0.0, None
-    rounds = max(2, min(ROUNDS, ROUND_OPS // order_size(config)))
+    rounds = max(2, min(ROUNDS, ROUND_OPS // order_size(config))) if deep else 1
     for _ in range(rounds):
         new = [f for f in found if f not in seen]
         seen += new
@@ -256,7 +263,7 @@ def _fixed(t: Tables, s: int) -> list[str]:
 class _Lp:
     """The relaxation (see the module docstring), built with sparse rows."""
 
-    def __init__(self, t: Tables, orders: list[Any], cap: float):
+    def __init__(self, t: Tables, orders: list[Any], cap: float, *, starts: bool = True):
         self.t, self.orders = t, orders
         self.overlap = t.overlap
         self.s = pywraplp.Solver.CreateSolver("GLOP")
@@ -292,7 +299,7 @@ class _Lp:
         self.step = self._var(math.inf)
         self.s.Objective().SetCoefficient(self.vars[self.step], 1.0)
         self.s.Objective().SetMinimization()
-        if t.config.pp > 1 and order_size(t.config) <= DAG_OPS:
+        if starts and t.config.pp > 1 and order_size(t.config) <= DAG_OPS:
             self._starts()
 
     # -- building blocks -----------------------------------------------------------------
