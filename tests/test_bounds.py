@@ -217,3 +217,32 @@ def test_the_bound_tables_price_every_choice_the_space_lists() -> None:
     t = bound_tables(model, H100x8, job, config)
     assert t is not None
     assert any(o.saved <= choice.saved and o.time <= choice.time for o in t.kinds["dense"].options)
+
+
+def test_one_choice_bounds_hold_as_the_memory_tightens() -> None:
+    """As HBM shrinks toward what each recompute choice needs, the relaxation with every
+    layer at that choice (the rebuild of its backward counted) stays under the fastest such
+    layout, and calls no fitting choice infeasible."""
+    model = planner.load_model("llama3-8b").model_copy(update={"num_layers": 4})
+    job = planner.TrainingJob(seq_len=2048, global_batch=8, grad_dtype="bf16", framework="torch")
+    checked = 0
+    # One stage: it surely holds every layer, so the choice's rebuild is in its rows; from
+    # 28 GiB a choice fits (full recompute at 28, none from 30).
+    for hbm in (27, 28, 29, 30, 31, 34):
+        cluster = H100x8.model_copy(update={"hbm_bytes": hbm * GiB, "num_gpus": 2})
+        space = planner.SearchSpace(tp=[1], pp=[1], zero=[1], micro_batch=[2], schedules=["1f1b"])
+        for config in enumerate_configs(model, cluster, job, space):
+            for choice in ("none", "full"):
+                pinned = _pinned(config).model_copy(update={"recompute": [choice]})
+                best = best_layout(model, cluster, job, pinned)
+                if best is None:
+                    continue
+                bound = choice_bound(model, cluster, job, config, choice)
+                assert bound is not None and bound <= best[1].step_time_s * (1 + 1e-9), (
+                    hbm,
+                    choice,
+                    bound,
+                    best[1].step_time_s,
+                )
+                checked += 1
+    assert checked >= 4

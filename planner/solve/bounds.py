@@ -35,7 +35,7 @@ from planner.errors import PlannerError
 from planner.frameworks import Overlap
 from planner.memo import Memo
 from planner.schedules import DEFAULT_SCHEDULE
-from planner.solve.tables import Config, Option, Tables, build, prototype
+from planner.solve.tables import Config, Option, Tables, build, layer_choices, prototype
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 
 
@@ -112,15 +112,6 @@ def _fitting_tables(
     if on_host and not host_fits(layers, t.fixed_state, cluster, config):
         return None
     return t
-
-
-def layer_choices(t: Tables) -> list[str]:
-    """The recompute choices every layer kind has: what one choice for every layer may be."""
-    names: list[str] | None = None
-    for k in dict.fromkeys(t.layer_kinds):
-        own = [o.name for o in t.kinds[k].options]
-        names = own if names is None else [n for n in names if n in own]
-    return names or []
 
 
 @dataclass(frozen=True)

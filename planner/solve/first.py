@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
 
 from planner.costs.activations import offloads_activations
 from planner.costs.cap import usable_peak_bytes
@@ -284,10 +283,6 @@ def hinted_layouts(
         if fitting:
             out.append(min(fitting, key=lambda x: x[0]))
     return out
-
-
-def _at(block: Any, choice: str) -> Any:
-    return block.model_copy(update={"recompute": choice})
 
 
 def _one_choice(hint: Layout, rules: Launcher | None) -> list[Layout]:

@@ -189,8 +189,8 @@ class _Lane:
         self.share = 0.0
         self.best = math.inf
         self.found: list[tuple[float, Config, Layout]] = []
-        # (configuration, under one recompute choice) whose relaxation was charged
-        self.relaxed: set[tuple[Config, bool]] = set()
+        # configurations whose warm start's relaxation (over a mix of choices) was charged
+        self.warmed: set[Config] = set()
         self.shapes: set[tuple[str, int, int, int]] = set()  # whose chains were charged
         self.programs: set[tuple[str, int, int, int]] = set()  # whose programs were charged
         self.pending: list[tuple[float, Config]] = []
@@ -383,7 +383,6 @@ class _Lane:
     def _relaxed(self, config: Config, *, deep: bool) -> float:
         """The relaxation's bound (0 where it has none), its work charged; the best step is
         its cutoff (past it the relaxation stops)."""
-        self.relaxed.add((config, self.one_choice))
         args = (self.model, self.cluster, self.job, config)
         one, cut = self.one_choice, self.best
         bound = lp_bound(*args, one_choice=one, cutoff=cut, deep=deep)
@@ -420,8 +419,8 @@ class _Lane:
         # Its warm start rounds the relaxation over a mix of recompute choices
         # (``refine.solve_config``), once per configuration.
         mixed = self.space.recompute is None and order_size(config) <= RELAXATION_OPS
-        if mixed and (config, False) not in self.relaxed:
-            self.relaxed.add((config, False))
+        if mixed and config not in self.warmed:
+            self.warmed.add(config)
             self.charge(relaxation_work(self.model, self.cluster, self.job, config))
         out = solve_config(
             self.model,

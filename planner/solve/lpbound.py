@@ -54,9 +54,17 @@ from planner.costs.overlap import task_terms
 from planner.costs.quantities import Bytes, Prim, Row, stage_quantities
 from planner.memo import Memo
 from planner.solve import ranks
-from planner.solve.bounds import bound_tables, choice_bounds, layer_choices
+from planner.solve.bounds import bound_tables, choice_bounds
 from planner.solve.budget import order_size, relaxation_seconds
-from planner.solve.tables import Config, Kind, Option, Tables, even_counts, rank_orders
+from planner.solve.tables import (
+    Config,
+    Kind,
+    Option,
+    Tables,
+    even_counts,
+    layer_choices,
+    rank_orders,
+)
 from planner.specs import ClusterSpec, ModelSpec, TrainingJob
 from planner.timeline import Form, program, run_values, shape_forms
 

@@ -43,7 +43,7 @@ from planner.costs.overlap import TaskKey, Term, task_terms
 from planner.costs.quantities import Bytes, Prim, Row, stage_quantities
 from planner.frameworks import framework
 from planner.solve import ranks
-from planner.solve.tables import Kind, Option, Tables
+from planner.solve.tables import Kind, Option, Tables, layer_choices
 from planner.specs import DTYPE_BYTES, ClusterSpec, TrainingJob
 from planner.timeline import Form
 
@@ -441,11 +441,7 @@ class StageModel:
     def one_recompute_choice(self) -> None:
         """Every transformer layer takes the same recompute choice (what a launcher that
         states one choice for all layers can run): one of the names every layer kind has."""
-        names = None
-        for k in self.kinds:
-            own = [o.name for o in self.t.kinds[k].options]
-            names = own if names is None else [n for n in names if n in own]
-        pick = {n: self.m.new_bool_var(f"uniform[{n}]") for n in names or []}
+        pick = {n: self.m.new_bool_var(f"uniform[{n}]") for n in layer_choices(self.t)}
         self.m.add_exactly_one(pick.values())
         for s in range(self.S):
             for k in self.kinds:

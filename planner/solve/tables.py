@@ -481,6 +481,16 @@ def layer_kind(model: ModelSpec, index: int) -> str:
     return base if model.has_rope(index) or model.learned_positions else f"{base}-nope"
 
 
+def layer_choices(t: Tables) -> list[str]:
+    """The recompute choices every layer kind has (in the first kind's order, kinds by
+    name): what one choice for every layer may be."""
+    names: list[str] | None = None
+    for k in sorted(set(t.layer_kinds)):
+        own = [o.name for o in t.kinds[k].options]
+        names = own if names is None else [n for n in names if n in own]
+    return names or []
+
+
 def even_counts(model: ModelSpec, config: Config) -> list[int]:
     """Layers per stage, as even as can be. With fewer layers than stages the first and
     last stages (which hold the embedding and the head) are the ones left without."""
