@@ -7,12 +7,15 @@ it) is at least every bound the search prunes with: the per-degrees ``degrees_bo
 mean-rank ``lower_bound`` (with the busiest rank's whole layers, ``busiest_rank``), the
 pipeline's fill and drain over the schedule's chains (``fill_and_drain``) and the linear
 relaxation ``lp_bound``; and the bounds with every layer at one recompute choice (a target
-launcher's rule: ``choice_bound`` for the choice of the fastest such layout, ``lower_bound``
-and ``lp_bound`` over all of them) are at most that layout's step. A bound that
+launcher's rule: ``choice_bound`` for the choice of the fastest such layout, ``lower_bound``,
+``one_choice_bound`` (each choice's crowded rank) and ``lp_bound`` over all of them) are at
+most that layout's step. A bound that
 cut off a better layout would make the planner call a worse layout optimal.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 from bruteforce import best_layout, best_layouts
@@ -26,6 +29,7 @@ from planner.solve.bounds import (
     degrees_bound,
     fill_and_drain,
     lower_bound,
+    one_choice_bound,
 )
 from planner.solve.lpbound import choice_bound, lp_bound
 from planner.solve.space import enumerate_configs
@@ -79,7 +83,7 @@ def test_bounds_never_exceed_the_exhaustive_optimum(
     )
     if layers > 4:  # a smaller space where the exhaustive search is slow
         space = space.model_copy(update={"tp": [2], "micro_batch": [1]})
-    checked = binding = drained = crowded = lifted = 0
+    checked = binding = drained = crowded = lifted = crowds = 0
     for config in enumerate_configs(model, cluster, job, space):
         mean = lower_bound(model, cluster, job, config)
         tables = bound_tables(model, cluster, job, config)
@@ -102,6 +106,9 @@ def test_bounds_never_exceed_the_exhaustive_optimum(
             assert cheap is not None and cheap <= fastest * (1 + 1e-9), (config, cheap, fastest)
             both = lp_bound(model, cluster, job, config, one_choice=True)
             assert both is not None and both <= fastest * (1 + 1e-9), (config, both, fastest)
+            each = one_choice_bound(model, cluster, job, config)
+            assert each is not None and each <= fastest * (1 + 1e-9), (config, each, fastest)
+            crowds += each > cheap * (1 + 1e-9)
         if best is None:
             continue
         assert mean is not None, config  # "no layout fits" would be wrong: one does
@@ -129,6 +136,8 @@ def test_bounds_never_exceed_the_exhaustive_optimum(
         crowded,
         "one choice lifts",
         lifted,
+        "its crowded rank lifts",
+        crowds,
         "of",
         checked,
     )
@@ -232,11 +241,13 @@ def test_one_choice_bounds_hold_as_the_memory_tightens() -> None:
         cluster = H100x8.model_copy(update={"hbm_bytes": hbm * GiB, "num_gpus": 2})
         space = planner.SearchSpace(tp=[1], pp=[1], zero=[1], micro_batch=[2], schedules=["1f1b"])
         for config in enumerate_configs(model, cluster, job, space):
+            fastest = math.inf
             for choice in ("none", "full"):
                 pinned = _pinned(config).model_copy(update={"recompute": [choice]})
                 best = best_layout(model, cluster, job, pinned)
                 if best is None:
                     continue
+                fastest = min(fastest, best[1].step_time_s)
                 bound = choice_bound(model, cluster, job, config, choice)
                 assert bound is not None and bound <= best[1].step_time_s * (1 + 1e-9), (
                     hbm,
@@ -245,4 +256,8 @@ def test_one_choice_bounds_hold_as_the_memory_tightens() -> None:
                     best[1].step_time_s,
                 )
                 checked += 1
+            # each choice's crowded rank: the rank's own memory at that choice
+            each = one_choice_bound(model, cluster, job, config)
+            if math.isfinite(fastest):
+                assert each is not None and each <= fastest * (1 + 1e-9), (hbm, each, fastest)
     assert checked >= 4

@@ -97,6 +97,45 @@ def choice_bounds(
     return out
 
 
+def one_choice_bound(
+    model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config
+) -> float | None:
+    """A step no layout of ``config`` whose layers all take one recompute choice beats
+    (``math.inf`` where no choice fits every rank's memory), or None where no choice fits
+    the mean rank's (as ``lower_bound`` with ``one_choice``).
+
+    With every layer at one choice, each layer's time and saved bytes are known: the least,
+    over the choices, of the larger of its mean-rank bound (``choice_bounds``) and its
+    crowded rank (``crowded_rank`` with every layer at that choice: each rank's own memory
+    must hold its layers' state and saved activations at their peak). ``crowded_rank`` over
+    every option lets each rank take the recompute its memory forces, which its launcher
+    may not state, and ``lower_bound`` with ``one_choice`` counts the mean rank's memory
+    alone. The fill and drain (``fill_and_drain``) is left at each layer's fastest option:
+    taken per choice it lifted few bounds and cost up to ten times as much."""
+    means = choice_bounds(model, cluster, job, config)
+    t = bound_tables(model, cluster, job, config)
+    if not means or t is None:
+        return None
+    cap = memory_cap(cluster, job)
+    best = math.inf
+    for choice, mean in sorted(means.items(), key=lambda kv: (kv[1], kv[0])):
+        if mean >= best:
+            break  # the rest are no lower
+        best = min(best, max(mean, crowded_rank(at_choice(t, choice), config, cap)))
+    return best
+
+
+def at_choice(t: Tables, choice: str) -> Tables:
+    """The tables with every layer kind's options narrowed to ``choice`` (the fixed
+    blocks keep theirs)."""
+    kinds = dict(t.kinds)
+    for k in set(t.layer_kinds):
+        kinds[k] = dataclasses.replace(
+            t.kinds[k], options=[o for o in t.kinds[k].options if o.name == choice]
+        )
+    return dataclasses.replace(t, kinds=kinds)
+
+
 def _fitting_tables(
     model: ModelSpec, cluster: ClusterSpec, job: TrainingJob, config: Config
 ) -> Tables | None:

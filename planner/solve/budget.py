@@ -31,17 +31,26 @@ DETERMINISTIC_SHARE = 0.3  # of time_limit_s per lane: the budget (see the modul
 # memory points, its chains) and the relaxation's per-op and per-stage terms refitted on 62
 # configurations of pp 2 to 64 and up to 184,320 ops (llama3-8b, llama3-70b, deepseek-v3
 # on H800; cold and warm calls timed apart). The relaxation's terms from the work it did,
-# fitted on 132 relaxations of the same 11 jobs (66 configurations of up to 98,304 ops, each
-# with and without one recompute choice; relative least squares, then scaled so that the
-# charges add up to 95% of the time taken: median error 26%, charge over time 0.72x to
-# 1.76x from the 10th to the 90th percentile).
-SECONDS_PER_BOUND = 5e-4
+# fitted on 1,033 relaxations as the lanes run them (seven of the 11 jobs at 10 s and five
+# at 60 s, each timed inside the search, its tables already built by the configuration's
+# bound; relative least squares, then scaled so that the charges add up to 95% of the time
+# taken: median error 23%, charge over time 0.59x to 1.50x from the 10th to the 90th
+# percentile; the earlier fit, on relaxations timed alone with their tables cold, charged
+# the lanes' 1.8 times their time). A configuration's bound under one recompute choice
+# (one mean-rank bound per choice, its tables built where the lane has none): 1.0 ms, the
+# 10,120 such bounds of the 11 jobs at 10 s took 10.1 s (5e-4 before charged half of it).
+# Its crowded rank per choice (``bounds.one_choice_bound``): 2.3 ms, the mean of 502 in the
+# lanes of the same jobs at 10 s (1.1 to 2.8 ms per job).
+SECONDS_PER_BOUND = 1.0e-3
+
+
+SECONDS_PER_CHOICE_BOUND = 2.3e-3
 
 
 SECONDS_PER_DEGREES_BOUND = 2.2e-3
 
 
-SECONDS_PER_RELAXATION = 3.2e-3
+SECONDS_PER_RELAXATION = 1.7e-3
 
 
 SECONDS_PER_DRAIN = 1.5e-3
@@ -56,16 +65,16 @@ SECONDS_PER_SHAPE = 6e-3  # a shape's chains, once per lane
 SECONDS_PER_SHAPE_OP = 6e-7  # per op and timeline run, more on deep pipelines
 
 
-SECONDS_PER_LP_NONZERO = 6.6e-6  # per nonzero a relaxation sets
+SECONDS_PER_LP_NONZERO = 3.6e-6  # per nonzero a relaxation sets
 
 
-SECONDS_PER_LP_SOLVED = 2.0e-6  # per nonzero in the model at each solve
+SECONDS_PER_LP_SOLVED = 7.1e-7  # per nonzero in the model at each solve
 
 
-SECONDS_PER_LP_RUN_OP = 2.8e-6  # per op of a timeline run at a relaxation's point
+SECONDS_PER_LP_RUN_OP = 2.6e-6  # per op of a timeline run at a relaxation's point
 
 
-SECONDS_PER_LP_PIVOT = 6.3e-9  # per simplex pivot and nonzero in the model
+SECONDS_PER_LP_PIVOT = 5.3e-9  # per simplex pivot and nonzero in the model
 
 
 SECONDS_PER_BLOCK = 3.4e-4
@@ -174,6 +183,13 @@ def drain_charge(config: Config, *, new_shape: bool) -> float:
         per_op = SECONDS_PER_SHAPE_OP * (1 + config.pp / 20)
         charge += SECONDS_PER_SHAPE + order_size(config) * profiles * per_op
     return charge
+
+
+def choice_charge(config: Config) -> float:
+    """The charge for a configuration's bound under one recompute choice
+    (``bounds.one_choice_bound``): the mean rank's and the crowded rank's per choice (the
+    first sight of a shape's peaks is charged with its chains, ``drain_charge``)."""
+    return SECONDS_PER_CHOICE_BOUND
 
 
 def relaxation_seconds(nonzeros: int, solved: int, run_ops: int, pivots: int) -> float:

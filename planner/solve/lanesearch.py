@@ -27,6 +27,7 @@ from planner.solve.bounds import (
     degrees_bound,
     fill_and_drain,
     lower_bound,
+    one_choice_bound,
 )
 from planner.solve.budget import (
     RELAXATION_OPS,
@@ -34,6 +35,7 @@ from planner.solve.budget import (
     SECONDS_PER_DEGREES_BOUND,
     SECONDS_PER_OP,
     Budget,
+    choice_charge,
     drain_charge,
     order_size,
     program_charge,
@@ -337,10 +339,11 @@ class _Lane:
         return False
 
     def _first(self) -> bool:
-        """Tier 1: a configuration's own cheap bound; tier 2: its relaxation, cheap (the
-        shape's chains); tier 3: its relaxation, deep (``lpbound.lp_bound``); then its
-        CP-SAT model, briefly. An entry moves to the next tier when it comes to the front of
-        the line, with the larger of the bounds. False when the front is not below the
+        """Tier 1: a configuration's own cheap bound, lifted by the pipeline's fill and
+        drain and each rank's memory; tier 2: its relaxation, cheap (the shape's chains);
+        tier 3: its relaxation, deep (``lpbound.lp_bound``); then its CP-SAT model,
+        briefly. An entry moves to the next tier when it comes to the front of the line,
+        with the larger of the bounds. False when the front is not below the
         best."""
         if not self.heap or not self._below(self.heap[0][0]):
             return False
@@ -350,30 +353,36 @@ class _Lane:
                 heapq.heappush(self.heap, entry)
         elif tier == 1:
             # The fill and drain over the schedule's chains and the busiest rank under its
-            # own memory first (cheap once its shape's chains and peaks are known), then, if
-            # the bound may still be lifted to the best, the cheap relaxation.
+            # own memory (cheap once its shape's chains and peaks are known); under one
+            # recompute choice, each choice's at its own price (``one_choice_bound``).
             lifted = bound
-            if item.pp > 1 and order_size(item) <= RELAXATION_OPS:
+            short = order_size(item) <= RELAXATION_OPS
+            if item.pp > 1 and short:
                 shape = shape_key(item)
                 self.charge(program_charge(item, self.programs))
                 self.charge(drain_charge(item, new_shape=shape not in self.shapes))
                 self.shapes.add(shape)
                 tables = bound_tables(self.model, self.cluster, self.job, item)
                 if tables is not None:
-                    drain = fill_and_drain(tables, item)
-                    lifted = max(lifted, drain, crowded_rank(tables, item, self.cap))
-            relax = (
-                self._below(lifted)
-                and order_size(item) <= RELAXATION_OPS
-                and _relaxation_may_prune(item, lifted, self.best)
-            )
-            if relax:
-                lifted = max(lifted, self._relaxed(item, deep=False))
-            heapq.heappush(self.heap, (lifted, (key[0], 2), 2 if relax else 3, item))
+                    drained = fill_and_drain(tables, item)
+                    lifted = max(lifted, drained, crowded_rank(tables, item, self.cap))
+            if self.one_choice and short:
+                self.charge(choice_charge(item))
+                one = one_choice_bound(self.model, self.cluster, self.job, item)
+                lifted = max(lifted, math.inf if one is None else one)
+            heapq.heappush(self.heap, (lifted, (key[0], 2), 2, item))
         elif tier == 2:
+            # Still the lowest: if the bound may still be lifted to the best, the cheap
+            # relaxation (the shape's chains and the even partition's).
+            relax = order_size(item) <= RELAXATION_OPS and _relaxation_may_prune(
+                item, bound, self.best
+            )
+            lifted = max(bound, self._relaxed(item, deep=False)) if relax else bound
+            heapq.heappush(self.heap, (lifted, (key[0], 3), 3 if relax else 4, item))
+        elif tier == 3:
             # Still the lowest: the deep relaxation (the rounds of chains at its own points).
             lifted = max(bound, self._relaxed(item, deep=True))
-            heapq.heappush(self.heap, (lifted, (key[0], 3), 3, item))
+            heapq.heappush(self.heap, (lifted, (key[0], 4), 4, item))
         else:
             again = self._attempt(bound, item, min(self.settings.first_limit, self.share))
             if again is not None:
