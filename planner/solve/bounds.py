@@ -54,7 +54,9 @@ def lower_bound(
     every block's cheapest option (and the recompute memory forces on them), plus the
     all-to-alls and sends every schedule but DualPipe leaves in series with the compute; a
     DualPipe pair lasts at least its two chunks' compute, and half its communication. Then the
-    mean rank's optimizer step. The wait for other ranks is left out: it is what
+    mean rank's optimizer step. And at least one micro-batch's forward and backward through
+    every stage, one task after another (with fewer micro-batches than ranks, more than
+    the mean rank's share). The wait for other ranks is left out: it is what
     ``planner.solve.lpbound`` adds, at a higher price.
 
     ``one_choice``: only layouts whose layers all take one recompute choice count (a target
@@ -204,9 +206,17 @@ def _mean_rank(
     b_lo = max(bin_lo + sends_b, g_lo)
     w_lo = max(bw, r_lo)
     bw_lo = max(bin_lo + bw + sends_b, g_lo + r_lo)
+    # One micro-batch passes every stage forward and then back, one task after another, so
+    # the step is at least that chain: above the mean rank's share where a rank has fewer
+    # micro-batches than there are ranks. A weight gradient its schedule may defer is left
+    # out, and DualPipe's pairs, whose tasks hold two micro-batches, are left to the rest.
+    chain = 0.0
+    if not dual:
+        weight = 0.0 if config.pipeline.separate_weight_grad else bw
+        chain = fwd + sends_f + bin_lo + weight + sends_b
     if config.pipeline.separate_weight_grad:
         mean = m * (f_lo + b_lo + w_lo) / p + tail
-        return max(mean, shared.busiest)
+        return max(mean, shared.busiest, chain)
     busy = m * (f_lo + bw_lo) / p
     if dual:
         # A DualPipe pair overlaps one chunk's compute with the other's ZeRO collectives:
@@ -216,7 +226,7 @@ def _mean_rank(
         # compute), so at least half of the two; an unpaired op all of its own.
         comm = moe * (a2a_f + a2a_b) + p2p + back
         busy = max(busy, m * comm / (2 * p))
-    return max(busy + tail, shared.busiest)
+    return max(busy + tail, shared.busiest, chain)
 
 
 def _rank_groups(
