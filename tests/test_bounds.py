@@ -287,3 +287,40 @@ def test_one_choice_bounds_hold_as_the_memory_tightens() -> None:
             if math.isfinite(fastest):
                 assert each is not None and each <= fastest * (1 + 1e-9), (hbm, each, fastest)
     assert checked >= 4
+
+
+def test_the_relaxation_is_worth_taking_where_a_pair_hid_the_all_to_alls() -> None:
+    """The lanes skip a configuration's relaxation where it could not lift the cheap bound
+    to the best step (``_relaxation_may_prune``): it adds the pipeline's fill and drain and,
+    under a schedule that pairs chunks (here the expert all-to-alls' overlap), the
+    communication the cheap bound took as hidden. DeepSeek-V2 on 512 H800 at ep 32: the
+    relaxation lifts the bound past the fill and drain alone (so a rule without the hidden
+    part skips a relaxation that proves the configuration slow), and within the estimate
+    with it."""
+    from planner.solve.bounds import communication_floor
+    from planner.solve.lanesearch import _relaxation_may_prune
+
+    model = planner.load_model("deepseek-v2")
+    cluster = planner.load_cluster("h800", gpus=512)
+    job = planner.TrainingJob(seq_len=4096, global_batch=2304, framework="megatron")
+    space = planner.SearchSpace(
+        tp=[2],
+        pp=[4],
+        ep=[32],
+        etp=[1],
+        zero=[2],
+        micro_batch=[1],
+        virtual_stages=[2],
+        schedules=["interleaved-ep-overlap"],
+    )
+    (config,) = [c for c in enumerate_configs(model, cluster, job, space) if c.zero == 2]
+    assert config.pipeline.paired
+    cheap = lower_bound(model, cluster, job, config, one_choice=True)
+    relaxed = lp_bound(model, cluster, job, config, one_choice=True)
+    assert cheap is not None and relaxed is not None
+    fill = 1 + 2 * (config.stages - 1) / config.num_microbatches
+    hidden = 2 * communication_floor(model, cluster, job, config)
+    assert relaxed > cheap * fill  # past the fill and drain alone
+    assert relaxed <= (cheap + hidden) * fill
+    assert not _relaxation_may_prune(config, cheap, relaxed, 0.0)
+    assert _relaxation_may_prune(config, cheap, relaxed, hidden)

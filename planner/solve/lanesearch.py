@@ -102,14 +102,19 @@ def _fill(config: Config) -> float:
     return 1 + (config.pp - 1) / config.num_microbatches
 
 
-def _relaxation_may_prune(config: Config, bound: float, best: float) -> bool:
+def _relaxation_may_prune(config: Config, bound: float, best: float, hidden: float) -> bool:
     """Whether the relaxation could lift ``bound`` to ``best``: it adds at most the
     pipeline's fill and drain, about (stages - 1) of m micro-batches' worth for one chunk
-    (taken twice, for safety). Only decides what is worth computing, never what is proven."""
-    if math.isinf(best) or config.pp == 1:
-        return config.pp > 1
+    (taken twice, for safety), and ``hidden``, the communication the cheap bound took as
+    hidden behind a paired chunk's compute (DualPipe, the expert all-to-alls' overlap),
+    which the relaxation's tasks hold in series where nothing hides it. Only decides what
+    is worth computing, never what is proven."""
+    if math.isinf(best):
+        return config.pp > 1 or hidden > 0
+    if config.pp == 1 and hidden == 0:
+        return False
     fill = 2 * (config.stages - 1) / config.num_microbatches
-    return bound * (1 + fill) >= best
+    return (bound + hidden) * (1 + fill) >= best
 
 
 @dataclass(frozen=True)
@@ -374,8 +379,15 @@ class _Lane:
         elif tier == 2:
             # Still the lowest: if the bound may still be lifted to the best, the cheap
             # relaxation (the shape's chains and the even partition's).
+            # A pair hides at most one chunk's communication behind the other's compute:
+            # the cheap bound counted half of it (``communication_floor``)
+            hidden = (
+                2 * communication_floor(self.model, self.cluster, self.job, item)
+                if item.pipeline.paired
+                else 0.0
+            )
             relax = order_size(item) <= RELAXATION_OPS and _relaxation_may_prune(
-                item, bound, self.best
+                item, bound, self.best, hidden
             )
             lifted = max(bound, self._relaxed(item, deep=False)) if relax else bound
             heapq.heappush(self.heap, (lifted, (key[0], 3), 3 if relax else 4, item))
