@@ -306,6 +306,10 @@ class Layout(Spec):
             )
         return self
 
+    def layer_recompute(self) -> list[str]:
+        """Each transformer layer's recompute choice, in order."""
+        return [b.recompute for s in self.stages for b in s.blocks if b.block.startswith("layer.")]
+
     @property
     def world_size(self) -> int:
         """GPUs the layout occupies: tp * cp * pp * dp."""

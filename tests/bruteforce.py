@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import planner
 from planner.errors import PlannerError
 from planner.estimate import Estimate
+from planner.export import uniform_recompute
 from planner.layout import SCHEDULES, Layout, Schedule
 from planner.specs import ClusterSpec, ModelSpec, SearchSpace, TrainingJob
 
@@ -62,13 +63,11 @@ def _search(
             continue
         if best is None or est.step_time_s < best[1].step_time_s:
             best = (layout, est)
-        layers = {
-            b.recompute for s in layout.stages for b in s.blocks if b.block.startswith("layer.")
-        }
-        if len(layers) == 1:
-            (choice,) = layers
-            if choice not in uniform or est.step_time_s < uniform[choice][1].step_time_s:
-                uniform[choice] = (layout, est)
+        choice = uniform_recompute(layout)
+        if choice is not None and (
+            choice not in uniform or est.step_time_s < uniform[choice][1].step_time_s
+        ):
+            uniform[choice] = (layout, est)
     return best, count, uniform
 
 

@@ -823,13 +823,11 @@ def test_a_hint_is_restated_as_the_target_launcher_states_it() -> None:
     configs = list(enumerate_configs(model, cluster, job, target))
     budget = Budget(math.inf, math.inf)
     [(step, _, layout)] = hinted_layouts(model, cluster, job, configs, [hint], budget, target)
-    layers = {b.recompute for s in layout.stages for b in s.blocks if b.block.startswith("layer.")}
-    assert layers == {"mlp"}  # every layer at the layer norms' choice does not fit
+    assert set(layout.layer_recompute()) == {
+        "mlp"
+    }  # every layer at the layer norms' choice does not fit
     assert step > mixed.step_time_s
     plan = planner.plan(model, cluster, job, space, time_limit_s=2, hints=[hint])
     assert plan.layout is not None and plan.objective_s is not None
-    chosen = {
-        b.recompute for s in plan.layout.stages for b in s.blocks if b.block.startswith("layer.")
-    }
-    assert len(chosen) == 1
+    assert len(set(plan.layout.layer_recompute())) == 1
     assert plan.objective_s > mixed.step_time_s

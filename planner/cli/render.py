@@ -274,9 +274,7 @@ def cli_words(text: str) -> str:
 
 def degrees(layout: Layout) -> str:
     """``tp8 pp16 dp64 ep1 ZeRO-2 mb1 interleaved v8 recompute none``."""
-    recompute = sorted(
-        {b.recompute for s in layout.stages for b in s.blocks if b.block.startswith("layer.")}
-    )
+    recompute = sorted(set(layout.layer_recompute()))
     return (
         f"{layout.degrees('')} ZeRO-{layout.zero} mb{layout.micro_batch} {layout.schedule} "
         f"v{layout.virtual_stages} "

@@ -227,7 +227,7 @@ def uniform_1f1b(model: ModelSpec, layout: Layout) -> Layout:
 
 def uniform_recompute(layout: Layout) -> str | None:
     """The one recompute choice every transformer layer takes, or None when they differ."""
-    choices = {b.recompute for s in layout.stages for b in s.blocks if b.block.startswith("layer")}
+    choices = set(layout.layer_recompute())
     return choices.pop() if len(choices) == 1 else None
 
 
@@ -303,7 +303,7 @@ def without_param_offload(layout: Layout, target: str, differences: list[str]) -
 def heaviest_choice(layout: Layout) -> str:
     """A single recompute choice that saves no more than any layer's own: ``full`` if any
     layer recomputes fully, else the union of the modules recomputed anywhere."""
-    choices = {b.recompute for s in layout.stages for b in s.blocks if b.block.startswith("layer")}
+    choices = set(layout.layer_recompute())
     if "full" in choices:
         return "full"
     modules: set[str] = set()

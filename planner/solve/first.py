@@ -289,7 +289,7 @@ def _one_choice(hint: Layout, rules: Launcher | None) -> list[Layout]:
     """``hint`` as the launcher states it: itself where its layers take one recompute choice
     the launcher runs (or there is no launcher); else one layout per choice of its layers
     that the launcher runs, every layer at that choice."""
-    layers = [b.recompute for s in hint.stages for b in s.blocks if b.block.startswith("layer.")]
+    layers = hint.layer_recompute()
     if rules is None:
         return [hint]
     allowed = rules.recompute

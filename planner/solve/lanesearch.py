@@ -42,7 +42,7 @@ from planner.solve.budget import (
     shape_key,
 )
 from planner.solve.first import quick_layout
-from planner.solve.lpbound import lp_bound, relaxation_work
+from planner.solve.lpbound import charged_bound
 from planner.solve.refine import solve_config
 from planner.solve.space import target_rules
 from planner.solve.tables import Config, tie_break
@@ -359,7 +359,8 @@ class _Lane:
         elif tier == 1:
             # The fill and drain over the schedule's chains and the busiest rank under its
             # own memory (cheap once its shape's chains and peaks are known); under one
-            # recompute choice, each choice's at its own price (``one_choice_bound``).
+            # recompute choice, the busiest rank at each choice's own price instead
+            # (``one_choice_bound``: never under the one over every option).
             lifted = bound
             short = order_size(item) <= RELAXATION_OPS
             if item.pp > 1 and short:
@@ -369,8 +370,9 @@ class _Lane:
                 self.shapes.add(shape)
                 tables = bound_tables(self.model, self.cluster, self.job, item)
                 if tables is not None:
-                    drained = fill_and_drain(tables, item)
-                    lifted = max(lifted, drained, crowded_rank(tables, item, self.cap))
+                    lifted = max(lifted, fill_and_drain(tables, item))
+                    if not self.one_choice:
+                        lifted = max(lifted, crowded_rank(tables, item, self.cap))
             if self.one_choice and short:
                 self.charge(choice_charge(item))
                 one = one_choice_bound(self.model, self.cluster, self.job, item)
@@ -404,10 +406,16 @@ class _Lane:
     def _relaxed(self, config: Config, *, deep: bool) -> float:
         """The relaxation's bound (0 where it has none), its work charged; the best step is
         its cutoff (past it the relaxation stops)."""
-        args = (self.model, self.cluster, self.job, config)
-        one, cut = self.one_choice, self.best
-        bound = lp_bound(*args, one_choice=one, cutoff=cut, deep=deep)
-        self.charge(relaxation_work(*args, one_choice=one, cutoff=cut, deep=deep))
+        bound, charge = charged_bound(
+            self.model,
+            self.cluster,
+            self.job,
+            config,
+            one_choice=self.one_choice,
+            cutoff=self.best,
+            deep=deep,
+        )
+        self.charge(charge)
         return bound or 0.0
 
     def _second(self) -> bool:
@@ -442,7 +450,7 @@ class _Lane:
         mixed = self.space.recompute is None and order_size(config) <= RELAXATION_OPS
         if mixed and config not in self.warmed:
             self.warmed.add(config)
-            self.charge(relaxation_work(self.model, self.cluster, self.job, config))
+            self.charge(charged_bound(self.model, self.cluster, self.job, config)[1])
         out = solve_config(
             self.model,
             self.cluster,

@@ -101,7 +101,7 @@ def lp_bound(
     return None if out is None else out[0]
 
 
-def relaxation_work(
+def charged_bound(
     model: ModelSpec,
     cluster: ClusterSpec,
     job: TrainingJob,
@@ -110,11 +110,11 @@ def relaxation_work(
     one_choice: bool = False,
     cutoff: float = math.inf,
     deep: bool = True,
-) -> float:
-    """The deterministic charge of ``lp_bound`` (of ``lp_counts`` without ``one_choice``),
-    from the work it did (``budget.relaxation_seconds``)."""
+) -> tuple[float | None, float]:
+    """``lp_bound``, and its deterministic charge from the work it did
+    (``budget.relaxation_seconds``; without ``one_choice``, ``lp_counts``'s too)."""
     out = _relaxation(model, cluster, job, config, one_choice, cutoff, deep)
-    return relaxation_seconds(0, 0, 0, 0) if out is None else out[2]
+    return (None, relaxation_seconds(0, 0, 0, 0)) if out is None else (out[0], out[2])
 
 
 def lp_counts(
@@ -553,10 +553,6 @@ class _Lp:
         for vs in self.z.values():
             point[vs[0]] = 1.0
         return point
-
-    def chains(self, counts: list[int] | None) -> list[Form]:
-        """The timeline's chains at ``point(counts)``."""
-        return self.chains_at(self.point(counts))[0]
 
     def chains_at(self, point: dict[int, float]) -> tuple[list[Form], float]:
         """The timeline's chains, and its step, with the relaxation's quantities at
